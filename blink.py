@@ -261,12 +261,15 @@ def validate(questions) -> None:
     if len(questions) > MAX_QUESTIONS:
         raise BlinkError(f"questions: {len(questions)} questions; supported 1-{MAX_QUESTIONS}", ["body", "questions"])
     for qkey, q in questions.items():
+        if not isinstance(qkey, str) or not qkey:
+            raise BlinkError(f"question names must be non-empty strings (got {qkey!r})", ["body", "questions"])
         if not isinstance(q, dict):
             raise BlinkError(f"question {qkey!r} must be an object with type and criteria",
                              ["body", "questions", qkey])
         instructions = q.get("instructions")
-        if instructions is not None and not isinstance(instructions, (str, dict, list, int, float)):
-            raise BlinkError(f"question {qkey!r}: instructions must be text", ["body", "questions", qkey])
+        if instructions is not None and not isinstance(instructions, (str, dict, list)):
+            raise BlinkError(f"question {qkey!r}: instructions must be text", ["body", "questions", qkey,
+                                                                                "instructions"])
         question_options(q, qkey)
 
 

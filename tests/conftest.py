@@ -1,0 +1,35 @@
+"""Shared fixtures: one loaded stand-in engine per test session, and clean engine state around every test."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import blink  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def standin() -> blink.TorchEngine:
+    """The embedded stand-in (SmolLM2-135M-Instruct), loaded once by the real torch engine."""
+    return blink.TorchEngine(blink.STANDIN_MODEL)
+
+
+@pytest.fixture()
+def served(monkeypatch):
+    """Let a test install engines for blink.decide() without leaking them into other tests."""
+    monkeypatch.setattr(blink, "_ENGINE", None)
+    monkeypatch.setattr(blink, "_ENGINES", {})
+
+    def install(eng, model_id: str | None = None) -> None:
+        model_id = model_id or eng.model_id
+        monkeypatch.setattr(blink, "MODEL_ID", model_id)
+        monkeypatch.setattr(blink, "MODEL_SPECS", [(model_id, None)])
+        monkeypatch.setattr(blink, "_ENGINE", eng)
+
+    return install
