@@ -1130,6 +1130,10 @@ class Batcher:
                 results = decide_many([(s, q) for s, q, _ in batch], model=self.model)
             except Exception as exc:  # noqa: BLE001 - a failure outside any one request: each caller gets it
                 results = [exc] * len(batch)
+            except BaseException as exc:  # the worker itself is dying: its callers must not wait forever
+                for _, _, fut in batch:
+                    fut.set_exception(RuntimeError(f"the batching worker stopped ({type(exc).__name__}); retry"))
+                raise
             if len(results) != len(batch):
                 results = [RuntimeError("the batching worker lost this request")] * len(batch)
             for (_, _, fut), res in zip(batch, results):

@@ -33,3 +33,17 @@ def served(monkeypatch):
         monkeypatch.setattr(blink, "_ENGINE", eng)
 
     return install
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory) -> str:
+    """A tiny random-weight Qwen3.5 text model saved to a folder (fp32)."""
+    import tiny_models
+
+    return tiny_models.build_qwen35_text(tmp_path_factory.mktemp("qwen35") / "tiny-qwen3.5")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tiny_qwen_dir) -> blink.TorchEngine:
+    """The tiny Qwen3.5 text model loaded by the real torch engine."""
+    return blink.TorchEngine(tiny_qwen_dir)
