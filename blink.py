@@ -93,6 +93,9 @@ MAX_OPTIONS = 255
 MAX_QUESTIONS = 512
 MAX_INPUT_TOKENS = int(os.environ.get("BLINK_MAX_INPUT_TOKENS", "131072"))  # per question, as evaluated
 TOKEN_BUDGET = int(os.environ.get("BLINK_TOKEN_BUDGET", "32768"))  # padded tokens per forward
+MAX_REQUEST_TOKENS = int(os.environ.get("BLINK_MAX_REQUEST_TOKENS", "1048576"))  # all questions' prompts together
+MAX_REQUEST_CHARS = int(os.environ.get("BLINK_MAX_REQUEST_CHARS", str(32 * 1024 * 1024)))  # text in state+questions
+MAX_JSON_DEPTH = int(os.environ.get("BLINK_MAX_JSON_DEPTH", "64"))  # nesting of state and questions
 # Shared-prefix prefill (opt-in): the questions of one request share the system prompt and the evidence, so that
 # prefix is encoded once and each question runs only its own tail against a copy of the cached prefix.
 PREFIX_CACHE = _flag("BLINK_PREFIX_CACHE")
@@ -184,7 +187,7 @@ def as_state(state):
         return state
     try:
         return json.loads(state)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return state
 
 
@@ -271,6 +274,39 @@ def validate(questions) -> None:
             raise BlinkError(f"question {qkey!r}: instructions must be text", ["body", "questions", qkey,
                                                                                 "instructions"])
         question_options(q, qkey)
+
+
+def check_json(value, loc: list, budget: int) -> int:
+    """Walk a JSON-like value without recursion: refuse non-JSON types and deep nesting, return its text length
+    (strings and keys), stopping as soon as it passes `budget` characters."""
+    chars, pending = 0, [(value, loc, 0)]
+    while pending:
+        item, where, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BlinkError(f"{'.'.join(map(str, where[1:]))} nests deeper than {MAX_JSON_DEPTH} levels", where)
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if not isinstance(k, str):
+                    raise BlinkError(f"{'.'.join(map(str, where[1:]))} has a non-text key {k!r}", where)
+                chars += len(k)
+                pending.append((v, [*where, k], depth + 1))
+        elif isinstance(item, (list, tuple)):
+            pending.extend((v, [*where, i], depth + 1) for i, v in enumerate(item))
+        elif item is not None and not isinstance(item, (bool, int, float)):
+            raise BlinkError(f"{'.'.join(map(str, where[1:]))} must be text or JSON (got {type(item).__name__})",
+                             where)
+        if chars > budget:
+            raise BlinkError(f"the request holds over {MAX_REQUEST_CHARS} characters of text", ["body"])
+    return chars
+
+
+def validate_request(state, questions) -> None:
+    """Check a whole request (size, nesting, types, every question) before any model work."""
+    used = check_json(state, ["body", "state"], MAX_REQUEST_CHARS)
+    check_json(questions, ["body", "questions"], MAX_REQUEST_CHARS - used)
+    validate(questions)
 
 
 def check_temperature(value) -> float:
@@ -649,6 +685,10 @@ class TorchEngine:
                 raise BlinkError(f"question {qkey!r} renders to {len(ids)} tokens, over the maximum context length "
                                  f"of {MAX_INPUT_TOKENS}", ["body", "questions", qkey])
             work.append(Prompt(qkey, [k for k, _ in items], ids, self.label_ids[: len(items)]))
+        total = sum(len(p.ids) for p in work)
+        if total > MAX_REQUEST_TOKENS:
+            raise BlinkError(f"the request renders to {total} tokens over all questions, over the limit of "
+                             f"{MAX_REQUEST_TOKENS}", ["body"])
         return work
 
     def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, list[float]], int]:
@@ -969,7 +1009,7 @@ def decide(state, questions: dict, temperature: float | None = None, bias: dict 
     `bias` shapes the mock engine only. `prefer="saved"` lets the hybrid engine answer a bundled example from
     its recording; every other call runs the model. `model` picks one of models() (default: the first).
     """
-    validate(questions)
+    validate_request(state, questions)
     eng = engine(model)
     t = check_temperature(temperature if temperature is not None else eng.temperature)
     t0 = time.perf_counter()
@@ -988,24 +1028,33 @@ def decide(state, questions: dict, temperature: float | None = None, bias: dict 
 # ==================================================================================================================
 
 
-def _packed_logits(live, requests: list, out: list) -> dict:
-    """Render each request on its own (its error stays in `out`), then run all rendered ones in one packed call.
+MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call
+
+
+def _request_pair(req, i: int) -> tuple:
+    """One checked (state, questions) pair of a batch."""
+    if not isinstance(req, (list, tuple)) or len(req) != 2:
+        raise BlinkError(f"requests[{i}] must be a [state, questions] pair", ["body", "requests", i])
+    state, questions = req
+    validate_request(state, questions)
+    return state, questions
+
+
+def _packed_logits(live: TorchEngine, pairs: dict) -> dict:
+    """Render each request on its own (its error stays its own), then run all rendered ones in one packed call.
     Returns {request index: (raw, n_tokens) or exception}; a failing packed forward falls back to one at a time."""
-    todo, works = [], []
-    for i, (state, questions) in enumerate(requests):
+    got, works = {}, {}
+    for i, (state, questions) in pairs.items():
         try:
-            validate(questions)
-            works.append(live.render(state, questions))
-            todo.append(i)
-        except Exception as exc:  # noqa: BLE001 - this request's own error (a BlinkError is the caller's fault)
-            out[i] = exc
-    if not todo:
-        return {}
+            works[i] = live.render(state, questions)
+        except Exception as exc:  # noqa: BLE001 - this request's own error
+            got[i] = exc
+    if not works:
+        return got
     try:
-        return dict(zip(todo, live.logits_rendered(works)))
+        return {**got, **dict(zip(works, live.logits_rendered(list(works.values()))))}
     except Exception:  # noqa: BLE001 - e.g. out of memory on the packed batch: answer each request alone
-        got = {}
-        for i, work in zip(todo, works):
+        for i, work in works.items():
             try:
                 got[i] = live.logits_rendered([work])[0]
             except Exception as exc:  # noqa: BLE001
@@ -1016,21 +1065,28 @@ def _packed_logits(live, requests: list, out: list) -> dict:
 def decide_many(requests: list, temperature: float | None = None, model: str | None = None) -> list:
     """Several (state, questions) requests in one GPU call. Returns one item per request, in order: the dict
     decide() returns, or the exception that request raised. One request's failure never reaches another."""
+    if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_BATCH_REQUESTS:
+        raise BlinkError(f"requests must be a list of 1-{MAX_BATCH_REQUESTS} [state, questions] pairs",
+                         ["body", "requests"])
     eng = engine(model)
     t = check_temperature(temperature if temperature is not None else eng.temperature)
-    live = _live(eng)
     out: list = [None] * len(requests)
-    t0 = time.perf_counter()
-    if hasattr(live, "logits_rendered"):
-        got = _packed_logits(live, requests, out)
-    else:
-        got = {}
-        for i, (state, questions) in enumerate(requests):
+    pairs = {}
+    for i, req in enumerate(requests):
+        try:
+            pairs[i] = _request_pair(req, i)
+        except Exception as exc:  # noqa: BLE001 - this request's own error
+            out[i] = exc
+    live = _live(eng)
+    if not isinstance(live, TorchEngine):  # mock and replay engines answer one request at a time, as decide() does
+        for i, (state, questions) in pairs.items():
             try:
-                validate(questions)
-                got[i] = eng.logits(state, questions)
+                out[i] = decide(state, questions, temperature=t, model=model)
             except Exception as exc:  # noqa: BLE001
                 out[i] = exc
+        return out
+    t0 = time.perf_counter()
+    got = _packed_logits(live, pairs)
     latency_ms = round((time.perf_counter() - t0) * 1000, 1)
     n_ok = sum(1 for res in got.values() if not isinstance(res, Exception))
     for i, res in got.items():
@@ -1038,11 +1094,9 @@ def decide_many(requests: list, temperature: float | None = None, model: str | N
             out[i] = res
             continue
         raw, n_tokens = res
-        if isinstance(eng, HybridEngine):
-            eng.last_source = "torch"
-        meta = _meta(live if not isinstance(eng, HybridEngine) else eng, t, n_tokens, latency_ms)
+        meta = _meta(live, t, n_tokens, latency_ms)
         meta["batched_requests"] = n_ok
-        out[i] = {"answers": assemble(requests[i][1], raw, t), "meta": meta}
+        out[i] = {"answers": assemble(pairs[i][1], raw, t), "meta": meta}
     return out
 
 
@@ -1095,7 +1149,7 @@ class Batcher:
         import concurrent.futures
         import queue
 
-        validate(questions)  # a malformed request fails at once and never takes a place in the queue
+        validate_request(state, questions)  # a malformed request fails at once, never taking a place in the queue
         self._ensure_worker()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
