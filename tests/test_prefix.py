@@ -1,0 +1,218 @@
+"""The shared-prefix path: the system prompt and evidence encoded once, each question's tail run against copies of
+that cache (full-attention keys/values, and the linear-attention conv and recurrent states of Qwen3.5)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import blink
+
+DOC = " ".join(
+    f"Ticket {n}: the customer's {item} {problem}; they asked for {ask}, and the agent tagged it for {team}."
+    for n, (item, problem, ask, team) in enumerate([
+        ("router", "stopped working after an update", "a replacement", "technical support"),
+        ("invoice", "was charged twice", "a refund", "billing"),
+        ("parcel", "never arrived", "a callback", "shipping"),
+        ("password", "cannot be reset", "help", "account security"),
+        ("laptop", "arrived damaged", "a replacement", "returns"),
+        ("gift card", "shows the wrong price", "a refund", "billing"),
+    ], start=1))
+QUESTIONS = {  # tails of different lengths and every question type
+    "team": {"type": "choice", "instructions": "Which team handles ticket 2?",
+             "criteria": ["billing", "shipping", "technical support", "account security"]},
+    "refund": {"type": "noul", "instructions": "Does any customer ask for a refund?"},
+    "severity": {"type": "score", "instructions": "How severe is the worst ticket for the business, given that "
+                                                   "a customer was charged twice and a parcel went missing?",
+                 "criteria": ["trivial", "minor", "serious", "critical"]},
+}
+MIN_TOKENS = 64  # a short document keeps these tests fast; the threshold itself is tested below
+
+
+@pytest.fixture(autouse=True)
+def short_prefixes_count(monkeypatch):
+    """Let the short test document take the prefix path."""
+    monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", MIN_TOKENS)
+
+
+@pytest.fixture(scope="module", params=["standin", "tiny_qwen"])
+def eng(request) -> blink.TorchEngine:
+    """Each real model the prefix path must serve: the Llama stand-in and the tiny Qwen3.5 (linear attention)."""
+    return request.getfixturevalue(request.param)
+
+
+_PLAIN: dict = {}
+
+
+def plain_logits(eng: blink.TorchEngine) -> dict:
+    """The plain path's label logits for DOC/QUESTIONS, computed once per model."""
+    if eng.key not in _PLAIN:
+        raw, prefill = run(eng, DOC, QUESTIONS, prefix=False)
+        assert prefill == sum(len(p.ids) for p in eng.render(DOC, QUESTIONS))  # every prompt token, computed
+        _PLAIN[eng.key] = raw
+    return _PLAIN[eng.key]
+
+
+@pytest.fixture(scope="module")
+def plain(eng) -> dict:
+    """The plain path's label logits of the parametrized model."""
+    return plain_logits(eng)
+
+
+@pytest.fixture()
+def spy(monkeypatch) -> dict:
+    """Records each call of the prefix path and the row count of every backbone forward."""
+    seen = {"shared": [], "rows": []}
+    shared = blink._forward_shared
+
+    def recording(engine, seqs, cands, prefix_len, out):
+        seen["shared"].append((len(seqs), prefix_len))
+        return shared(engine, seqs, cands, prefix_len, out)
+
+    monkeypatch.setattr(blink, "_forward_shared", recording)
+    return seen
+
+
+def run(eng: blink.TorchEngine, state, questions: dict, prefix: bool) -> tuple[dict, int]:
+    """Label logits and computed prefill tokens with the prefix path on or off (the engine is restored after)."""
+    before = eng.prefix_cache
+    eng.prefix_cache = prefix
+    try:
+        raw, _ = eng.logits(state, questions)
+        return raw, eng.last_prefill_tokens
+    finally:
+        eng.prefix_cache = before
+
+
+def common_prefix(seqs: list[list[int]]) -> int:
+    """Reference: the common token prefix of all sequences, leaving each at least one token of its own."""
+    return min(len(os.path.commonprefix(seqs)), min(len(s) for s in seqs) - 1)
+
+
+def gap(a: dict, b: dict) -> float:
+    """Largest label-logit difference between two readouts of the same questions."""
+    assert a.keys() == b.keys()
+    return max(abs(x - y) for k in a for x, y in zip(a[k], b[k]))
+
+
+def count_rows(eng: blink.TorchEngine, seen: dict):
+    """Record the batch size of every backbone forward while the returned hook handle lives."""
+    return eng.backbone().register_forward_pre_hook(
+        lambda module, args, kwargs: seen["rows"].append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+
+
+def test_prefix_logits_equal_plain_and_prefill_is_counted(eng, plain, spy):
+    seqs = [p.ids for p in eng.render(DOC, QUESTIONS)]
+    shared = common_prefix(seqs)
+    assert shared >= MIN_TOKENS  # the document is long enough for the prefix path to run
+    raw, prefill = run(eng, DOC, QUESTIONS, prefix=True)
+    assert spy["shared"] == [(len(seqs), shared)]
+    assert gap(raw, plain) < 1e-4
+    assert prefill == sum(map(len, seqs)) - (len(seqs) - 1) * shared
+
+
+# The row cap and the threshold are model-agnostic logic: they run on the tiny model, which is fast.
+
+
+def test_kv_token_cap_bounds_the_copies_held_at_once(tiny_qwen, spy, monkeypatch):
+    seqs = [p.ids for p in tiny_qwen.render(DOC, QUESTIONS)]
+    shared = common_prefix(seqs)
+    longest_tail = max(len(s) for s in seqs) - shared
+    monkeypatch.setattr(blink, "PREFIX_KV_TOKENS", 2 * (shared + longest_tail))  # two copies of the prefix
+    handle = count_rows(tiny_qwen, spy)
+    try:
+        raw, _ = run(tiny_qwen, DOC, QUESTIONS, prefix=True)
+    finally:
+        handle.remove()
+    assert spy["rows"] == [1, 2, 1]  # the prefix once, then the three tails two at a time
+    assert gap(raw, plain_logits(tiny_qwen)) < 1e-4
+
+
+def test_prefix_shorter_than_min_tokens_runs_the_plain_path(tiny_qwen, spy, monkeypatch):
+    seqs = [p.ids for p in tiny_qwen.render(DOC, QUESTIONS)]
+    monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", common_prefix(seqs) + 1)
+    raw, prefill = run(tiny_qwen, DOC, QUESTIONS, prefix=True)
+    assert spy["shared"] == []
+    assert prefill == sum(map(len, seqs))
+    monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", common_prefix(seqs))  # exactly at the threshold: it runs
+    run(tiny_qwen, DOC, QUESTIONS, prefix=True)
+    assert spy["shared"] == [(len(seqs), common_prefix(seqs))]
+
+
+def one_token_tails(eng: blink.TorchEngine) -> tuple[list[list[int]], list[list[int]]]:
+    """Three prompts that differ only in their last token: each tail is one token, right after the prefix."""
+    base = eng.render(DOC, {"team": QUESTIONS["team"]})[0]
+    seqs = [base.ids[:-1] + [t] for t in (base.ids[-1], eng.label_ids[0], eng.label_ids[1])]
+    return seqs, [base.cand] * len(seqs)
+
+
+def forward_rows(eng: blink.TorchEngine, seqs: list[list[int]], cands: list[list[int]], prefix: bool) -> list:
+    """blink's forward over raw prompts, with the prefix path on or off."""
+    eng.prefix_cache = prefix
+    try:
+        return blink._forward(eng.key, seqs, cands)[0]
+    finally:
+        eng.prefix_cache = False
+
+
+def rows_gap(a: list, b: list) -> float:
+    """Largest difference between two lists of label-logit rows."""
+    return max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r, s))
+
+
+def test_one_token_tails(eng, spy):
+    # Tails of a single token take the models' one-step paths (Qwen3.5 updates its conv state in place).
+    seqs, cands = one_token_tails(eng)
+    shared_rows = forward_rows(eng, seqs, cands, prefix=True)
+    assert spy["shared"] == [(3, len(seqs[0]) - 1)]
+    assert rows_gap(shared_rows, forward_rows(eng, seqs, cands, prefix=False)) < 1e-4
+
+
+@pytest.mark.parametrize("state", ["conv_states", "recurrent_states"])
+def test_linear_attention_states_carry_the_prefix(tiny_qwen, monkeypatch, state):
+    # The parity above can fail: a tail run against a cache whose linear-attention state was reset reads other
+    # logits, so both states must be copied along the batch axis, not only the keys and values.
+    seqs, cands = one_token_tails(tiny_qwen)
+    expand = blink._expand_cache
+
+    def reset(cache, repeats):
+        cache = expand(cache, repeats)
+        for layer in cache.layers:
+            for held in (getattr(layer, state, None) or {}).values():
+                held.zero_()
+        return cache
+
+    monkeypatch.setattr(blink, "_expand_cache", reset)
+    broken = forward_rows(tiny_qwen, seqs, cands, prefix=True)
+    assert rows_gap(broken, forward_rows(tiny_qwen, seqs, cands, prefix=False)) > 1e-3
+
+
+def test_decide_reports_prefill_tokens(tiny_qwen, served, monkeypatch):
+    served(tiny_qwen)
+    monkeypatch.setattr(tiny_qwen, "prefix_cache", True)
+    seqs = [p.ids for p in tiny_qwen.render(DOC, QUESTIONS)]
+    meta = blink.decide(DOC, QUESTIONS)["meta"]
+    assert meta["input_tokens"] == sum(map(len, seqs))
+    assert meta["prefill_tokens"] == sum(map(len, seqs)) - (len(seqs) - 1) * common_prefix(seqs)
+
+
+def test_expand_cache_copies_every_state(tiny_qwen):
+    ids = torch.tensor([tiny_qwen.render(DOC, {"team": QUESTIONS["team"]})[0].ids])
+    with torch.no_grad():
+        cache = tiny_qwen.backbone()(input_ids=ids, use_cache=True).cache
+    big = blink._expand_cache(cache, 3)
+    kinds = set()
+    for small, large in zip(cache.layers, big.layers):
+        for name in ("keys", "values"):
+            if torch.is_tensor(getattr(small, name, None)) and getattr(small, name).numel():
+                kinds.add(name)
+                assert torch.equal(getattr(large, name), getattr(small, name).expand(3, -1, -1, -1))
+        for name in ("conv_states", "recurrent_states"):
+            for k, v in (getattr(small, name, None) or {}).items():
+                kinds.add(name)
+                got = getattr(large, name)[k]
+                assert got.shape[0] == 3 and torch.equal(got, v.expand(3, *v.shape[1:]))
+                assert got.data_ptr() != v.data_ptr()  # a copy: the forward writes into it
+    assert kinds == {"keys", "values", "conv_states", "recurrent_states"}
