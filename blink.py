@@ -784,10 +784,34 @@ def _prefix_len_used(seqs: list[list[int]], prefix_cache: bool) -> int:
     return shared if shared >= PREFIX_MIN_TOKENS else 0
 
 
+def _prefix_groups(seqs: list[list[int]], prefix_cache: bool) -> list[tuple[list[int], int]]:
+    """The sequences (by index) grouped by a shared prefix worth encoding once, each group with that prefix's
+    length; the rest together in one group with length 0 (the plain path). Sorted ids put prompts with a long
+    common prefix side by side; a group ends where neighbours share fewer than PREFIX_MIN_TOKENS tokens, so
+    requests packed into one forward (decide_many, Batcher) each keep their own evidence as their prefix."""
+    if not prefix_cache or len(seqs) < 2:
+        return [(list(range(len(seqs))), 0)] if seqs else []
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
+    runs = [[order[0]]]
+    for prev, i in zip(order, order[1:]):
+        if _shared_prefix_len([seqs[prev], seqs[i]]) >= PREFIX_MIN_TOKENS:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    groups, plain = [], []
+    for run in runs:
+        shared = _prefix_len_used([seqs[i] for i in run], True)
+        if shared:
+            groups.append((sorted(run), shared))
+        else:
+            plain.extend(run)
+    return groups + ([(sorted(plain), 0)] if plain else [])
+
+
 def _prefill_tokens(seqs: list[list[int]], prefix_cache: bool) -> int:
-    """Tokens the model actually computes for these prompts: the shared prefix once when it is reused."""
-    shared = _prefix_len_used(seqs, prefix_cache)
-    return sum(len(s) for s in seqs) - max(0, len(seqs) - 1) * shared
+    """Tokens the model actually computes for these prompts: each group's shared prefix once when it is reused."""
+    saved = sum((len(rows) - 1) * shared for rows, shared in _prefix_groups(seqs, prefix_cache))
+    return sum(len(s) for s in seqs) - saved
 
 
 def _expand_cache(cache, repeats: int):
@@ -894,11 +918,15 @@ def _forward(key: int, seqs: list[list[int]], cands: list[list[int]]) -> tuple[l
     out: list = [None] * len(seqs)
     t0 = time.perf_counter()
     with torch.no_grad():
-        shared = _prefix_len_used(seqs, engine.prefix_cache)
-        if shared:
-            _forward_shared(engine, seqs, cands, shared, out)
-        else:
-            _run_batches(engine, seqs, cands, out)
+        for rows, shared in _prefix_groups(seqs, engine.prefix_cache):
+            part: list = [None] * len(rows)
+            group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
+            if shared:
+                _forward_shared(engine, group, group_cands, shared, part)
+            else:
+                _run_batches(engine, group, group_cands, part)
+            for i, row in zip(rows, part):
+                out[i] = row
     return out, round((time.perf_counter() - t0) * 1000, 1)
 
 

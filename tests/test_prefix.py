@@ -28,6 +28,7 @@ QUESTIONS = {  # tails of different lengths and every question type
                                                    "a customer was charged twice and a parcel went missing?",
                  "criteria": ["trivial", "minor", "serious", "critical"]},
 }
+OTHER_DOC = "Case log of the second shop. " + DOC.replace("Ticket", "Case")
 MIN_TOKENS = 64  # a short document keeps these tests fast; the threshold itself is tested below
 
 
@@ -139,6 +140,26 @@ def test_prefix_shorter_than_min_tokens_runs_the_plain_path(tiny_qwen, spy, monk
     monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", common_prefix(seqs))  # exactly at the threshold: it runs
     run(tiny_qwen, DOC, QUESTIONS, prefix=True)
     assert spy["shared"] == [(len(seqs), common_prefix(seqs))]
+
+
+def test_packed_requests_each_keep_their_own_prefix(tiny_qwen, spy, monkeypatch):
+    # decide_many and the Batcher pack several requests into one forward: each request's questions still share
+    # that request's evidence, while the requests share only the system prompt.
+    first, second = tiny_qwen.render(DOC, QUESTIONS), tiny_qwen.render(OTHER_DOC, QUESTIONS)
+    own = [common_prefix([p.ids for p in work]) for work in (first, second)]
+    across = common_prefix([first[0].ids, second[0].ids])
+    assert across < min(own)
+    monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", across + 1)
+    tiny_qwen.prefix_cache = True
+    try:
+        packed = tiny_qwen.logits_rendered([first, second])
+    finally:
+        tiny_qwen.prefix_cache = False
+    assert sorted(spy["shared"]) == sorted([(len(first), own[0]), (len(second), own[1])])
+    computed = sum(len(p.ids) for p in first + second) - sum((len(QUESTIONS) - 1) * n for n in own)
+    assert tiny_qwen.last_prefill_tokens == computed
+    assert gap(packed[0][0], plain_logits(tiny_qwen)) < 1e-4
+    assert gap(packed[1][0], run(tiny_qwen, OTHER_DOC, QUESTIONS, prefix=False)[0]) < 1e-4
 
 
 def one_token_tails(eng: blink.TorchEngine) -> tuple[list[list[int]], list[list[int]]]:
