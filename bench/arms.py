@@ -1,0 +1,219 @@
+"""The ways of getting a choice out of a causal LM that the benchmark runs side by side, on one loaded model.
+
+blink (plain and shared-prefix) answers a whole request at once. The peers answer one question at a time, as their
+users write them: one forward per question reading the label logits by hand, per-option continuation
+log-likelihood (lm-evaluation-harness multiple choice, SGLang `select`), and generate-then-parse.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import blink
+
+
+@dataclass
+class Run:
+    """What one arm did on one question or one request."""
+
+    wall_s: float
+    cpu_s: float  # this process's CPU time: what contention from other processes cannot inflate much
+    prefill_tokens: int
+    choices: dict[str, str | None]  # question -> option key (None: the output named no offered option)
+    peak_mb: float
+    rows: dict[str, list[float]] = field(default_factory=dict)  # label logits, where the arm reads them
+    extra: dict = field(default_factory=dict)
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA allocator peak on a GPU, resident set size (sampled) on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def _rss() -> int:
+        """Resident bytes of this process."""
+        with open("/proc/self/statm", encoding="ascii") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self) -> None:
+        """Poll the resident set size until stopped."""
+        while not self._stop.wait(0.005):
+            self._top = max(self._top, self._rss())
+
+    def __enter__(self) -> PeakMemory:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self._base = self._top = self._rss()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            top = torch.cuda.max_memory_allocated()
+        else:
+            self._stop.set()
+            self._thread.join()
+            top = max(self._top, self._rss())
+        self.peak_mb = max(0.0, (top - self._base) / 2**20)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so wall times are complete."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _pick(keys: list[str], scores: list[float]) -> str:
+    """The best-scoring option; ties go to the earlier option, as blink breaks them."""
+    return keys[max(range(len(keys)), key=lambda i: (scores[i], -i))]
+
+
+def prompt_text(engine: blink.TorchEngine, state, qkey: str, q: dict) -> tuple[str, list[str]]:
+    """The exact prompt blink renders for one question, and its option keys."""
+    items = blink.question_options(q, qkey)
+    user = blink.user_message(state, q, engine.labels[: len(items)], items)
+    return blink.wrap(engine.tok, user), [k for k, _ in items]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# blink
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: bool) -> Run:
+    """One blink request (all its questions), plain or with the shared prefix encoded once."""
+    device = engine.model.lm_head.weight.device
+    engine.prefix_cache = prefix
+    with PeakMemory(device) as mem:
+        t0, c0 = time.perf_counter(), time.process_time()
+        raw, _ = engine.logits(state, questions)
+        _sync(device)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    answers = blink.assemble(questions, raw, engine.temperature)
+    seqs = [p.ids for p in engine.render(state, questions)]
+    shared = [n for _, n in blink._prefix_groups(seqs, prefix) if n]
+    return Run(wall, cpu, engine.last_prefill_tokens, {k: a["choice"] for k, a in answers.items()}, mem.peak_mb, raw,
+               {"shared_prefix_tokens": shared[0] if shared else 0, "model_ms": engine.last_model_ms})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Peer: one forward per question, by hand
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def unbatched_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
+    """model(ids).logits[0, -1] at the label ids: the loop a user writes by hand, one question at a time."""
+    model, tok, device = engine.model, engine.tok, engine.model.lm_head.weight.device
+    with PeakMemory(device) as mem, torch.no_grad():
+        t0, c0 = time.perf_counter(), time.process_time()
+        text, keys = prompt_text(engine, state, qkey, q)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+        last = model(input_ids=ids).logits[0, -1].float()
+        row = last[torch.tensor(engine.label_ids[: len(keys)], device=device)].tolist()
+        _sync(device)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return Run(wall, cpu, ids.shape[1], {qkey: _pick(keys, row)}, mem.peak_mb, {qkey: row})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Peer: per-option continuation log-likelihood (lm-evaluation-harness multiple choice, SGLang select)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-evaluation-harness's split: trailing spaces of the context move to the continuation, the whole string is
+    encoded once and the continuation is what follows the context's own encoding."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
+    whole = tok(context + continuation, add_special_tokens=False)["input_ids"]
+    ctx = tok(context, add_special_tokens=False)["input_ids"]
+    return ctx, whole[len(ctx):]
+
+
+def per_option_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
+    """Score every option's text as the assistant's continuation: one forward of (context + continuation)[:-1]
+    per option, full-vocabulary log-softmax, the continuation tokens' log-probs summed (lm-eval `acc`), also
+    divided by the continuation's characters (lm-eval `acc_norm`) and averaged per token (SGLang `select`'s
+    default, token_length_normalized)."""
+    model, tok, device = engine.model, engine.tok, engine.model.lm_head.weight.device
+    items = blink.question_options(q, qkey)
+    keys = [k for k, _ in items]
+    sums, norms, means, spans = [], [], [], []
+    with PeakMemory(device) as mem, torch.no_grad():
+        t0, c0 = time.perf_counter(), time.process_time()
+        context, _ = prompt_text(engine, state, qkey, q)
+        for _, display in items:
+            ctx, cont = encode_pair(tok, context, display)
+            inp = torch.tensor([(ctx + cont)[:-1]], device=device)
+            logprobs = torch.log_softmax(model(input_ids=inp).logits[0].float(), dim=-1)
+            picked = logprobs[len(ctx) - 1:, :].gather(1, torch.tensor(cont, device=device)[:, None]).squeeze(1)
+            total = float(picked.sum())
+            sums.append(total)
+            norms.append(total / max(1, len(display)))
+            means.append(total / len(cont))
+            spans.append((0, inp.shape[1]))
+        _sync(device)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    extra = {"choice_acc_norm": _pick(keys, norms), "choice_token_mean": _pick(keys, means), "spans": spans}
+    return Run(wall, cpu, sum(n for _, n in spans), {qkey: _pick(keys, sums)}, mem.peak_mb, {}, extra)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Peer: generate, then parse the letter
+# ---------------------------------------------------------------------------------------------------------------
+
+_LETTERS = re.compile(r"\b([A-Z]{1,2})\b")
+
+
+def parse_label(text: str, labels: list[str]) -> str | None:
+    """The first offered label that appears as a word in the generated text."""
+    for match in _LETTERS.finditer(text):
+        if match.group(1) in labels:
+            return match.group(1)
+    return None
+
+
+def generate_one(engine: blink.TorchEngine, state, qkey: str, q: dict, max_new_tokens: int = 4) -> Run:
+    """model.generate (greedy, a few new tokens), then read the letter out of the text."""
+    model, tok, device = engine.model, engine.tok, engine.model.lm_head.weight.device
+    with PeakMemory(device) as mem, torch.no_grad():
+        t0, c0 = time.perf_counter(), time.process_time()
+        text, keys = prompt_text(engine, state, qkey, q)
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, temperature=None, top_p=None, top_k=None,
+                             pad_token_id=engine.pad_id)
+        reply = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        _sync(device)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    labels = engine.labels[: len(keys)]
+    label = parse_label(reply, labels)
+    choice = keys[labels.index(label)] if label is not None else None
+    return Run(wall, cpu, ids.shape[1], {qkey: choice}, mem.peak_mb, {},
+               {"generated_tokens": int(out.shape[1] - ids.shape[1]), "reply": reply})
+
+
+PER_QUESTION_ARMS = {"unbatched": unbatched_one, "per_option": per_option_one, "generate": generate_one}
+
+
+def label_logit_gap(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
+    """Largest absolute difference between two arms' label logits over the questions both read."""
+    gaps = [abs(x - y) for k in a.keys() & b.keys() for x, y in zip(a[k], b[k])]
+    return max(gaps) if gaps else math.nan

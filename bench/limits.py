@@ -1,0 +1,71 @@
+"""The machine's side of the benchmark: thread count, measured matmul FLOP/s, and the FLOPs a prefill needs."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def matmul_flops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
+    """Best-of-`reps` FLOP/s of an n x n x n matmul in the model's dtype on its device: the practical ceiling."""
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = float("inf")
+    for _ in range(reps + 1):  # the first run warms up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def _probe_seconds(model, device: torch.device, tokens: int = 128) -> float:
+    """Best of two short prefills: how fast the model runs at the current thread count."""
+    ids = torch.randint(10, 1000, (1, tokens), device=device)
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(3):
+            t0 = time.perf_counter()
+            model.model(input_ids=ids, use_cache=False)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose_threads(model, device: torch.device, requested: str) -> dict:
+    """Set torch's intra-op threads: a number, or "auto" (every core, or one when that runs the model faster,
+    as it does when other processes share a small machine). Returns what was tried and chosen."""
+    cores = os.cpu_count() or 1
+    if device.type != "cpu":
+        return {"threads": torch.get_num_threads(), "how": "gpu"}
+    if requested != "auto":
+        torch.set_num_threads(int(requested))
+        return {"threads": int(requested), "how": "given"}
+    tried = {}
+    for n in sorted({1, cores}):
+        torch.set_num_threads(n)
+        tried[n] = round(_probe_seconds(model, device), 4)
+    best = min(tried, key=tried.get)
+    torch.set_num_threads(best)
+    return {"threads": best, "how": "auto", "probe_s_by_threads": tried}
+
+
+def attention_shape(config) -> tuple[int, int]:
+    """(full-attention layers, query width) of a decoder config; linear-attention layers have no quadratic term."""
+    config = getattr(config, "text_config", config)
+    types = getattr(config, "layer_types", None)
+    layers = sum(1 for t in types if t == "full_attention") if types else config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return layers, config.num_attention_heads * head_dim
+
+
+def attention_flops(config, spans: list[tuple[int, int]]) -> float:
+    """FLOPs of the attention score and value products for computed tokens: each span (past, new) is `new`
+    tokens after `past` cached ones; token j attends to past + j + 1 keys (4 x width FLOPs per key per layer)."""
+    layers, width = attention_shape(config)
+    keys = sum(new * past + new * (new + 1) // 2 for past, new in spans)
+    return 4.0 * layers * width * keys

@@ -1,0 +1,85 @@
+"""Markdown tables from a results file: `python bench/report.py bench/results/full.json` (for bench/README.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+ARM_NAMES = {"blink_plain": "blink", "blink_prefix": "blink prefix", "unbatched": "forward/question",
+             "per_option": "per-option LL", "generate": "generate+parse"}
+
+
+def _s(row: dict) -> str:
+    """Seconds of one arm, starred when scaled from a subsample."""
+    return f"{row['wall_s']:.2f}{'*' if row['extrapolated'] else ''}"
+
+
+def cells_table(res: dict) -> list[str]:
+    """One row per cell: time per request of every arm and the speed-ups."""
+    head = ("| doc tokens | questions | options | " + " | ".join(f"{n} (s)" for n in ARM_NAMES.values())
+            + " | blink vs per-option | blink vs forward/question | prefix vs blink | differ (unbatched/per-option/generate) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in res["cells"]:
+        a, s, g = c["arms"], c["speedup"], c["agreement"]
+        differ = "/".join(f"{len(g[p]['differ'])} of {g[p]['compared']}" for p in ("unbatched", "per_option", "generate"))
+        lines.append(f"| {c['doc_tokens']} | {c['questions']} | {c['options']} | "
+                     + " | ".join(_s(a[k]) for k in ARM_NAMES)
+                     + f" | {s['blink_plain']['per_option']:.1f}x | {s['blink_plain']['unbatched']:.2f}x"
+                     f" | {s['blink_prefix']['blink_plain']:.1f}x | {differ} |")
+    return lines
+
+
+def flops_table(res: dict) -> list[str]:
+    """Achieved prefill FLOP/s of blink's arms against the measured matmul."""
+    lines = ["| doc tokens | questions | options | arm | prefill tokens | GFLOP/s (2PT) | of matmul | "
+             "GFLOP/s (body+attention) | of matmul | peak MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in res["cells"]:
+        for arm in ("blink_plain", "blink_prefix"):
+            r = c["arms"][arm]
+            lines.append(f"| {c['doc_tokens']} | {c['questions']} | {c['options']} | {ARM_NAMES[arm]} | "
+                         f"{r['prefill_tokens']} | {r['gflops_2pt']:.0f} | {r['fraction_of_matmul_2pt']:.0%} | "
+                         f"{r['gflops_body_attention']:.0f} | {r['fraction_of_matmul_body_attention']:.0%} | "
+                         f"{r['peak_mb']:.0f} |")
+    return lines
+
+
+def throughput_table(res: dict) -> list[str]:
+    """Requests per second and latency percentiles per batch window."""
+    lines = ["| target | workload | window (ms) | shared prefix | clients | requests/s | p50 (ms) | p99 (ms) | "
+             "mean requests per forward |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res.get("throughput", []):
+        if "skipped" in r:
+            lines.append(f"| {r['target']} | skipped: {r['skipped']} | | | | | | | |")
+            continue
+        window = "-" if r["window_ms"] is None else f"{r['window_ms']:g}"
+        lines.append(f"| {r['target']} | {r.get('workload', '')} | {window} | {'on' if r['prefix_cache'] else 'off'} "
+                     f"| {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
+                     f"{r['mean_batched_requests']} |")
+    return lines
+
+
+def targets_list(res: dict) -> list[str]:
+    """The issue's targets with the measured values."""
+    verdict = {True: "met", False: "**missed**", None: "not measured in this mode"}
+    out = []
+    for t in res["targets"]:
+        value = f"{t['value']}" if t["threshold"] == 0 else f"{t['value']:.2f}x ({t['value_cpu_time']:.2f}x on CPU time)"
+        extra = f" of {t['compared']} compared" if t["threshold"] == 0 else f" ({t['cell']})"
+        out.append(f"- {t['target']}: {value}{extra} — {verdict[t['met']]}")
+    return out
+
+
+def report(res: dict) -> str:
+    """The whole markdown block."""
+    head = (f"Measured {res['started_at']} by `{res['command']}` in {res['duration_s'] / 60:.1f} min: {res['model']} "
+            f"({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), {res['hardware']}, "
+            f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "
+            f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run).")
+    return "\n".join([head, "", *targets_list(res), "", "Time per request (* = scaled from a subsample of the "
+                      "questions, see the JSON):", "", *cells_table(res), "", "Prefill against the machine:", "",
+                      *flops_table(res), "", "Serving:", "", *throughput_table(res)])
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1] if len(sys.argv) > 1 else "bench/results/full.json", encoding="utf-8") as fh:
+        print(report(json.load(fh)))

@@ -1,0 +1,445 @@
+"""blink against its peers on one loaded model, side by side in one run.
+
+    python bench/run.py            # the full grid (about 20-30 min on a 2-core CPU with the stand-in)
+    python bench/run.py --quick    # one small cell and a short throughput check, under a minute
+    python bench/run.py --model <id or folder>
+
+Arms, all on the same model and the same rendered prompts: blink plain; blink with the shared prefix; one forward
+per question by hand; per-option continuation log-likelihood (lm-evaluation-harness multiple choice, SGLang
+select); generate-then-parse. Writes bench/results/<name>.json and <name>.png; the last line printed is a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+import arms  # noqa: E402
+import blink  # noqa: E402
+import limits  # noqa: E402
+import throughput  # noqa: E402
+import workloads  # noqa: E402
+
+# Each slow arm runs at most `budget` prompt tokens per cell (always at least one question); its time for the whole
+# request is then scaled from the questions it ran, and the cell says so. blink with the shared prefix always runs
+# every question.
+CONFIGS = {
+    "full": {
+        "docs": [200, 2000, 8000], "questions": [1, 8, 64], "options": 4,
+        "option_axis": {"doc": 200, "questions": 8, "options": [2, 26]},
+        "plain_budget": 24000, "peer_budget": 12000,
+        "peer_cap": {"unbatched": 64, "per_option": 64, "generate": 64},
+        "throughput": {"clients": 8, "per_client": 3, "windows_ms": [0, 5, 20], "doc": 120,
+                       "prefix_doc": 300, "prefix_questions": 3, "prefix_per_client": 2},
+    },
+    "quick": {
+        "docs": [300], "questions": [8], "options": 4, "option_axis": None,
+        "plain_budget": 24000, "peer_budget": 12000,
+        "peer_cap": {"unbatched": 4, "per_option": 1, "generate": 2},
+        "throughput": {"clients": 4, "per_client": 1, "windows_ms": [0, 5, 20], "doc": 40,
+                       "prefix_doc": 0, "prefix_questions": 0, "prefix_per_client": 0},
+    },
+}
+PEERS = ("unbatched", "per_option", "generate")
+ARMS = ("blink_plain", "blink_prefix", *PEERS)
+
+
+def best_of(fn, short_s: float = 1.0, reps: int = 3) -> arms.Run:
+    """Run once; a run under `short_s` seconds is repeated up to `reps` times and the fastest kept."""
+    best = fn()
+    for _ in range(reps - 1):
+        if best.wall_s >= short_s:
+            break
+        again = fn()
+        best = again if again.wall_s < best.wall_s else best
+    return best
+
+
+def ladder(n_questions: int, per_question: float, budget: int) -> int:
+    """How many of the request's questions plain blink runs: the largest of 1, 8, 64 (or all) within budget, so
+    the same subsample serves several cells."""
+    steps = sorted({s for s in (1, 8, 64) if s < n_questions} | {n_questions})
+    fitting = [s for s in steps if s * per_question <= budget]
+    return max(fitting) if fitting else 1
+
+
+def spans_of(seqs: list[list[int]], prefix: bool) -> list[tuple[int, int]]:
+    """(cached, new) token spans blink computes for these prompts, by its own prefix grouping."""
+    spans = []
+    for rows, shared in blink._prefix_groups(seqs, prefix):
+        if shared:
+            spans.append((0, shared))
+        spans += [(shared, len(seqs[i]) - shared) for i in rows]
+    return spans
+
+
+class Bench:
+    """One loaded model, its documents, and every measurement of this run (reused across cells)."""
+
+    def __init__(self, engine: blink.TorchEngine, cfg: dict):
+        self.engine, self.cfg = engine, cfg
+        self.device = engine.model.lm_head.weight.device
+        self.params = sum(p.numel() for p in engine.model.parameters())
+        emb = engine.model.get_input_embeddings().weight.numel()
+        self.body_params = self.params - emb  # what every prompt token passes through as a matmul
+        self.docs: dict[int, str] = {}
+        self.memo: dict = {}
+
+    def doc(self, target: int) -> str:
+        """The ticket log of about `target` tokens, built once."""
+        if target not in self.docs:
+            self.docs[target] = workloads.document(self.engine.tok, target) if target else ""
+        return self.docs[target]
+
+    def measure(self, key: tuple, fn) -> arms.Run:
+        """A measurement, taken once per run and reused by every cell that needs the same one."""
+        if key not in self.memo:
+            self.memo[key] = best_of(fn)
+        return self.memo[key]
+
+    def flops(self, tokens: float, spans: list[tuple[int, int]], wall: float) -> dict:
+        """Achieved prefill FLOP/s: the issue's 2 x parameters x tokens, and the body matmuls plus attention."""
+        if wall <= 0:
+            return {}
+        two_pt = 2 * self.params * tokens / wall
+        useful = (2 * self.body_params * sum(n for _, n in spans)
+                  + limits.attention_flops(self.engine.model.config, spans)) / wall
+        return {"gflops_2pt": round(two_pt / 1e9, 2), "gflops_body_attention": round(useful / 1e9, 2)}
+
+    def blink_arm(self, doc_target: int, n_opt: int, qs: dict, prefix: bool, n_total: int) -> tuple[dict, arms.Run]:
+        """blink on `qs` (the first questions of the request), scaled to the request's n_total questions."""
+        doc = self.doc(doc_target)
+        key = ("blink_prefix" if prefix else "blink_plain", doc_target, n_opt, len(qs))
+        run = self.measure(key, lambda: arms.blink_request(self.engine, doc, qs, prefix))
+        scale = n_total / len(qs)
+        seqs = [p.ids for p in self.engine.render(doc, qs)]
+        row = {"measured_questions": len(qs), "extrapolated": scale != 1, "wall_s": round(run.wall_s * scale, 4),
+               "wall_s_measured": round(run.wall_s, 4), "cpu_s": round(run.cpu_s * scale, 4),
+               "prefill_tokens": round(run.prefill_tokens * scale),
+               "peak_mb": round(run.peak_mb, 1), "shared_prefix_tokens": run.extra["shared_prefix_tokens"],
+               **self.flops(run.prefill_tokens, spans_of(seqs, prefix), run.wall_s)}
+        return row, run
+
+    def peer_arm(self, name: str, doc_target: int, n_opt: int, qs: dict, n_measure: int) -> tuple[dict, dict]:
+        """A per-question peer on the first `n_measure` questions, scaled to all of them."""
+        doc, fn = self.doc(doc_target), arms.PER_QUESTION_ARMS[name]
+        runs = {k: self.measure((name, doc_target, n_opt, k), lambda k=k: fn(self.engine, doc, k, qs[k]))
+                for k in list(qs)[:n_measure]}
+        scale = len(qs) / n_measure
+        wall = sum(r.wall_s for r in runs.values())
+        cpu = sum(r.cpu_s for r in runs.values())
+        tokens = sum(r.prefill_tokens for r in runs.values())
+        spans = [s for r in runs.values() for s in r.extra.get("spans", [(0, r.prefill_tokens)])]
+        row = {"measured_questions": n_measure, "extrapolated": scale != 1, "wall_s": round(wall * scale, 4),
+               "wall_s_measured": round(wall, 4), "cpu_s": round(cpu * scale, 4),
+               "prefill_tokens": round(tokens * scale),
+               "peak_mb": round(max(r.peak_mb for r in runs.values()), 1), **self.flops(tokens, spans, wall)}
+        if name == "per_option":
+            row["forwards"] = n_opt * len(qs)
+        if name == "generate":
+            row["generated_tokens"] = round(sum(r.extra["generated_tokens"] for r in runs.values()) * scale)
+        return row, runs
+
+    def cell(self, doc_target: int, n_q: int, n_opt: int) -> dict:
+        """Every arm on one workload: n_q questions with n_opt options over a document of about doc_target tokens."""
+        load0 = os.getloadavg()[0]
+        doc = self.doc(doc_target)
+        qs = workloads.questions(n_q, n_opt, workloads.ticket_count(doc))
+        lengths = [len(p.ids) for p in self.engine.render(doc, qs)]
+        per_q = sum(lengths) / len(lengths)
+        cfg = self.cfg
+        out = {"doc_tokens_target": doc_target, "doc_tokens": len(self.engine.tok(doc)["input_ids"]),
+               "questions": n_q, "options": n_opt, "prompt_tokens": sum(lengths),
+               "prompt_tokens_per_question": round(per_q, 1), "arms": {}}
+        t0 = time.perf_counter()
+        n_plain = ladder(n_q, per_q, cfg["plain_budget"])
+        plain_qs = dict(list(qs.items())[:n_plain])
+        out["arms"]["blink_plain"], plain = self.blink_arm(doc_target, n_opt, plain_qs, False, n_q)
+        out["arms"]["blink_prefix"], prefix = self.blink_arm(doc_target, n_opt, qs, True, n_q)
+        peer_runs = {}
+        for name in PEERS:
+            forwards = n_opt if name == "per_option" else 1
+            n_measure = max(1, min(n_q, cfg["peer_cap"][name], int(cfg["peer_budget"] // (per_q * forwards))))
+            out["arms"][name], peer_runs[name] = self.peer_arm(name, doc_target, n_opt, qs, n_measure)
+        out["agreement"] = agreement(plain, prefix, peer_runs)
+        out["speedup"] = speedups(out["arms"])
+        out["speedup_cpu_time"] = speedups(out["arms"], "cpu_s")
+        out["cell_seconds"] = round(time.perf_counter() - t0, 1)
+        out["load_avg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        return out
+
+
+def against_matmul(cells: list[dict], matmul_gflops: float) -> None:
+    """Each arm's achieved FLOP/s as a fraction of the machine's measured matmul FLOP/s."""
+    for c in cells:
+        for row in c["arms"].values():
+            for kind in ("2pt", "body_attention"):
+                row[f"fraction_of_matmul_{kind}"] = round(row[f"gflops_{kind}"] / matmul_gflops, 3)
+
+
+def agreement(plain: arms.Run, prefix: arms.Run, peers: dict) -> dict:
+    """Where each arm's choice differs from blink's (plain where it ran the question, else the prefix run)."""
+    ref = {**prefix.choices, **plain.choices}
+    common = plain.choices.keys() & prefix.choices.keys()
+    out = {"blink_prefix_vs_plain": {
+        "compared": len(common), "differ": sorted(k for k in common if plain.choices[k] != prefix.choices[k]),
+        "max_label_logit_gap": round(arms.label_logit_gap(plain.rows, prefix.rows), 7)}}
+    for name, runs in peers.items():
+        got = {k: c for r in runs.values() for k, c in r.choices.items()}
+        row = {"compared": len(got), "differ": sorted(k for k, c in got.items() if c != ref[k])}
+        if name == "unbatched":
+            rows = {k: v for r in runs.values() for k, v in r.rows.items()}
+            row["max_label_logit_gap"] = round(arms.label_logit_gap(rows, {**prefix.rows, **plain.rows}), 7)
+        if name == "per_option":
+            for alt in ("choice_acc_norm", "choice_token_mean"):
+                row[f"differ_{alt[7:]}"] = sorted(k for k, r in runs.items() if r.extra[alt] != ref[k])
+        if name == "generate":
+            row["unparsed"] = sorted(k for k, c in got.items() if c is None)
+            row["replies"] = sorted({r.extra["reply"] for r in runs.values()})[:8]
+        out[name] = row
+    return out
+
+
+def speedups(rows: dict, clock: str = "wall_s") -> dict:
+    """How many times faster each blink arm answers the request than every other arm, on one clock."""
+    def ratio(a: str, b: str) -> float:
+        return round(rows[b][clock] / rows[a][clock], 2) if rows[a][clock] > 0 else math.nan
+
+    return {"blink_plain": {p: ratio("blink_plain", p) for p in PEERS},
+            "blink_prefix": {p: ratio("blink_prefix", p) for p in ("blink_plain", *PEERS)}}
+
+
+def targets(cells: list[dict]) -> list[dict]:
+    """The issue's three targets, evaluated on what this run measured."""
+    out = []
+    four = [c for c in cells if c["options"] == 4]
+    if four:
+        worst = min(four, key=lambda c: c["speedup"]["blink_plain"]["per_option"])
+        value = worst["speedup"]["blink_plain"]["per_option"]
+        worst_cpu = min(c["speedup_cpu_time"]["blink_plain"]["per_option"] for c in four)
+        out.append({"target": "blink plain >= 3x per-option log-likelihood at 4 options (worst 4-option cell)",
+                    "short": "plain vs per-option", "value": value, "threshold": 3.0, "met": value >= 3.0,
+                    "cell": cell_name(worst), "value_cpu_time": worst_cpu, "met_cpu_time": worst_cpu >= 3.0,
+                    "all": {cell_name(c): c["speedup"]["blink_plain"]["per_option"] for c in four},
+                    "all_cpu_time": {cell_name(c): c["speedup_cpu_time"]["blink_plain"]["per_option"] for c in four}})
+    eights = [c for c in four if c["questions"] == 8]
+    if eights:
+        c = min(eights, key=lambda c: abs(c["doc_tokens_target"] - 2000))
+        value = c["speedup"]["blink_prefix"]["blink_plain"]
+        value_cpu = c["speedup_cpu_time"]["blink_prefix"]["blink_plain"]
+        exact = c["doc_tokens_target"] == 2000
+        out.append({"target": "shared prefix >= 4x blink plain, 8 questions over a 2,000-token document",
+                    "short": "prefix vs plain", "value": value, "threshold": 4.0,
+                    "met": value >= 4.0 if exact else None, "cell": cell_name(c), "value_cpu_time": value_cpu,
+                    "met_cpu_time": value_cpu >= 4.0 if exact else None,
+                    "note": "" if exact else "not the target's cell: only the full run has the 2,000-token document"})
+    compared, differ = distinct(cells, "unbatched")
+    p_compared, p_differ = distinct(cells, "blink_prefix_vs_plain")
+    out.append({"target": "0 answers that differ from the unbatched path", "short": "differ from unbatched",
+                "value": len(differ), "threshold": 0,
+                "met": not differ, "compared": compared, "differ": differ,
+                "prefix_vs_plain": {"compared": p_compared, "differ": p_differ}})
+    return out
+
+
+def distinct(cells: list[dict], arm: str) -> tuple[int, list[str]]:
+    """Questions compared and those that differ, each counted once although cells share measurements (a cell's
+    compared questions are the first ones of its document and option count)."""
+    compared: dict = {}
+    differ: set = set()
+    for c in cells:
+        where = (c["doc_tokens_target"], c["options"])
+        compared[where] = max(compared.get(where, 0), c["agreement"][arm]["compared"])
+        differ |= {f"{where[0]} tok/{where[1]} opt/{k}" for k in c["agreement"][arm]["differ"]}
+    return sum(compared.values()), sorted(differ)
+
+
+def cell_name(c: dict) -> str:
+    """A short name for a cell: questions x options over document tokens."""
+    return f"{c['questions']}q x {c['options']}opt / {c['doc_tokens_target']} tok"
+
+
+def grid(cfg: dict) -> list[tuple[int, int, int]]:
+    """The (document, questions, options) cells of a configuration."""
+    cells = [(d, n, cfg["options"]) for d in cfg["docs"] for n in cfg["questions"]]
+    axis = cfg.get("option_axis")
+    if axis:
+        cells += [(axis["doc"], axis["questions"], k) for k in axis["options"]]
+    return cells
+
+
+def warm_up(engine: blink.TorchEngine) -> None:
+    """One short run of every arm, so first-call setup is not billed to the first cell."""
+    qs = workloads.questions(2, 2, 1)
+    for prefix in (False, True):
+        arms.blink_request(engine, "warm-up", qs, prefix)
+    for fn in arms.PER_QUESTION_ARMS.values():
+        fn(engine, "warm-up", "q00", qs["q00"])
+
+
+def throughput_rows(engine: blink.TorchEngine, cfg: dict, with_app: bool) -> list[dict]:
+    """Batcher (and app) throughput with concurrent clients, every window; plus blink.decide one at a time."""
+    tc = cfg["throughput"]
+    n = tc["clients"] * tc["per_client"]
+    teams = workloads.TEAMS[:4]
+
+    def requests(doc_tokens: int, n_questions: int) -> list:
+        docs = [workloads.document(engine.tok, doc_tokens, seed=100 + i) for i in range(n + 1)]
+        return [(d, workloads.questions(n_questions, len(teams), workloads.ticket_count(d))) for d in docs]
+
+    small = requests(tc["doc"], 1)
+    rows = [throughput.serial_run(engine, small, tc["clients"], tc["per_client"], prefix=False)]
+    rows += [throughput.batcher_run(engine, small, w, tc["clients"], tc["per_client"], prefix=False)
+             for w in tc["windows_ms"]]
+    if tc["prefix_doc"]:  # several questions per request: packed requests should each keep their own prefix
+        shared = requests(tc["prefix_doc"], tc["prefix_questions"])
+        for prefix in (False, True):
+            row = throughput.batcher_run(engine, shared, max(tc["windows_ms"]), tc["clients"],
+                                         tc["prefix_per_client"], prefix)
+            rows.append({**row, "workload": f"{tc['prefix_questions']} questions over {tc['prefix_doc']} tokens"})
+    for row in rows[: 1 + len(tc["windows_ms"])]:
+        row["workload"] = f"1 question over {tc['doc']} tokens"
+    if with_app:
+        rows += throughput.app_runs(engine, small, tc["windows_ms"], tc["clients"], tc["per_client"])
+    return rows
+
+
+def summary_line(res: dict, path: str) -> str:
+    """The one line the command ends with."""
+    parts = [f"blink bench ({res['mode']}, {res['model']}, {res['hardware']}, {res['threads']['threads']} "
+             f"thread(s), {res['duration_s']:.0f} s)"]
+    verdict = {True: "met", False: "MISSED", None: "target is for the full run's cell"}
+    for t in res["targets"]:
+        if t["threshold"] == 0:
+            parts.append(f"{t['value']} of {t['compared']} answers differ from unbatched ({verdict[t['met']]})")
+        else:
+            both = (verdict[t["met"]] if t["met"] is None else
+                    f"wall {verdict[t['met']]}, CPU time {verdict[t['met_cpu_time']]}")
+            parts.append(f"{t['short']} {t['value']:.1f}x wall, {t['value_cpu_time']:.1f}x CPU time "
+                         f"(target {t['threshold']:g}x) at {t['cell']} ({both})")
+    best = max((a.get("fraction_of_matmul_body_attention", 0), name) for c in res["cells"]
+               for name, a in c["arms"].items())
+    parts.append(f"best prefill {best[0]:.0%} of measured matmul peak ({best[1]})")
+    batcher = [r for r in res["throughput"] if r.get("target") == "Batcher" and not r.get("prefix_cache")]
+    if batcher:
+        top = max(batcher, key=lambda r: r["requests_per_s"])
+        parts.append(f"Batcher {top['requests_per_s']:.2f} req/s at {top['window_ms']:g} ms "
+                     f"(p99 {top['p99_ms']:.0f} ms)")
+    parts.append(f"results {os.path.relpath(path)}")
+    return "; ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, write JSON and PNG, print one summary line last."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one small cell and a short throughput check (< 60 s)")
+    ap.add_argument("--model", default=blink.STANDIN_MODEL, help="model id or folder (default: the stand-in)")
+    ap.add_argument("--threads", default="auto", help="torch CPU threads, or auto (default)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON and PNG")
+    ap.add_argument("--name", default=None, help="file name stem (default: full or quick)")
+    ap.add_argument("--app", action="store_true", help="also drive the Gradio app's /decide with gradio_client")
+    ap.add_argument("--no-throughput", action="store_true", help="skip the Batcher throughput part")
+    args = ap.parse_args(argv)
+    mode = "quick" if args.quick else "full"
+    cfg = CONFIGS[mode]
+    started = time.perf_counter()
+
+    engine = blink.TorchEngine(args.model, prefix_cache=False)
+    device = engine.model.lm_head.weight.device
+    threads = limits.choose_threads(engine.model, device, args.threads)
+    matmul_start = limits.matmul_flops(device)
+    bench = Bench(engine, cfg)
+    warm_up(engine)
+    print(f"model {args.model}: {bench.params / 1e6:.1f}M parameters, {engine.model.dtype}, {device}, "
+          f"{threads['threads']} thread(s) ({threads['how']}), matmul {matmul_start / 1e9:.1f} GFLOP/s", flush=True)
+
+    cells = []
+    for doc_target, n_q, n_opt in grid(cfg):
+        c = bench.cell(doc_target, n_q, n_opt)
+        cells.append(c)
+        a, s = c["arms"], c["speedup"]
+        print(f"{cell_name(c):>26}: plain {a['blink_plain']['wall_s']:8.2f}s  prefix {a['blink_prefix']['wall_s']:8.2f}s"
+              f"  unbatched {a['unbatched']['wall_s']:8.2f}s  per-option {a['per_option']['wall_s']:8.2f}s"
+              f"  generate {a['generate']['wall_s']:8.2f}s | plain x{s['blink_plain']['per_option']} per-option,"
+              f" prefix x{s['blink_prefix']['blink_plain']} plain ({c['cell_seconds']}s)", flush=True)
+
+    # Measured again after the cells: on a shared machine the best of the two is the closer to the ceiling.
+    matmul_end = limits.matmul_flops(device)
+    matmul = max(matmul_start, matmul_end)
+    against_matmul(cells, matmul / 1e9)
+
+    rows = [] if args.no_throughput else throughput_rows(engine, cfg, args.app)
+    for r in rows:
+        print(f"throughput {r.get('target')} window {r.get('window_ms')} ms prefix {r.get('prefix_cache')}: "
+              f"{r.get('requests_per_s', r.get('skipped'))} req/s p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms",
+              flush=True)
+
+    res = {
+        "mode": mode, "command": "python bench/run.py" + (" --quick" if args.quick else "")
+        + ("" if args.model == blink.STANDIN_MODEL else f" --model {args.model}"),
+        "model": args.model, "parameters": bench.params, "body_parameters": bench.body_params,
+        "dtype": str(engine.model.dtype).replace("torch.", ""), "device": str(device), "hardware": blink.hardware(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__, "threads": threads,
+        "matmul_gflops": round(matmul / 1e9, 2),
+        "matmul_gflops_start_end": [round(matmul_start / 1e9, 2), round(matmul_end / 1e9, 2)],
+        "settings": {"token_budget": engine.token_budget, "prefix_min_tokens": blink.PREFIX_MIN_TOKENS,
+                     "prefix_kv_tokens": blink.PREFIX_KV_TOKENS, "readout": engine.readout, **cfg},
+        "cells": cells, "throughput": rows, "targets": targets(cells),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (time.perf_counter() - started))),
+        "duration_s": round(time.perf_counter() - started, 1),
+        "notes": NOTES,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, args.name or mode)
+    with open(stem + ".json.tmp", "w", encoding="utf-8") as fh:
+        json.dump(res, fh, indent=1)
+        fh.write("\n")
+    os.replace(stem + ".json.tmp", stem + ".json")
+    try:
+        import plot
+
+        plot.plot(res, stem + ".png")
+    except ImportError as exc:
+        print(f"no plot: {exc}")
+    print(summary_line(res, stem + ".json"))
+    return 0
+
+
+NOTES = [
+    "Every arm runs on the same loaded model and the same rendered prompts (blink's template), in one process.",
+    "Cells whose arm says extrapolated=true ran only measured_questions of the request's questions; wall_s and "
+    "prefill_tokens are scaled to the whole request (the peers answer each question independently, so their cost "
+    "is linear in the question count; blink plain runs whole batches of the subsample).",
+    "A measurement is taken once per run and reused by every cell that needs the same one (the first k questions "
+    "of a larger set are the k questions of the smaller one).",
+    "unbatched: model(ids).logits[0, -1] per question, the full LM head on every position, as written by hand.",
+    "per_option: one forward of (context + option text)[:-1] per option, full-vocabulary log-softmax, summed "
+    "continuation log-probs (lm-evaluation-harness `acc`; `acc_norm` divides by characters; SGLang select's "
+    "default token_length_normalized averages per token). lm-evaluation-harness scores one-token continuations "
+    "(letters) from one shared forward, and SGLang's radix cache encodes the shared context once; this arm is "
+    "the K-forwards-per-question cost the issue names.",
+    "generate: model.generate greedy, 4 new tokens, then the first offered letter in the text.",
+    "gflops_2pt is 2 x all parameters x prefill tokens / wall time (the issue's definition); "
+    "gflops_body_attention counts what the prompt tokens need: 2 x non-embedding parameters per token plus "
+    "attention products (4 x width x keys per full-attention layer), not the peers' LM head on every position.",
+    "peak_mb: CPU resident-set peak above the level at the start of the arm (sampled every 5 ms), or the CUDA "
+    "allocator peak on a GPU. On a CPU, memory an earlier arm freed may be reused without growing the resident "
+    "set, so small figures are lower bounds.",
+    "cpu_s: this process's CPU time; speedup_cpu_time repeats the ratios on it. Where it and the wall-clock ratios "
+    "disagree, other processes were competing for the cores during the run (see load_avg_1min per cell).",
+]
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Serving throughput: N concurrent clients against blink.Batcher (and, optionally, against the Gradio app)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from typing import Callable
+
+import blink
+
+
+def install(engine: blink.TorchEngine) -> None:
+    """Make the loaded engine the one blink.decide / decide_many / Batcher serve."""
+    blink.MODEL_ID = engine.model_id
+    blink.MODEL_SPECS = [(engine.model_id, engine.revision)]
+    blink._ENGINE = engine
+    blink._ENGINES = {}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between samples."""
+    s = sorted(values)
+    if len(s) == 1:
+        return s[0]
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def drive(call: Callable[[int, int], dict], clients: int, per_client: int) -> dict:
+    """Run `clients` threads, each making `per_client` calls back to back; requests/s and latency percentiles."""
+    latencies: list[float] = []
+    batched: list[int] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients + 1)
+
+    def client(c: int) -> None:
+        start.wait()
+        for r in range(per_client):
+            t0 = time.perf_counter()
+            try:
+                result = call(c, r)
+            except Exception as exc:  # noqa: BLE001 - counted and reported, never hidden
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - t0)
+                batched.append(int(result.get("meta", {}).get("batched_requests", 1)))
+
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    done = len(latencies)
+    return {"clients": clients, "requests": clients * per_client, "completed": done, "errors": errors[:5],
+            "wall_s": round(wall, 3), "requests_per_s": round(done / wall, 3) if done else 0.0,
+            "p50_ms": round(1000 * percentile(latencies, 50), 1) if done else None,
+            "p99_ms": round(1000 * percentile(latencies, 99), 1) if done else None,
+            "mean_batched_requests": round(statistics.mean(batched), 2) if batched else None}
+
+
+def batcher_run(engine: blink.TorchEngine, requests: list, window_ms: float, clients: int, per_client: int,
+                prefix: bool) -> dict:
+    """Clients submitting through one Batcher with the given window; request (c, r) is requests[c * per_client + r]."""
+    install(engine)
+    engine.prefix_cache = prefix
+    batcher = blink.Batcher(window_ms / 1000, max_requests=min(blink.Batcher.MAX_REQUESTS, max(1, clients)),
+                            max_queued=max(64, clients))
+    batcher.submit(*requests[0])  # the worker is up and warm before the clock starts
+    row = drive(lambda c, r: batcher.submit(*requests[c * per_client + r]), clients, per_client)
+    return {"target": "Batcher", "window_ms": window_ms, "prefix_cache": prefix, **row}
+
+
+def serial_run(engine: blink.TorchEngine, requests: list, clients: int, per_client: int, prefix: bool) -> dict:
+    """The reference without a Batcher: the same requests one after another through blink.decide."""
+    install(engine)
+    engine.prefix_cache = prefix
+    t0 = time.perf_counter()
+    latencies = []
+    for state, questions in requests[: clients * per_client]:
+        t1 = time.perf_counter()
+        blink.decide(state, questions)
+        latencies.append(time.perf_counter() - t1)
+    wall = time.perf_counter() - t0
+    return {"target": "decide, one at a time", "window_ms": None, "prefix_cache": prefix, "clients": 1,
+            "requests": len(latencies), "completed": len(latencies), "errors": [], "wall_s": round(wall, 3),
+            "requests_per_s": round(len(latencies) / wall, 3), "p50_ms": round(1000 * percentile(latencies, 50), 1),
+            "p99_ms": round(1000 * percentile(latencies, 99), 1), "mean_batched_requests": 1.0}
+
+
+def _free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_runs(engine: blink.TorchEngine, requests: list, windows_ms: list[float], clients: int,
+             per_client: int) -> list[dict]:
+    """Clients calling the app's /decide endpoint through gradio_client, one app launch per batch window.
+    Skipped (with the reason) when app.py is not importable here."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if importlib.util.find_spec("gradio_client") is None or not os.path.exists(os.path.join(root, "app.py")):
+        return [{"target": "app", "skipped": "app.py or gradio_client is not available"}]
+    install(engine)
+    engine.prefix_cache = False
+    rows = []
+    for window in windows_ms:
+        os.environ["BLINK_BATCH_WINDOW_MS"] = str(window)
+        sys.modules.pop("app", None)
+        try:
+            import app  # noqa: PLC0415 - imported per window: the app reads its batch window at import
+            from gradio_client import Client
+        except Exception as exc:  # noqa: BLE001 - report why the app arm could not run
+            return rows + [{"target": "app", "skipped": f"import app failed: {type(exc).__name__}: {exc}"}]
+        port = _free_port()
+        app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        try:
+            url = f"http://127.0.0.1:{port}/"
+            conns = [Client(url, verbose=False) for _ in range(clients)]
+
+            def call(c: int, r: int) -> dict:
+                state, questions = requests[c * per_client + r]
+                return conns[c].predict(state, json.dumps(questions), api_name="/decide")
+
+            call(0, 0)
+            rows.append({"target": "app /decide (gradio_client)", "window_ms": window, "prefix_cache": False,
+                         **drive(call, clients, per_client)})
+        finally:
+            app.demo.close()
+    return rows

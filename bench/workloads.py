@@ -1,0 +1,77 @@
+"""Benchmark inputs: a support-ticket log of a given token length, and choice questions about it.
+
+Everything is generated from a fixed seed, so every arm and every run sees the same prompts.
+"""
+
+from __future__ import annotations
+
+import random
+
+TEAMS = [
+    "billing", "shipping", "technical support", "account security", "returns", "sales", "legal", "privacy",
+    "accessibility", "mobile app", "web checkout", "warehouse", "customs", "partnerships", "marketing",
+    "loyalty program", "gift cards", "subscriptions", "hardware repair", "installation", "training",
+    "data export", "integrations", "fraud prevention", "translations", "executive escalations",
+]
+PRODUCTS = ["router", "invoice", "parcel", "password", "laptop", "subscription", "gift card", "monitor",
+            "headset", "order", "refund", "coupon", "printer", "account", "charger", "camera"]
+PROBLEMS = [
+    "was charged twice", "arrived damaged", "never arrived", "stopped working after an update",
+    "cannot be reset", "shows the wrong price", "was sent to an old address", "is missing a part",
+    "keeps logging the customer out", "was cancelled without notice", "cannot be exported", "is stuck in customs",
+]
+MOODS = ["calm", "frustrated", "angry", "polite", "confused", "in a hurry", "satisfied with the first reply"]
+ACTIONS = [
+    "asked for a refund", "asked for a replacement", "wants to speak to a manager", "attached a screenshot",
+    "threatened to cancel the contract", "asked how to export their data", "asked for a callback tomorrow",
+    "mentioned a similar issue last month", "asked whether the warranty still applies",
+]
+QUESTION_TEMPLATES = [
+    "Which team should handle ticket #{n}?",
+    "Which team owns the product named in ticket #{n}?",
+    "Which team should reply first to the customer in ticket #{n}?",
+    "Which team would close ticket #{n} fastest?",
+    "If ticket #{n} is escalated, which team takes it?",
+    "Which team should review the refund request in ticket #{n}, if any?",
+    "Which team must be informed about ticket #{n}?",
+    "Which team is best placed to prevent tickets like #{n} from recurring?",
+]
+
+
+def _ticket(rng: random.Random, n: int) -> str:
+    """One ticket of the log."""
+    return (f"Ticket #{n} ({2024 + rng.randint(0, 1)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}): "
+            f"the customer's {rng.choice(PRODUCTS)} {rng.choice(PROBLEMS)}. They were {rng.choice(MOODS)} and "
+            f"{rng.choice(ACTIONS)}. The agent noted that the {rng.choice(PRODUCTS)} {rng.choice(PROBLEMS)} "
+            f"as well, and tagged it for {rng.choice(TEAMS)}.\n")
+
+
+def document(tokenizer, target_tokens: int, seed: int = 0) -> str:
+    """A ticket log of about `target_tokens` tokens (whole tickets; the last one may overshoot a little)."""
+    rng = random.Random(seed)
+    parts, count, n = [], 0, 1
+    while count < target_tokens:
+        ticket = _ticket(rng, n)
+        parts.append(ticket)
+        count += len(tokenizer(ticket, add_special_tokens=False)["input_ids"])
+        n += 1
+    return "".join(parts)
+
+
+def ticket_count(doc: str) -> int:
+    """How many tickets a document holds."""
+    return doc.count("Ticket #")
+
+
+def questions(n_questions: int, n_options: int, n_tickets: int) -> dict:
+    """`n_questions` choice questions about tickets of the log, each offering the first `n_options` teams.
+    The first k questions of a larger set are the same as the k questions of a smaller one."""
+    if not 1 <= n_options <= len(TEAMS):
+        raise ValueError(f"n_options must be 1-{len(TEAMS)}")
+    out = {}
+    for i in range(n_questions):
+        template = QUESTION_TEMPLATES[i % len(QUESTION_TEMPLATES)]
+        ticket = 1 + (i * 7) % max(1, n_tickets)
+        out[f"q{i:02d}"] = {"type": "choice", "instructions": template.format(n=ticket),
+                            "criteria": TEAMS[:n_options]}
+    return out
