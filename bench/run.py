@@ -350,12 +350,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None, help="file name stem (default: full or quick)")
     ap.add_argument("--app", action="store_true", help="also drive the Gradio app's /decide with gradio_client")
     ap.add_argument("--no-throughput", action="store_true", help="skip the Batcher throughput part")
+    ap.add_argument("--token-budget", type=int, default=None, help="blink's padded tokens per forward "
+                    "(default: BLINK_TOKEN_BUDGET)")
+    ap.add_argument("--prefix-kv-tokens", type=int, default=None, help="prefix copies x length held at once "
+                    "(default: BLINK_PREFIX_KV_TOKENS)")
     args = ap.parse_args(argv)
     mode = "quick" if args.quick else "full"
     cfg = CONFIGS[mode]
     started = time.perf_counter()
 
-    engine = blink.TorchEngine(args.model, prefix_cache=False)
+    engine = blink.TorchEngine(args.model, prefix_cache=False, token_budget=args.token_budget or blink.TOKEN_BUDGET)
+    if args.prefix_kv_tokens:
+        blink.PREFIX_KV_TOKENS = args.prefix_kv_tokens
     device = engine.model.lm_head.weight.device
     threads = limits.choose_threads(engine.model, device, args.threads)
     matmul_start = limits.matmul_flops(device)
@@ -386,8 +392,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     res = {
-        "mode": mode, "command": "python bench/run.py" + (" --quick" if args.quick else "")
-        + ("" if args.model == blink.STANDIN_MODEL else f" --model {args.model}"),
+        "mode": mode, "command": " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)]),
         "model": args.model, "parameters": bench.params, "body_parameters": bench.body_params,
         "dtype": str(engine.model.dtype).replace("torch.", ""), "device": str(device), "hardware": blink.hardware(),
         "python": platform.python_version(), "torch": torch.__version__,
