@@ -136,7 +136,10 @@ def app_runs(engine: blink.TorchEngine, requests: list, windows_ms: list[float],
                 state, questions = requests[c * per_client + r]
                 return conns[c].predict(state, json.dumps(questions), api_name="/decide")
 
-            call(0, 0)
+            try:
+                call(0, 0)  # the app answers at all, and is warm, before the clock starts
+            except Exception as exc:  # noqa: BLE001 - the app's own failure, reported instead of the row
+                return rows + [{"target": "app", "skipped": f"/decide failed: {type(exc).__name__}: {exc}"}]
             rows.append({"target": "app /decide (gradio_client)", "window_ms": window, "prefix_cache": False,
                          **drive(call, clients, per_client)})
         finally:
