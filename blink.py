@@ -600,7 +600,9 @@ def load_causal_lm(source: str, revision: str | None, dtype, device: str):
     """A causal LM with its weights placed on the device at load time (ZeroGPU wants them placed at start)."""
     from transformers import AutoModelForCausalLM
 
-    load = dict(revision=revision, dtype=dtype, attn_implementation="sdpa")
+    # safetensors only: a pickled checkpoint could run code on load; remote code is never trusted either
+    load = dict(revision=revision, dtype=dtype, attn_implementation="sdpa", use_safetensors=True,
+                trust_remote_code=False)
     if _on_zero_gpu():
         return AutoModelForCausalLM.from_pretrained(source, **load).to("cuda")
     return AutoModelForCausalLM.from_pretrained(source, device_map=device, **load)
@@ -658,7 +660,7 @@ class TorchEngine:
         self.prefix_cache = bool(prefix_cache)
         self.readout = readout
         source = model_source(model_id)
-        self.tok = AutoTokenizer.from_pretrained(source, revision=revision)
+        self.tok = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=False)
         self.labels, self.label_ids = verify_labels(self.tok)  # refuse a model before loading its weights
         device = _device()
         self.model = load_causal_lm(source, revision, _dtype(device), device)
