@@ -530,8 +530,9 @@ class ReplayEngine:
 # ==================================================================================================================
 
 
-def _gpu(duration: int):
-    """spaces.GPU when the package is importable (a no-op off ZeroGPU), a plain decorator anywhere else."""
+def _gpu(duration):
+    """spaces.GPU when the package is importable (a no-op off ZeroGPU), a plain decorator anywhere else.
+    `duration` is seconds or a callable given the function's own arguments."""
     try:
         import spaces
     except Exception:  # noqa: BLE001 - not installed, or not on a Space
@@ -886,7 +887,13 @@ def _forward_shared(engine: TorchEngine, seqs: list[list[int]], cands: list[list
     _run_batches(engine, tails, cands, out, cache=cache, max_rows=rows_cap)
 
 
-@_gpu(GPU_DURATION)
+def _gpu_seconds(key: int, seqs: list[list[int]], cands: list[list[int]]) -> int:
+    """The ZeroGPU time to reserve for one forward call: a few seconds plus the prompt tokens at a conservative
+    10k tokens/s, capped at BLINK_GPU_DURATION (a short reservation is scheduled sooner)."""
+    return int(min(GPU_DURATION, 5 + sum(len(s) for s in seqs) / 10_000))
+
+
+@_gpu(_gpu_seconds)
 def _forward(key: int, seqs: list[list[int]], cands: list[list[int]]) -> tuple[list[list[float]], float]:
     """Right-padded maskless prefill; every layer is causal, so padding cannot reach the last real position.
     Label rows of lm_head are applied in FP32. Returns the label logits per sequence and the model time in ms."""
