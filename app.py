@@ -10,7 +10,7 @@ Sections: settings · inputs · running requests · rendering · the page · the
 from __future__ import annotations
 
 try:  # ZeroGPU: `spaces` must be imported before anything initialises CUDA
-    import spaces  # noqa: F401
+    import spaces
 except ImportError:  # off a Space, on a machine without the package
     spaces = None
 
@@ -285,7 +285,7 @@ def render_meta(meta: dict) -> str:
              "0 generated"]
     if meta["engine"] == "replay":
         rec = RECORDINGS.get(meta["model"]) or {}
-        when = f' on {esc(rec["recorded_at"][:10])}' if rec.get("recorded_at") else ""
+        when = f' {esc(rec["recorded_at"][:10])}' if rec.get("recorded_at") else ""
         parts.append(f'{meta["latency_ms"]:,.0f} ms when recorded')
         line = (f'<div class="bk-source bk-replay">Recorded{when} on {esc(meta.get("recorded_on", "unknown hardware"))}'
                 f' — served from the recording, no model call.</div>')
@@ -400,7 +400,7 @@ def ui_result(state, questions, temperature, model, image=None) -> tuple[str, st
     return render_meta(result["meta"]), render_answers(qs, result), json.dumps(result, ensure_ascii=False, indent=2)
 
 
-def ui_decide(state, questions, temperature, model, image, progress=gr.Progress()):
+def ui_decide(state, questions, temperature, model, image, progress=gr.Progress()):  # noqa: B008 - Gradio idiom
     """The Decide button: recorded presets come back at once, anything edited runs the live model."""
     progress(0, desc="Running the model…")
     return ui_result(state, questions, temperature, model, image)

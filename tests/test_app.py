@@ -291,3 +291,32 @@ def test_rendering_shows_every_option(served):
     assert "<script" not in app.render_answers({"<script>": {"type": "noul"}},
                                                {"answers": blink.assemble({"<script>": {"type": "noul"}},
                                                                           {"<script>": [0.0, 0.0]}, 1.0)})
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# ZeroGPU readiness
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_spaces_comes_before_torch_and_weights_load_at_import():
+    """`import spaces` precedes anything that can touch CUDA, and importing the app builds the engine (weights
+    placed at start, as ZeroGPU wants)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import sys, app, blink; m = list(sys.modules); "
+             "print(m.index('spaces') < m.index('torch'), blink._ENGINE is not None, "
+             "type(blink._live(blink._ENGINE).model).__name__)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300,
+                         check=False, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-3:] == ["True", "True", "LlamaForCausalLM"]
+
+
+def test_gpu_reservation_fits_the_work():
+    small = blink._gpu_seconds(0, [[1] * 200] * 4, [[1, 2]] * 4)
+    large = blink._gpu_seconds(0, [[1] * 100_000] * 8, [[1, 2]] * 8)
+    assert small == blink.GPU_RESERVE_BASE_S + 1
+    assert small < large == blink.GPU_DURATION
