@@ -397,7 +397,11 @@ def ui_result(state, questions, temperature, model, image=None) -> tuple[str, st
     except Exception as exc:  # noqa: BLE001 - shown as a message, never as a traceback
         log.exception("request failed")
         return render_error(RuntimeError(f"the model failed on this request ({type(exc).__name__})")), "", "{}"
-    return render_meta(result["meta"]), render_answers(qs, result), json.dumps(result, ensure_ascii=False, indent=2)
+    hint = ""
+    if isinstance(st, str) and st.strip().startswith(("{", "[")):
+        hint = '<div class="bk-hint">The evidence looks like JSON but does not parse, so it was read as text.</div>'
+    return (hint + render_meta(result["meta"]), render_answers(qs, result),
+            json.dumps(result, ensure_ascii=False, indent=2))
 
 
 def ui_decide(state, questions, temperature, model, image, progress=gr.Progress()):  # noqa: B008 - Gradio idiom

@@ -234,6 +234,9 @@ def test_mock_numbers_are_labelled_fabricated(served, client):
     assert got["meta"]["engine"] == "mock" and got["meta"]["fabricated"] is True
     assert "fabricated" in got["meta"]["notice"]
     assert 'class="bk-notice bk-fabricated"' in page[0] and "fabricated" in page[0]
+    with serving(blink.MockEngine(blink.MODEL_ID)):
+        broken = app.ui_result('{"ticket": 1,', json.dumps(OK_Q), 1.0, None)
+    assert "does not parse, so it was read as text" in broken[0]
 
 
 def test_replay_only_host_explains_a_miss(served, client):
