@@ -101,7 +101,7 @@ MAX_JSON_DEPTH = int(os.environ.get("BLINK_MAX_JSON_DEPTH", "64"))  # nesting of
 PREFIX_CACHE = _flag("BLINK_PREFIX_CACHE")
 # Readout: "rows" (per-question gather, upcast and GEMV) or "batched" (one gather and one FP32 matmul per forward).
 READOUT = os.environ.get("BLINK_READOUT", "rows").strip().lower()
-GPU_DURATION = int(os.environ.get("BLINK_GPU_DURATION", "60"))
+GPU_DURATION = int(os.environ.get("BLINK_GPU_DURATION", "60"))  # the most seconds one GPU call reserves
 VISION = _flag("BLINK_VISION")
 VISION_TOWER = os.environ.get("BLINK_VISION_TOWER") or None
 IMAGE_LAYOUTS = ("inline", "first")
@@ -532,7 +532,7 @@ class ReplayEngine:
 
 def _gpu(duration):
     """spaces.GPU when the package is importable (a no-op off ZeroGPU), a plain decorator anywhere else.
-    `duration` is seconds or a callable given the function's own arguments."""
+    `duration` is seconds or a callable given the same arguments as the decorated function."""
     try:
         import spaces
     except Exception:  # noqa: BLE001 - not installed, or not on a Space
@@ -887,10 +887,17 @@ def _forward_shared(engine: TorchEngine, seqs: list[list[int]], cands: list[list
     _run_batches(engine, tails, cands, out, cache=cache, max_rows=rows_cap)
 
 
+# Prefill rate assumed when reserving ZeroGPU time: far below what a 4B model reaches on one GPU, so a call is not
+# cut short, while a small request still reserves little (ZeroGPU schedules short reservations first).
+GPU_RESERVE_TOKENS_PER_S = 5000
+GPU_RESERVE_BASE_S = 10
+
+
 def _gpu_seconds(key: int, seqs: list[list[int]], cands: list[list[int]]) -> int:
-    """The ZeroGPU time to reserve for one forward call: a few seconds plus the prompt tokens at a conservative
-    10k tokens/s, capped at BLINK_GPU_DURATION (a short reservation is scheduled sooner)."""
-    return int(min(GPU_DURATION, 5 + sum(len(s) for s in seqs) / 10_000))
+    """Seconds of GPU one forward call reserves: sized by its tokens, at most BLINK_GPU_DURATION."""
+    del key, cands
+    tokens = sum(len(s) for s in seqs)
+    return min(GPU_DURATION, GPU_RESERVE_BASE_S + math.ceil(tokens / GPU_RESERVE_TOKENS_PER_S))
 
 
 @_gpu(_gpu_seconds)
@@ -1071,14 +1078,23 @@ def _packed_logits(live: TorchEngine, pairs: dict) -> dict:
         return got
 
 
-def decide_many(requests: list, temperature: float | None = None, model: str | None = None) -> list:
+def _temperatures(temperature, n: int, default: float) -> list[float]:
+    """One checked temperature per request, from a single value (or None: the default) or a list of n."""
+    given = temperature if isinstance(temperature, (list, tuple)) else [temperature] * n
+    if len(given) != n:
+        raise BlinkError(f"temperature: {len(given)} values for {n} requests", ["body", "temperature"])
+    return [check_temperature(t if t is not None else default) for t in given]
+
+
+def decide_many(requests: list, temperature: float | list | None = None, model: str | None = None) -> list:
     """Several (state, questions) requests in one GPU call. Returns one item per request, in order: the dict
-    decide() returns, or the exception that request raised. One request's failure never reaches another."""
+    decide() returns, or the exception that request raised. One request's failure never reaches another.
+    `temperature` is one value for all or a list with one per request."""
     if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_BATCH_REQUESTS:
         raise BlinkError(f"requests must be a list of 1-{MAX_BATCH_REQUESTS} [state, questions] pairs",
                          ["body", "requests"])
     eng = engine(model)
-    t = check_temperature(temperature if temperature is not None else eng.temperature)
+    temps = _temperatures(temperature, len(requests), eng.temperature)
     out: list = [None] * len(requests)
     pairs = {}
     for i, req in enumerate(requests):
@@ -1090,7 +1106,7 @@ def decide_many(requests: list, temperature: float | None = None, model: str | N
     if not isinstance(live, TorchEngine):  # mock and replay engines answer one request at a time, as decide() does
         for i, (state, questions) in pairs.items():
             try:
-                out[i] = decide(state, questions, temperature=t, model=model)
+                out[i] = decide(state, questions, temperature=temps[i], model=model)
             except Exception as exc:  # noqa: BLE001
                 out[i] = exc
         return out
@@ -1103,9 +1119,9 @@ def decide_many(requests: list, temperature: float | None = None, model: str | N
             out[i] = res
             continue
         raw, n_tokens = res
-        meta = _meta(live, t, n_tokens, latency_ms)
+        meta = _meta(live, temps[i], n_tokens, latency_ms)
         meta["batched_requests"] = n_ok
-        out[i] = {"answers": assemble(pairs[i][1], raw, t), "meta": meta}
+        out[i] = {"answers": assemble(pairs[i][1], raw, temps[i]), "meta": meta}
     return out
 
 
@@ -1153,16 +1169,19 @@ class Batcher:
                 self.restarts += 1
                 self._start_worker()
 
-    def submit(self, state, questions: dict) -> dict:
+    def submit(self, state, questions: dict, temperature: float | None = None) -> dict:
         """Queue one request, block until its own result is ready, return it or raise its own error."""
         import concurrent.futures
+        import contextvars
         import queue
 
         validate_request(state, questions)  # a malformed request fails at once, never taking a place in the queue
+        if temperature is not None:
+            temperature = check_temperature(temperature)
         self._ensure_worker()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            self.q.put_nowait((state, questions, fut))
+            self.q.put_nowait((state, questions, temperature, contextvars.copy_context(), fut))
         except queue.Full:
             raise BlinkBusy(f"busy: {self.max_queued} requests are already waiting; retry shortly") from None
         while not fut.done():
@@ -1189,17 +1208,19 @@ class Batcher:
         """Worker: gather, decide together, hand each caller its own result."""
         while True:
             batch = self._gather()
+            requests, temps = [(s, q) for s, q, _, _, _ in batch], [t for _, _, t, _, _ in batch]
             try:
-                results = decide_many([(s, q) for s, q, _ in batch], model=self.model)
+                # in the oldest caller's context, so what it carries (a ZeroGPU caller's quota token) reaches the GPU
+                results = batch[0][3].run(decide_many, requests, temps, self.model)
             except Exception as exc:  # noqa: BLE001 - a failure outside any one request: each caller gets it
                 results = [exc] * len(batch)
             except BaseException as exc:  # the worker itself is dying: its callers must not wait forever
-                for _, _, fut in batch:
+                for *_, fut in batch:
                     fut.set_exception(RuntimeError(f"the batching worker stopped ({type(exc).__name__}); retry"))
                 raise
             if len(results) != len(batch):
                 results = [RuntimeError("the batching worker lost this request")] * len(batch)
-            for (_, _, fut), res in zip(batch, results):
+            for (*_, fut), res in zip(batch, results):
                 if isinstance(res, BaseException):
                     fut.set_exception(res)
                 else:

@@ -157,6 +157,6 @@ def test_gpu_decorator_is_plain_off_zero_gpu_and_sized_to_the_work(monkeypatch):
         return key
 
     assert blink._gpu(10)(f) is f and blink._gpu(blink._gpu_seconds)(f) is f
-    assert blink._gpu_seconds(0, [[1] * 100], [[1]]) == 5
-    assert blink._gpu_seconds(0, [[1] * 100_000] * 2, [[1]] * 2) == 25
+    assert blink._gpu_seconds(0, [[1] * 100], [[1]]) == 11
+    assert blink._gpu_seconds(0, [[1] * 100_000] * 2, [[1]] * 2) == 50
     assert blink._gpu_seconds(0, [[1] * 131_072] * 512, [[1]] * 512) == blink.GPU_DURATION
