@@ -53,12 +53,14 @@ def recording_info(model: str | None = None) -> dict | None:
         return None
     data = blink.load_recording(path)
     if data["model"] != mid:
+        log.warning("%s was recorded by %s, not by the served model %s: its presets run live", path, data["model"],
+                    mid)
         return None
     return {"model": data["model"], "hardware": data.get("hardware", ""), "recorded_at": data.get("recorded_at", ""),
             "examples": len(data["requests"])}
 
 
-RECORDINGS = {m: recording_info(m) for m in blink.models()}
+RECORDINGS: dict[str, dict | None] = {}  # each served model's recording header, read at start
 
 # ==================================================================================================================
 # Inputs: what a person or a program sends, checked and parsed, with the field named on every mistake
@@ -76,16 +78,25 @@ def parse_state(state):
     return blink.as_state(state)
 
 
+def json_text(value: str, field: str):
+    """A field given as JSON text, parsed; a BlinkError naming the field when it does not parse."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise blink.BlinkError(f"{field} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
+                               ["body", field]) from None
+    except RecursionError:
+        raise blink.BlinkError(f"{field} nests deeper than {blink.MAX_JSON_DEPTH} levels", ["body", field]) from None
+    except ValueError as exc:  # e.g. an integer with more digits than Python converts
+        raise blink.BlinkError(f"{field} cannot be read: {exc}", ["body", field]) from None
+
+
 def parse_questions(questions) -> dict:
     """The questions object, from JSON text or an object, validated before any model work."""
     if isinstance(questions, str):
         if not questions.strip():
             raise blink.BlinkError("questions is empty: give a JSON object of named questions", ["body", "questions"])
-        try:
-            questions = json.loads(questions)
-        except json.JSONDecodeError as exc:
-            raise blink.BlinkError(f"questions is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-                                   ["body", "questions"]) from None
+        questions = json_text(questions, "questions")
     blink.validate(questions)
     return questions
 
@@ -546,10 +557,7 @@ def decide(state: str | dict | list, questions: str | dict, temperature: float =
 def parse_batch(requests) -> list:
     """The request list of /decide_batch: each item parsed to (state, questions), or the error it raised."""
     if isinstance(requests, str):
-        try:
-            requests = json.loads(requests)
-        except json.JSONDecodeError as exc:
-            raise blink.BlinkError(f"requests is not valid JSON: {exc.msg}", ["body", "requests"]) from None
+        requests = json_text(requests, "requests")
     if not isinstance(requests, list) or not requests:
         raise blink.BlinkError("requests must be a non-empty list of {state, questions} objects", ["body", "requests"])
     if len(requests) > MAX_BATCH_CALL:
@@ -560,7 +568,9 @@ def parse_batch(requests) -> list:
         try:
             if not isinstance(item, dict) or "state" not in item or "questions" not in item:
                 raise blink.BlinkError("each request must be an object with state and questions", [])
-            items.append((parse_state(item["state"]), parse_questions(item["questions"])))
+            state, questions = parse_state(item["state"]), parse_questions(item["questions"])
+            blink.validate_request(state, questions)  # size and nesting too, so every refusal names its request
+            items.append((state, questions))
         except blink.BlinkError as exc:
             items.append(blink.BlinkError(str(exc), ["body", "requests", i, *exc.loc[1:]]))
     return items
@@ -573,10 +583,14 @@ def decide_batch(requests: list | str, temperature: float = blink.TEMPERATURE, m
     try:
         t, mid = blink.check_temperature(temperature), parse_model(model)
         items = parse_batch(requests)
+        results = run_many(items, t, mid)
     except blink.BlinkError as exc:
         raise _refuse(exc) from None
+    except Exception as exc:  # noqa: BLE001 - a message, never a traceback
+        log.exception("batch failed")
+        raise gr.Error(f"the model failed on this batch ({type(exc).__name__})", print_exception=False) from None
     out = []
-    for res in run_many(items, t, mid):
+    for res in results:
         if isinstance(res, (blink.BlinkError, blink.BlinkBusy)):
             out.append({"error": error_text(res), "loc": getattr(res, "loc", [])})
         elif isinstance(res, Exception):
@@ -612,8 +626,20 @@ def build_demo() -> gr.Blocks:
     return demo
 
 
-blink.warm()  # build every served model now: on ZeroGPU the weights are placed on the device at start
-demo = build_demo()
+def start() -> gr.Blocks:
+    """Read the recordings and build every served model now (on ZeroGPU the weights are placed on the device at
+    start), then the page. A deployment that cannot serve (a corrupt or foreign recording, a model whose labels do
+    not verify) stops here with one line naming the problem, not a traceback."""
+    for mid in blink.models():
+        try:
+            RECORDINGS[mid] = recording_info(mid)
+            blink.engine(mid)
+        except blink.BlinkError as exc:
+            raise SystemExit(f"blink: cannot serve {mid}: {exc}") from None
+    return build_demo()
+
+
+demo = start()
 
 
 def launch(**kwargs):

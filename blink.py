@@ -187,8 +187,16 @@ def as_state(state):
         return state
     try:
         return json.loads(state)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # not JSON, too deep to parse, or an integer too long to convert
         return state
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")  # valid as JSON escapes, yet no encoding can write them
+
+
+def _is_text(s: str) -> bool:
+    """False for a string holding a lone surrogate (no tokenizer, hash or recording can encode it)."""
+    return s.isascii() or not _SURROGATE.search(s)
 
 
 def option_text(key, desc) -> str:
@@ -285,10 +293,13 @@ def check_json(value, loc: list, budget: int) -> int:
         if depth > MAX_JSON_DEPTH:
             raise BlinkError(f"{'.'.join(map(str, where[1:]))} nests deeper than {MAX_JSON_DEPTH} levels", where)
         if isinstance(item, str):
+            if not _is_text(item):
+                raise BlinkError(f"{'.'.join(map(str, where[1:]))} is not valid Unicode text (a lone surrogate)",
+                                 where)
             chars += len(item)
         elif isinstance(item, dict):
             for k, v in item.items():
-                if not isinstance(k, str):
+                if not isinstance(k, str) or not _is_text(k):
                     raise BlinkError(f"{'.'.join(map(str, where[1:]))} has a non-text key {k!r}", where)
                 chars += len(k)
                 pending.append((v, [*where, k], depth + 1))
@@ -311,9 +322,11 @@ def validate_request(state, questions) -> None:
 
 def check_temperature(value) -> float:
     """A finite, positive temperature, or a BlinkError naming the field."""
+    if isinstance(value, bool):  # float(True) is 1.0, but true is not a temperature
+        raise BlinkError("temperature must be a number", ["body", "temperature"])
     try:
         t = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise BlinkError("temperature must be a number", ["body", "temperature"]) from None
     if not math.isfinite(t) or t <= 0:
         raise BlinkError("temperature must be a finite number above 0", ["body", "temperature"])
@@ -355,9 +368,9 @@ def wrap(tokenizer, user: str) -> str:
 
 def softmax(logits: list[float], temperature: float) -> list[float]:
     """Softmax of logits / temperature."""
-    z = [v / temperature for v in logits]
-    m = max(z)
-    e = [math.exp(v - m) for v in z]
+    m = max(logits)
+    z = [(v - m) / temperature for v in logits]  # shifted first: a tiny temperature cannot make inf - inf
+    e = [math.exp(v) for v in z]
     s = sum(e)
     return [v / s for v in e]
 
@@ -1243,7 +1256,7 @@ def _json_arg(value: str, name: str):
         return as_state(value)
     try:
         return json.loads(value)
-    except json.JSONDecodeError as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError covers JSONDecodeError and over-long integers
         raise BlinkError(f"--{name} is neither a file nor valid JSON: {exc}") from None
 
 

@@ -50,7 +50,8 @@ QUESTIONS = st.one_of(
     st.integers(510, 515).map(lambda n: {f"q{i}": {"type": "noul"} for i in range(n)}),  # 513 among them
 )
 TEMPERATURE = st.one_of(st.none(), st.floats(0.05, 5.0), st.floats(allow_nan=True, allow_infinity=True),
-                        st.integers(-2, 3), TEXT)
+                        st.integers(-2, 3), TEXT,
+                        st.sampled_from([5e-324, 1e-310, 1.7e308, 10**400, True, "inf", "1e-320"]))  # edges
 STATE = st.one_of(JSONISH, TEXT, st.text(min_size=1000, max_size=3000))
 
 

@@ -58,3 +58,24 @@ def test_hf_token_never_reaches_answers_logs_or_recordings(tmp_path):
     assert done.returncode == 0, done.stderr
     assert secret not in done.stdout and secret not in done.stderr
     assert secret not in (tmp_path / "r.json").read_text()
+
+
+def test_hf_token_never_reaches_the_served_app(crowded_app):
+    """The app launched with HF_TOKEN set: no page, endpoint, answer, error or log line carries it."""
+    import httpx
+    from conftest import SECRET
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    url, log_path = crowded_app
+    client = Client(url, verbose=False)
+    seen = [json.dumps(client.predict(api_name="/info")),
+            json.dumps(client.predict("Is this urgent?", {"q": {"type": "noul"}}, api_name="/decide")),
+            json.dumps(client.predict([{"state": "x", "questions": {}}], api_name="/decide_batch"))]
+    with pytest.raises(AppError) as refused:
+        client.predict("", {}, api_name="/decide")
+    seen.append(refused.value.message)
+    seen += [httpx.get(url + path, timeout=30).text for path in ("", "config", "gradio_api/info",
+                                                                   "gradio_api/openapi.json")]
+    assert all(SECRET not in text for text in seen)
+    assert SECRET not in open(log_path, encoding="utf-8").read()

@@ -90,17 +90,10 @@ def test_prompt_over_the_token_limit_is_refused_before_any_forward(standin, monk
 
 
 def test_model_whose_labels_do_not_verify_is_refused_at_load(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    import tiny_models
 
-    vocab = {ch: i for i, ch in enumerate("<>|_ abcdefghijklmnopqrstuvwxyz\n{}\":,.")}  # no uppercase letters at all
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="_"))
-    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="_")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    tok.save_pretrained(tmp_path)
     with pytest.raises(blink.BlinkError, match="verified single-token labels"):
-        blink.TorchEngine(str(tmp_path))
+        blink.TorchEngine(tiny_models.build_letterless_tokenizer(tmp_path))
 
 
 def test_decide_meta_on_the_live_engine(standin, served):
