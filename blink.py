@@ -6,7 +6,8 @@ most BLINK_TOKEN_BUDGET padded tokens, and the answer is read from the next-toke
 option labels. No tokens are generated.
 
 Sections, in order: settings · errors · request schema · rendering · answers · images · engines (mock, replay,
-torch, hybrid) · forward pass · engine selection and decide() · batching (decide_many, Batcher) · command line.
+torch, hybrid) · forward pass · engine selection and decide() · batching (decide_many, Batcher) · calibration ·
+command line.
 
 Engines (BLINK_ENGINE): "torch" runs the model; "replay" serves label logits the real model recorded for the
 bundled examples; "hybrid" serves those recordings for the bundled examples and runs the model for everything
@@ -91,6 +92,8 @@ MODEL_ID, MODEL_REVISION = MODEL_SPECS[0]
 TEMPERATURE = float(os.environ.get("BLINK_TEMPERATURE", "1.0"))
 MAX_OPTIONS = 255
 MAX_QUESTIONS = 512
+MAX_PROMPTS = 2048  # rendered prompts per request: `permute` adds one per rotation, `multi` one per option
+LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp
 MAX_INPUT_TOKENS = int(os.environ.get("BLINK_MAX_INPUT_TOKENS", "131072"))  # per question, as evaluated
 TOKEN_BUDGET = int(os.environ.get("BLINK_TOKEN_BUDGET", "32768"))  # padded tokens per forward
 # Shared-prefix prefill (opt-in): the questions of one request share the system prompt and the evidence, so that
@@ -107,6 +110,8 @@ MOCK = os.environ.get("BLINK_MOCK", "") not in ("", "0", "false", "False")
 ENGINE = "mock" if MOCK else os.environ.get("BLINK_ENGINE", "").strip().lower()
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPLAY_PATH = os.environ.get("BLINK_REPLAY", os.path.join(HERE, "replay.json"))
+# Fitted temperatures per model, question type and option band, written by `python blink.py calibrate DATA.jsonl`.
+CALIBRATION_PATH = os.environ.get("BLINK_CALIBRATION") or os.path.join(HERE, "calibration.json")
 EXAMPLES_DIR = os.path.join(HERE, "examples")
 CACHE_DIR = os.environ.get("BLINK_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "blink")
 
@@ -254,12 +259,74 @@ def question_options(q: dict, qkey: str = "?") -> list[tuple[str, str]]:
     return items
 
 
+# Opt-in per question (absent or null = off; a question without them renders and keys exactly as before):
+#   "permute": N        choice only: average the distribution over N cyclic rotations of the options (1..options)
+#   "multi": true       choice only: one yes/no prompt per option, independent p(yes) each ("which of these apply")
+#   "abstain": {...}    any type: {"min_label_mass": x} and/or {"min_confidence": y}, each from 0 to 1
+ABSTAIN_THRESHOLDS = ("min_label_mass", "min_confidence")
+
+
+def _is_number(v) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def permute_count(q: dict, qkey: str, n_options: int) -> int | None:
+    """The question's `permute` rotation count, or None when it has none."""
+    n = q.get("permute")
+    if n is None:
+        return None
+    loc = ["body", "questions", qkey, "permute"]
+    if q.get("type") != "choice":
+        raise BlinkError(f"question {qkey!r}: permute applies to choice questions only", loc)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= n_options:
+        raise BlinkError(f"question {qkey!r}: permute must be a whole number of rotations from 1 to its "
+                         f"{n_options} options (got {n!r})", loc)
+    return n
+
+
+def is_multi(q: dict, qkey: str) -> bool:
+    """True when the question asks for independent yes-probabilities per option (`"multi": true`)."""
+    flag = q.get("multi")
+    if flag is None or flag is False:
+        return False
+    loc = ["body", "questions", qkey, "multi"]
+    if flag is not True:
+        raise BlinkError(f"question {qkey!r}: multi must be true or false (got {flag!r})", loc)
+    if q.get("type") != "choice":
+        raise BlinkError(f"question {qkey!r}: multi applies to choice questions only", loc)
+    if q.get("permute") is not None:
+        raise BlinkError(f"question {qkey!r}: multi and permute cannot be combined (multi options have no order)",
+                         loc)
+    return True
+
+
+def abstain_rule(q: dict, qkey: str) -> dict[str, float]:
+    """The question's abstention thresholds ({} when it has none)."""
+    rule = q.get("abstain")
+    if rule is None:
+        return {}
+    loc = ["body", "questions", qkey, "abstain"]
+    if not isinstance(rule, dict) or not rule:
+        raise BlinkError(f"question {qkey!r}: abstain must be an object with min_label_mass and/or min_confidence",
+                         loc)
+    for name, value in rule.items():
+        if name not in ABSTAIN_THRESHOLDS:
+            raise BlinkError(f"question {qkey!r}: abstain.{name} is not a threshold; use min_label_mass or "
+                             "min_confidence", [*loc, name])
+        if not _is_number(value) or not 0 <= value <= 1:
+            raise BlinkError(f"question {qkey!r}: abstain.{name} must be a number from 0 to 1 (got {value!r})",
+                             [*loc, name])
+    return {name: float(value) for name, value in rule.items()}
+
+
 def validate(questions) -> None:
     """Check every question before any model work, so nothing is half-run."""
     if not isinstance(questions, dict) or not questions:
         raise BlinkError("questions must be a non-empty object of named questions", ["body", "questions"])
     if len(questions) > MAX_QUESTIONS:
         raise BlinkError(f"questions: {len(questions)} questions; supported 1-{MAX_QUESTIONS}", ["body", "questions"])
+    n_prompts = 0
     for qkey, q in questions.items():
         if not isinstance(q, dict):
             raise BlinkError(f"question {qkey!r} must be an object with type and criteria",
@@ -267,7 +334,13 @@ def validate(questions) -> None:
         instructions = q.get("instructions")
         if instructions is not None and not isinstance(instructions, (str, dict, list, int, float)):
             raise BlinkError(f"question {qkey!r}: instructions must be text", ["body", "questions", qkey])
-        question_options(q, qkey)
+        n_options = len(question_options(q, qkey))
+        rotations = permute_count(q, qkey, n_options)
+        abstain_rule(q, qkey)
+        n_prompts += n_options if is_multi(q, qkey) else rotations or 1
+    if n_prompts > MAX_PROMPTS:
+        raise BlinkError(f"questions: {n_prompts} prompts to run (permute and multi add prompts); supported at most "
+                         f"{MAX_PROMPTS} per request", ["body", "questions"])
 
 
 def check_temperature(value) -> float:
@@ -309,6 +382,34 @@ def wrap(tokenizer, user: str) -> str:
                                          enable_thinking=False)
 
 
+def rotation_shifts(n_options: int, rotations: int) -> list[int]:
+    """Evenly spaced cyclic shifts, the first 0 (the request's own order): 4 options, 2 rotations -> [0, 2]."""
+    return [i * n_options // rotations for i in range(rotations)]
+
+
+def multi_criterion(q: dict, desc: str) -> str:
+    """The criterion of one option's yes/no prompt in a multi question."""
+    ask = f"Does this option apply: {desc}"
+    base = text(q.get("instructions")).strip()
+    return f"{base}\n{ask}" if base else ask
+
+
+def prompt_rows(q: dict, qkey: str = "?") -> list[tuple[dict, list[tuple[str, str]]]]:
+    """What each rendered prompt of a question shows: (question as rendered, options in shown order).
+
+    One prompt normally (the request's own rendering, unchanged). With `permute: N`, one per rotation, the options
+    shifted cyclically and lettered A.. in shown order. With `multi`, one noul-shaped prompt per option: the criterion
+    gains "Does this option apply: <option>" and the options are the plain Yes / No pair."""
+    items = question_options(q, qkey)
+    if is_multi(q, qkey):
+        yes_no = _noul_options(None, qkey)
+        return [({"type": "noul", "instructions": multi_criterion(q, desc)}, yes_no) for _, desc in items]
+    rotations = permute_count(q, qkey, len(items))
+    if rotations is None:
+        return [(q, items)]
+    return [(q, items[s:] + items[:s]) for s in rotation_shifts(len(items), rotations)]
+
+
 # ==================================================================================================================
 # Answers
 # ==================================================================================================================
@@ -328,12 +429,16 @@ def _confidence(p_top: float, k: int) -> float:
     return (p_top - 1 / k) / (1 - 1 / k) if k > 1 else 1.0
 
 
+def _top(keys: list[str], probs: list[float]) -> str:
+    """The most probable key; ties go to the earlier option."""
+    return keys[max(range(len(keys)), key=lambda i: (probs[i], -i))]
+
+
 def answer_for(q: dict, keys: list[str], probs: list[float]) -> dict:
     """The typed answer of one question from its label probabilities; ties go to the earlier option."""
     z = sum(probs) or 1.0
     p = {k: v / z for k, v in zip(keys, probs)}
-    order = {k: i for i, k in enumerate(keys)}
-    best = max(keys, key=lambda k: (p[k], -order[k]))
+    best = _top(keys, [p[k] for k in keys])
     qtype = q["type"]
     if qtype == "choice":
         return {"type": "choice", "choice": best, "probabilities": p, "confidence": _confidence(p[best], len(keys))}
@@ -349,10 +454,123 @@ def answer_for(q: dict, keys: list[str], probs: list[float]) -> dict:
     }
 
 
-def assemble(questions: dict, raw: dict[str, list[float]], temperature: float) -> dict:
-    """Every question's answer from its raw label logits."""
-    return {qkey: answer_for(q, [k for k, _ in question_options(q, qkey)], softmax(raw[qkey], temperature))
-            for qkey, q in questions.items()}
+@dataclass
+class Readout:
+    """One question's model output: the label logits of each of its rendered prompts (options in shown order) and
+    the log-sum-exp of the full vocabulary logits at each answer position (None where the engine does not know it,
+    as in a recording made before label mass was recorded)."""
+
+    logits: list[list[float]]
+    lse: list[float | None]
+
+
+def logsumexp(values: list[float]) -> float:
+    """log(sum(exp(values))), computed stably."""
+    m = max(values)
+    return m + math.log(sum(math.exp(v - m) for v in values))
+
+
+def label_mass(logits: list[float], lse: float | None) -> float | None:
+    """Share of the model's own next-token distribution (temperature 1) that falls on the offered labels:
+    exp(LSE(label logits) - LSE(all vocabulary logits)). A low mass says the model wanted to answer something else.
+    Temperature is left out on purpose: it reshapes the answer over the labels, not what the model itself put there."""
+    if lse is None:
+        return None
+    return min(1.0, math.exp(logsumexp(logits) - lse))
+
+
+def readout_mass(readout: Readout) -> float | None:
+    """A question's label mass: the mean over its prompts (rotations, options); None when any one is unknown."""
+    masses = [label_mass(z, lse) for z, lse in zip(readout.logits, readout.lse)]
+    if any(m is None for m in masses):
+        return None
+    return sum(masses) / len(masses)
+
+
+def average(dists: list[list[float]]) -> list[float]:
+    """The elementwise mean of equally long probability vectors."""
+    return [sum(col) / len(dists) for col in zip(*dists)]
+
+
+def order_sensitivity(dists: list[list[float]]) -> float:
+    """Mean total-variation distance of each rotation's distribution from their average: 0 when the option order
+    never changed the answer, up to 1 when every rotation put all its mass on a different option."""
+    mean = average(dists)
+    return sum(0.5 * sum(abs(a - b) for a, b in zip(d, mean)) for d in dists) / len(dists)
+
+
+def _in_request_order(keys: list[str], shown: list[tuple[str, str]], probs: list[float]) -> list[float]:
+    """Probabilities of a prompt that showed the options in `shown` order, mapped back to the request's key order."""
+    at = {key: p for (key, _), p in zip(shown, probs)}
+    return [at[k] for k in keys]
+
+
+def multi_answer(keys: list[str], p_yes: list[float]) -> dict:
+    """A multi-label choice: independent p(yes) per option, and the options above 0.5 in request order."""
+    p = dict(zip(keys, p_yes))
+    return {"type": "choice", "multi": True, "choices": [k for k in keys if p[k] > 0.5], "probabilities": p,
+            "confidence": min(_confidence(max(v, 1 - v), 2) for v in p_yes)}
+
+
+_PICKS = {"choice": ("choice",), "noul": ("noul",), "score": ("score", "choice")}
+
+
+def answer_confidence(answer: dict) -> float:
+    """The answer's confidence; for a noul, how far p(yes) stands from 1/2 (the same formula with two options)."""
+    if "confidence" in answer:
+        return answer["confidence"]
+    p = answer["probabilities"]["yes"]
+    return _confidence(max(p, 1 - p), 2)
+
+
+def abstention_reasons(rule: dict[str, float], mass: float | None, confidence: float) -> list[str]:
+    """Why an answer falls short of its abstain thresholds (empty when it does not)."""
+    reasons = []
+    if "min_label_mass" in rule:
+        if mass is None:
+            reasons.append("label mass is unknown for this answer (its recording has none), so min_label_mass "
+                           "cannot be checked")
+        elif mass < rule["min_label_mass"]:
+            reasons.append(f"label mass {mass:.4f} is below min_label_mass {rule['min_label_mass']:g}")
+    if "min_confidence" in rule and confidence < rule["min_confidence"]:
+        reasons.append(f"confidence {confidence:.4f} is below min_confidence {rule['min_confidence']:g}")
+    return reasons
+
+
+def apply_abstention(answer: dict, rule: dict[str, float]) -> dict:
+    """The answer with `abstained` (and `reason`) set; an abstained answer keeps its distribution, not its pick."""
+    confidence = answer_confidence(answer)
+    reasons = abstention_reasons(rule, answer["label_mass"], confidence)
+    out = dict(answer, confidence=confidence, abstained=bool(reasons))
+    if reasons:
+        out["reason"] = "; ".join(reasons)
+        for field in ("choices",) if answer.get("multi") else _PICKS[answer["type"]]:
+            out[field] = None
+    return out
+
+
+def answer_question(q: dict, qkey: str, readout: Readout, temperature: float) -> dict:
+    """One question's answer from its readout: softmax each prompt at the temperature, map rotations back to the
+    request's option keys and average them, or read p(yes) per option for multi; then label mass and abstention."""
+    keys = [k for k, _ in question_options(q, qkey)]
+    rows = prompt_rows(q, qkey)
+    if is_multi(q, qkey):
+        answer = multi_answer(keys, [softmax(z, temperature)[0] for z in readout.logits])
+    else:
+        dists = [_in_request_order(keys, shown, softmax(z, temperature)) for (_, shown), z in zip(rows, readout.logits)]
+        answer = answer_for(q, keys, average(dists))
+        if permute_count(q, qkey, len(keys)) is not None:
+            answer["rotations"] = len(dists)
+            answer["rotation_choices"] = [_top(keys, d) for d in dists]
+            answer["order_sensitivity"] = order_sensitivity(dists)
+    answer["label_mass"] = readout_mass(readout)
+    rule = abstain_rule(q, qkey)
+    return apply_abstention(answer, rule) if rule else answer
+
+
+def assemble(questions: dict, raw: dict[str, Readout], temperatures: dict[str, float]) -> dict:
+    """Every question's answer from its readout, each at its own temperature."""
+    return {qkey: answer_question(q, qkey, raw[qkey], temperatures[qkey]) for qkey, q in questions.items()}
 
 
 # ==================================================================================================================
@@ -394,27 +612,36 @@ class MockEngine:
         self.temperature = temperature
         self._salt = "" if model_id == MODEL_ID else f"|{model_id}"
 
-    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, list[float]], int]:
-        """Fabricated label logits per question and an estimated token count."""
+    def _unit(self, seed: str) -> float:
+        """A stable pseudo-random number in [0, 1) from a string."""
+        return int.from_bytes(hashlib.blake2b(f"{seed}{self._salt}".encode(), digest_size=4).digest(), "big") / 2**32
+
+    def _row(self, state, shown_q: dict, shown: list[tuple[str, str]], hint: dict) -> list[float]:
+        """Fabricated label logits of one prompt: overlap with the evidence and criterion, jitter, a position tilt."""
         evidence = _terms(text(state))
+        crit = _terms(text(shown_q.get("instructions")))
+        row = []
+        for i, (key, disp) in enumerate(shown):
+            opt = _terms(disp)
+            overlap = len(opt & evidence) / (len(opt) ** 0.5 + 1.0)
+            cue = len(opt & crit) / (len(crit) ** 0.5 + 1.0)
+            jitter = self._unit(f"{text(state)}|{text(shown_q.get('instructions'))}|{key}|{i}")
+            row.append(2.6 * overlap + 1.1 * cue + 1.9 * jitter - 0.5 * i / len(shown) + float(hint.get(key, 0.0)))
+        return row
+
+    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, Readout], int]:
+        """Fabricated label logits per prompt, a fabricated label mass (0.55-0.95) and an estimated token count."""
         bias = bias or {}
         out, n_tokens = {}, 0
         for qkey, q in questions.items():
-            items = question_options(q, qkey)
-            prompt = SYSTEM + user_message(state, q, LABEL_POOL[: len(items)], items)
-            n_tokens += max(1, len(prompt) // 4)
-            crit = _terms(text(q.get("instructions")))
-            hint = bias.get(qkey) or {}
-            row = []
-            for i, (key, disp) in enumerate(items):
-                opt = _terms(disp)
-                overlap = len(opt & evidence) / (len(opt) ** 0.5 + 1.0)
-                cue = len(opt & crit) / (len(crit) ** 0.5 + 1.0)
-                seed = f"{text(state)}|{text(q.get('instructions'))}|{key}|{i}{self._salt}".encode()
-                jitter = int.from_bytes(hashlib.blake2b(seed, digest_size=4).digest(), "big")
-                row.append(2.6 * overlap + 1.1 * cue + 1.9 * (jitter / 2**32) - 0.5 * i / len(items)
-                           + float(hint.get(key, 0.0)))
-            out[qkey] = row
+            rows, lses = [], []
+            for shown_q, shown in prompt_rows(q, qkey):
+                n_tokens += max(1, len(SYSTEM + user_message(state, shown_q, LABEL_POOL[: len(shown)], shown)) // 4)
+                row = self._row(state, shown_q, shown, bias.get(qkey) or {})
+                mass = 0.55 + 0.4 * self._unit(f"{text(state)}|{text(shown_q.get('instructions'))}|mass")
+                rows.append(row)
+                lses.append(logsumexp(row) - math.log(mass))
+            out[qkey] = Readout(rows, lses)
         return out, n_tokens
 
 
@@ -431,6 +658,38 @@ def request_key(state, questions: dict) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:32]
 
 
+# A recording's entry per request: "logits" {qkey: label logits}, one flat list for a one-prompt question (the
+# original layout) or a list of lists for a question with several prompts (permute, multi); optionally "lse"
+# {qkey: [full-vocabulary log-sum-exp per prompt]}. Entries without "lse" replay with label_mass null.
+
+
+def _numbers(row) -> bool:
+    """A non-empty list of finite numbers."""
+    return isinstance(row, list) and bool(row) and all(_is_number(v) for v in row)
+
+
+def recorded_rows(logits) -> list[list[float]] | None:
+    """A question's recorded label-logit rows from either layout, or None when malformed."""
+    if _numbers(logits):
+        return [list(logits)]
+    if isinstance(logits, list) and logits and all(_numbers(row) for row in logits):
+        return [list(row) for row in logits]
+    return None
+
+
+def _entry_ok(hit) -> bool:
+    """True when a recording entry has the layout `record` writes."""
+    if not (isinstance(hit, dict) and isinstance(hit.get("logits"), dict) and isinstance(hit.get("input_tokens"), int)
+            and isinstance(hit.get("latency_ms"), (int, float))):
+        return False
+    rows = {qkey: recorded_rows(v) for qkey, v in hit["logits"].items()}
+    if any(r is None for r in rows.values()):
+        return False
+    lse = hit.get("lse", {})
+    return isinstance(lse, dict) and all(qkey in rows and _numbers(v) and len(v) == len(rows[qkey])
+                                         for qkey, v in lse.items())
+
+
 def load_recording(path: str) -> dict:
     """A recording file, checked for the layout `record` writes; a corrupt one is refused with a message."""
     try:
@@ -442,13 +701,15 @@ def load_recording(path: str) -> dict:
             data.get("requests"), dict):
         raise BlinkError(f"recording {path} is not a blink recording (needs model and requests)")
     for key, hit in data["requests"].items():
-        ok = (isinstance(hit, dict) and isinstance(hit.get("logits"), dict)
-              and all(isinstance(row, list) and row and all(isinstance(v, (int, float)) and math.isfinite(v)
-                                                           for v in row) for row in hit["logits"].values())
-              and isinstance(hit.get("input_tokens"), int) and isinstance(hit.get("latency_ms"), (int, float)))
-        if not ok:
+        if not _entry_ok(hit):
             raise BlinkError(f"recording {path} has a malformed entry {key!r}")
     return data
+
+
+def recording_entry(raw: dict[str, Readout]) -> dict:
+    """The "logits" and "lse" of a recording entry; a one-prompt question keeps the original flat layout."""
+    return {"logits": {qkey: r.logits[0] if len(r.logits) == 1 else r.logits for qkey, r in raw.items()},
+            "lse": {qkey: r.lse for qkey, r in raw.items()}}
 
 
 class ReplayEngine:
@@ -471,19 +732,24 @@ class ReplayEngine:
         """True when this exact request was recorded."""
         return request_key(state, questions) in self.cache
 
-    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, list[float]], int]:
-        """The recorded label logits of this exact request, or ReplayMiss."""
+    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, Readout], int]:
+        """The recorded readout of this exact request, or ReplayMiss."""
         hit = self.cache.get(request_key(state, questions))
         if hit is None or set(hit["logits"]) != set(questions):
             raise ReplayMiss(
                 "Edited input. This page only has saved runs for the built-in examples and presets. "
                 "Pick one of those, or run blink.py yourself to decide on any text."
             )
+        out = {}
         for qkey, q in questions.items():
-            if len(hit["logits"][qkey]) != len(question_options(q, qkey)):
+            rows = recorded_rows(hit["logits"][qkey])
+            shown = prompt_rows(q, qkey)
+            if len(rows) != len(shown) or any(len(r) != len(items) for r, (_, items) in zip(rows, shown)):
                 raise ReplayMiss(f"the recording of question {qkey!r} does not match its options")
+            lse = hit.get("lse", {}).get(qkey)
+            out[qkey] = Readout(rows, [float(v) for v in lse] if lse is not None else [None] * len(rows))
         self.last = hit
-        return {k: list(v) for k, v in hit["logits"].items()}, int(hit["input_tokens"])
+        return out, int(hit["input_tokens"])
 
 
 # ==================================================================================================================
@@ -593,7 +859,8 @@ _LIVE: dict = {}
 
 @dataclass
 class Prompt:
-    """One rendered question: its token ids and the token ids of its offered labels."""
+    """One rendered prompt of a question (a question has several with permute or multi): its token ids and the
+    token ids of the labels it offers."""
 
     qkey: str
     keys: list[str]
@@ -633,31 +900,31 @@ class TorchEngine:
         return self.model.model
 
     def render(self, state, questions: dict) -> list[Prompt]:
-        """Every question's prompt ids, checked against the per-question token limit."""
+        """Every prompt's ids (one per question, more with permute or multi), checked against the token limit."""
         work = []
         for qkey, q in questions.items():
-            items = question_options(q, qkey)
-            if len(items) > len(self.labels):
-                raise BlinkError(f"question {qkey!r}: {len(items)} options; {len(self.labels)} labels verified",
-                                 ["body", "questions", qkey, "criteria"])
-            prompt = wrap(self.tok, user_message(state, q, self.labels[: len(items)], items))
-            ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
-            if len(ids) > MAX_INPUT_TOKENS:
-                raise BlinkError(f"question {qkey!r} renders to {len(ids)} tokens, over the maximum context length "
-                                 f"of {MAX_INPUT_TOKENS}", ["body", "questions", qkey])
-            work.append(Prompt(qkey, [k for k, _ in items], ids, self.label_ids[: len(items)]))
+            for shown_q, shown in prompt_rows(q, qkey):
+                if len(shown) > len(self.labels):
+                    raise BlinkError(f"question {qkey!r}: {len(shown)} options; {len(self.labels)} labels verified",
+                                     ["body", "questions", qkey, "criteria"])
+                prompt = wrap(self.tok, user_message(state, shown_q, self.labels[: len(shown)], shown))
+                ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
+                if len(ids) > MAX_INPUT_TOKENS:
+                    raise BlinkError(f"question {qkey!r} renders to {len(ids)} tokens, over the maximum context "
+                                     f"length of {MAX_INPUT_TOKENS}", ["body", "questions", qkey])
+                work.append(Prompt(qkey, [k for k, _ in shown], ids, self.label_ids[: len(shown)]))
         return work
 
-    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, list[float]], int]:
-        """Label logits per question and the number of prompt tokens."""
+    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, Readout], int]:
+        """The readout per question and the number of prompt tokens."""
         del bias  # demo-only shaping for the mock engine; the trained model reads the evidence instead
         return self.logits_rendered([self.render(state, questions)])[0]
 
-    def logits_many(self, requests: list) -> list[tuple[dict[str, list[float]], int]]:
+    def logits_many(self, requests: list) -> list[tuple[dict[str, Readout], int]]:
         """Several requests' questions packed into the same forwards, split back per request."""
         return self.logits_rendered([self.render(state, questions) for state, questions in requests])
 
-    def logits_rendered(self, works: list[list[Prompt]]) -> list[tuple[dict[str, list[float]], int]]:
+    def logits_rendered(self, works: list[list[Prompt]]) -> list[tuple[dict[str, Readout], int]]:
         """logits_many for requests already rendered, so one request's rendering error stays its own."""
         seqs = [p.ids for work in works for p in work]
         cands = [p.cand for work in works for p in work]
@@ -665,9 +932,12 @@ class TorchEngine:
         self.last_prefill_tokens = _prefill_tokens(seqs, self.prefix_cache)
         out, k = [], 0
         for work in works:
-            part = rows[k:k + len(work)]
+            raw: dict[str, Readout] = {}
+            for p, (row, lse) in zip(work, rows[k:k + len(work)]):
+                raw.setdefault(p.qkey, Readout([], [])).logits.append(row)
+                raw[p.qkey].lse.append(lse)
             k += len(work)
-            out.append(({p.qkey: r for p, r in zip(work, part)}, sum(len(p.ids) for p in work)))
+            out.append((raw, sum(len(p.ids) for p in work)))
         return out
 
 
@@ -690,7 +960,7 @@ class HybridEngine:
         self.last: dict | None = None
 
     def logits(self, state, questions: dict, bias: dict | None = None,
-               prefer: str = "live") -> tuple[dict[str, list[float]], int]:
+               prefer: str = "live") -> tuple[dict[str, Readout], int]:
         """The recording when asked for (prefer="saved") and present, else the live model."""
         if prefer == "saved" and self.replay is not None and self.replay.has(state, questions):
             self.last_source = "replay"
@@ -800,6 +1070,16 @@ def _read_batched(head, hs, cands: list[list[int]]) -> list[list[float]]:
 _READERS = {"rows": _read_rows, "batched": _read_batched}
 
 
+def _vocab_lse(head, hs) -> list[float]:
+    """Per row, the log-sum-exp of the full FP32 vocabulary logits hs @ lm_head.T (the label mass denominator),
+    upcasting LSE_CHUNK rows of lm_head at a time so a large vocabulary never needs a whole FP32 copy."""
+    import torch
+
+    parts = [torch.logsumexp(hs @ head[i:i + LSE_CHUNK].float().T, dim=-1)
+             for i in range(0, head.shape[0], LSE_CHUNK)]
+    return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1).tolist()
+
+
 def _padded(seqs: list[list[int]], rows: list[int], pad_id: int):
     """Right-padded id matrix of the given rows."""
     import torch
@@ -813,7 +1093,8 @@ def _padded(seqs: list[list[int]], rows: list[int], pad_id: int):
 
 def _run_batches(engine: TorchEngine, seqs: list[list[int]], cands: list[list[int]], out: list,
                  cache=None, max_rows: int | None = None) -> None:
-    """Pack seqs under the token budget, run each batch (against copies of `cache` if given), read the labels."""
+    """Pack seqs under the token budget, run each batch (against copies of `cache` if given), read the labels and
+    the full-vocabulary log-sum-exp: out[i] = (label logits, lse)."""
     backbone, head = engine.backbone(), engine.model.lm_head.weight
     device = head.device
     read = _READERS[engine.readout]
@@ -823,9 +1104,10 @@ def _run_batches(engine: TorchEngine, seqs: list[list[int]], cands: list[list[in
             h = backbone(input_ids=ids, use_cache=False).last_hidden_state
         else:
             h = backbone(input_ids=ids, cache=_expand_cache(cache, len(b)), use_cache=True).last_hidden_state
-        rows = read(head, _last_hidden(h, [len(seqs[i]) for i in b]), [cands[i] for i in b])
-        for i, row in zip(b, rows):
-            out[i] = row
+        hs = _last_hidden(h, [len(seqs[i]) for i in b])
+        rows = read(head, hs, [cands[i] for i in b])
+        for i, row, lse in zip(b, rows, _vocab_lse(head, hs)):
+            out[i] = (row, lse)
 
 
 def _forward_shared(engine: TorchEngine, seqs: list[list[int]], cands: list[list[int]], prefix_len: int,
@@ -842,9 +1124,10 @@ def _forward_shared(engine: TorchEngine, seqs: list[list[int]], cands: list[list
 
 
 @_gpu(GPU_DURATION)
-def _forward(key: int, seqs: list[list[int]], cands: list[list[int]]) -> tuple[list[list[float]], float]:
+def _forward(key: int, seqs: list[list[int]], cands: list[list[int]]) -> tuple[list[tuple[list[float], float]],
+                                                                             float]:
     """Right-padded maskless prefill; every layer is causal, so padding cannot reach the last real position.
-    Label rows of lm_head are applied in FP32. Returns the label logits per sequence and the model time in ms."""
+    lm_head is applied in FP32. Returns per sequence (label logits, full-vocabulary log-sum-exp) and the model ms."""
     import torch
 
     engine = _LIVE[key]
@@ -939,10 +1222,36 @@ def _live(eng):
     return getattr(eng, "live", eng)
 
 
-def _meta(eng, temperature: float, n_tokens: int, latency_ms: float) -> dict:
-    """The meta block every answer carries."""
+def _one_or_each(per_question: dict):
+    """One value when every question has the same, else the {question: value} map."""
+    values = list(per_question.values())
+    return values[0] if all(v == values[0] for v in values) else dict(per_question)
+
+
+def question_temperatures(eng, questions: dict, requested=None) -> tuple[dict[str, float], dict[str, str]]:
+    """Each question's temperature and where it came from: the request's own ("request") wins; else this model's
+    fitted temperature for the question's group ("calibration:<path>"); else the engine's ("default")."""
+    if requested is not None:
+        t = check_temperature(requested)
+        return {qkey: t for qkey in questions}, {qkey: "request" for qkey in questions}
+    fitted, path = calibration_for(eng.model_id)
+    default = check_temperature(eng.temperature)
+    temps, sources = {}, {}
+    for qkey, q in questions.items():
+        group = calibration_group(q, qkey)
+        if group in fitted:
+            temps[qkey], sources[qkey] = fitted[group], f"calibration:{path}"
+        else:
+            temps[qkey], sources[qkey] = default, "default"
+    return temps, sources
+
+
+def _meta(eng, temps: dict[str, float], sources: dict[str, str], n_tokens: int, latency_ms: float) -> dict:
+    """The meta block every answer carries. `temperature` and `temperature_source` are one value when every
+    question used the same, else a {question: value} map (a calibration fits each question type separately)."""
     source = getattr(eng, "last_source", None) or eng.name
-    meta = {"model": eng.model_id, "engine": source, "temperature": temperature, "input_tokens": n_tokens,
+    meta = {"model": eng.model_id, "engine": source, "temperature": _one_or_each(temps),
+            "temperature_source": _one_or_each(sources), "input_tokens": n_tokens,
             "generated_tokens": 0, "latency_ms": latency_ms}
     if getattr(eng, "fabricated", False):
         meta["fabricated"] = True
@@ -968,7 +1277,7 @@ def decide(state, questions: dict, temperature: float | None = None, bias: dict 
     """
     validate(questions)
     eng = engine(model)
-    t = check_temperature(temperature if temperature is not None else eng.temperature)
+    temps, sources = question_temperatures(eng, questions, temperature)
     t0 = time.perf_counter()
     if isinstance(eng, HybridEngine):
         raw, n_tokens = eng.logits(state, questions, bias, prefer=prefer)
@@ -976,8 +1285,9 @@ def decide(state, questions: dict, temperature: float | None = None, bias: dict 
         raw, n_tokens = eng.logits(state, questions, bias)
         if isinstance(eng, ReplayEngine):
             eng.last_source = "replay"
-    answers = assemble(questions, raw, t)
-    return {"answers": answers, "meta": _meta(eng, t, n_tokens, round((time.perf_counter() - t0) * 1000, 1))}
+    answers = assemble(questions, raw, temps)
+    latency_ms = round((time.perf_counter() - t0) * 1000, 1)
+    return {"answers": answers, "meta": _meta(eng, temps, sources, n_tokens, latency_ms)}
 
 
 # ==================================================================================================================
@@ -1010,24 +1320,32 @@ def _packed_logits(live, requests: list, out: list) -> dict:
         return got
 
 
+def _logits_many(eng, requests: list, out: list) -> dict:
+    """{request index: (raw, n_tokens) or exception}: packed into shared forwards when the engine runs a model,
+    one request at a time otherwise. A request that fails validation gets its error in `out` instead."""
+    live = _live(eng)
+    if hasattr(live, "logits_rendered"):
+        return _packed_logits(live, requests, out)
+    got = {}
+    for i, (state, questions) in enumerate(requests):
+        try:
+            validate(questions)
+            got[i] = eng.logits(state, questions)
+        except Exception as exc:  # noqa: BLE001
+            out[i] = exc
+    return got
+
+
 def decide_many(requests: list, temperature: float | None = None, model: str | None = None) -> list:
     """Several (state, questions) requests in one GPU call. Returns one item per request, in order: the dict
     decide() returns, or the exception that request raised. One request's failure never reaches another."""
     eng = engine(model)
-    t = check_temperature(temperature if temperature is not None else eng.temperature)
+    if temperature is not None:
+        check_temperature(temperature)  # a bad temperature is the whole call's error, raised before any work
     live = _live(eng)
     out: list = [None] * len(requests)
     t0 = time.perf_counter()
-    if hasattr(live, "logits_rendered"):
-        got = _packed_logits(live, requests, out)
-    else:
-        got = {}
-        for i, (state, questions) in enumerate(requests):
-            try:
-                validate(questions)
-                got[i] = eng.logits(state, questions)
-            except Exception as exc:  # noqa: BLE001
-                out[i] = exc
+    got = _logits_many(eng, requests, out)
     latency_ms = round((time.perf_counter() - t0) * 1000, 1)
     n_ok = sum(1 for res in got.values() if not isinstance(res, Exception))
     for i, res in got.items():
@@ -1037,9 +1355,13 @@ def decide_many(requests: list, temperature: float | None = None, model: str | N
         raw, n_tokens = res
         if isinstance(eng, HybridEngine):
             eng.last_source = "torch"
-        meta = _meta(live if not isinstance(eng, HybridEngine) else eng, t, n_tokens, latency_ms)
-        meta["batched_requests"] = n_ok
-        out[i] = {"answers": assemble(requests[i][1], raw, t), "meta": meta}
+        try:
+            temps, sources = question_temperatures(eng, requests[i][1], temperature)
+            meta = _meta(live if not isinstance(eng, HybridEngine) else eng, temps, sources, n_tokens, latency_ms)
+            meta["batched_requests"] = n_ok
+            out[i] = {"answers": assemble(requests[i][1], raw, temps), "meta": meta}
+        except Exception as exc:  # noqa: BLE001 - e.g. an unreadable calibration file: this request's error
+            out[i] = exc
     return out
 
 
@@ -1137,6 +1459,212 @@ class Batcher:
 
 
 # ==================================================================================================================
+# Calibration: fitted temperatures per model, question type and option band
+# ==================================================================================================================
+# calibration.json (or BLINK_CALIBRATION): {"format": "blink-calibration/1", "models": {model id: {"temperatures":
+# {group: T}, "fit": {group: {prompts, nll_before, nll_after, ece_before, ece_after}}, "data", "engine", "hardware",
+# "revision", "fitted_at"}}}. A group is "<type>:<option band>", e.g. "choice:3-4", "noul:2", "score:5-8". Only the
+# entry of the served model id is ever applied; an explicit request temperature always wins over it.
+#
+# Calibration data (`python blink.py calibrate DATA.jsonl`): one labelled request per line,
+#   {"state": ..., "questions": {...}, "labels": {question key: the correct option key}}
+# Noul labels are "yes" / "no"; score labels the level index as a string ("0".."9"). Questions without a label are
+# not run; multi questions cannot be labelled with one key and are refused. Every prompt of a labelled question is one
+# observation (each rotation of a permute question, with the label at its shown position).
+
+CALIBRATION_FORMAT = "blink-calibration/1"
+OPTION_BANDS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, MAX_OPTIONS))
+MIN_CALIBRATION_PROMPTS = 8  # a group with fewer labelled prompts is not fitted (a temperature from 3 points is noise)
+TEMPERATURE_RANGE = (0.05, 50.0)  # the fit searches inverse temperatures between these bounds
+ECE_BINS = 10
+_CALIBRATIONS: dict = {}  # path -> ((mtime_ns, size), file contents): reread only when the file changes
+
+
+def option_band(n_options: int) -> str:
+    """The option-count band a question falls in: "2", "3-4", "5-8", ..."""
+    lo, hi = next(band for band in OPTION_BANDS if band[0] <= n_options <= band[1])
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def calibration_group(q: dict, qkey: str = "?") -> str:
+    """A question's calibration group, its type and option band; a multi question's prompts are yes/no: "noul:2"."""
+    if is_multi(q, qkey):
+        return "noul:2"
+    return f"{q['type']}:{option_band(len(question_options(q, qkey)))}"
+
+
+def load_calibration(path: str) -> dict:
+    """A calibration file, checked; a corrupt one is refused with a message naming it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BlinkError(f"calibration {path} cannot be read: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
+        raise BlinkError(f"calibration {path} is not a blink calibration (needs models)")
+    for model_id, entry in data["models"].items():
+        temps = entry.get("temperatures") if isinstance(entry, dict) else None
+        if not isinstance(temps, dict) or not all(_is_number(t) and t > 0 for t in temps.values()):
+            raise BlinkError(f"calibration {path}: model {model_id!r} needs temperatures, positive numbers by group")
+    return data
+
+
+def calibration_for(model_id: str) -> tuple[dict[str, float], str]:
+    """This model's fitted temperatures by group ({} when it has none) and the file they come from."""
+    path = CALIBRATION_PATH
+    try:
+        st = os.stat(path)
+    except OSError:
+        return {}, path
+    stamp = (st.st_mtime_ns, st.st_size)
+    cached = _CALIBRATIONS.get(path)
+    if cached is None or cached[0] != stamp:
+        cached = _CALIBRATIONS[path] = (stamp, load_calibration(path))
+    entry = cached[1]["models"].get(model_id)
+    return (dict(entry["temperatures"]) if entry else {}), path
+
+
+def nll(obs: list[tuple[list[float], int]], temperature: float) -> float:
+    """Mean negative log-likelihood of the correct labels, observations being (label logits, correct index)."""
+    return sum(logsumexp([v / temperature for v in z]) - z[y] / temperature for z, y in obs) / len(obs)
+
+
+def ece(obs: list[tuple[list[float], int]], temperature: float, bins: int = ECE_BINS) -> float:
+    """Expected calibration error: the top probability against being right, in equal-width bins weighted by size."""
+    sums = [[0.0, 0.0] for _ in range(bins)]  # per bin: sum of confidences, number right
+    for z, y in obs:
+        p = softmax(z, temperature)
+        top = max(range(len(p)), key=lambda i: (p[i], -i))
+        cell = sums[min(bins - 1, int(p[top] * bins))]
+        cell[0] += p[top]
+        cell[1] += float(top == y)
+    return sum(abs(conf - right) for conf, right in sums) / len(obs)
+
+
+def fit_temperature(obs: list[tuple[list[float], int]], start: float) -> float:
+    """The temperature minimising NLL: NLL is convex in 1/T, so a golden-section search over 1/T finds it. Never
+    worse than `start` on these observations (the temperature used before fitting)."""
+    lo, hi = 1 / TEMPERATURE_RANGE[1], 1 / TEMPERATURE_RANGE[0]
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(100):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if nll(obs, 1 / a) <= nll(obs, 1 / b):
+            hi = b
+        else:
+            lo = a
+    fitted = 2 / (lo + hi)
+    return fitted if nll(obs, fitted) <= nll(obs, start) else start
+
+
+def read_labelled(path: str) -> list[tuple[int, object, dict, dict]]:
+    """(line number, state, labelled questions, labels) per line of a calibration data file, each checked."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BlinkError(f"calibration data {path} cannot be read: {exc}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BlinkError(f"{where}: not JSON: {exc}") from None
+        if not isinstance(item, dict) or not isinstance(item.get("labels"), dict) or not item["labels"]:
+            raise BlinkError(f"{where}: needs state, questions and labels {{question: correct option key}}",
+                             [f"line {n}", "labels"])
+        questions, labels = item.get("questions"), item["labels"]
+        try:
+            validate(questions)
+        except BlinkError as exc:
+            raise BlinkError(f"{where}: {exc}", [f"line {n}", *exc.loc[1:]]) from None
+        for qkey, key in labels.items():
+            loc = [f"line {n}", "labels", qkey]
+            if qkey not in questions:
+                raise BlinkError(f"{where}: labels.{qkey} names no question", loc)
+            if is_multi(questions[qkey], qkey):
+                raise BlinkError(f"{where}: question {qkey!r} is multi; calibration labels name one option", loc)
+            if str(key) not in [k for k, _ in question_options(questions[qkey], qkey)]:
+                raise BlinkError(f"{where}: labels.{qkey} is {key!r}, not one of the question's option keys", loc)
+        labelled = {qkey: q for qkey, q in questions.items() if qkey in labels}
+        out.append((n, item.get("state"), labelled, {qkey: str(key) for qkey, key in labels.items()}))
+    if not out:
+        raise BlinkError(f"calibration data {path} has no labelled requests")
+    return out
+
+
+def labelled_observations(eng, items: list, path: str) -> dict[str, list[tuple[list[float], int]]]:
+    """Run every labelled request (packed, like decide_many) and group its prompts' (logits, correct index)."""
+    errors: list = [None] * len(items)
+    got = _logits_many(eng, [(state, questions) for _, state, questions, _ in items], errors)
+    groups: dict[str, list] = {}
+    for i, (n, _, questions, labels) in enumerate(items):
+        res = errors[i] if errors[i] is not None else got[i]
+        if isinstance(res, Exception):
+            raise BlinkError(f"{path} line {n}: {res}") from None
+        raw, _ = res
+        for qkey, key in labels.items():
+            q = questions[qkey]
+            for (_, shown), z in zip(prompt_rows(q, qkey), raw[qkey].logits):
+                if len(z) > 1:  # one option is certain at any temperature: nothing to fit
+                    groups.setdefault(calibration_group(q, qkey), []).append((z, [k for k, _ in shown].index(key)))
+    return groups
+
+
+def write_calibration(path: str, model_id: str, entry: dict) -> None:
+    """Put one model's entry into the calibration file, keeping every other model's; written atomically."""
+    data = load_calibration(path) if os.path.exists(path) else {"format": CALIBRATION_FORMAT, "models": {}}
+    data["models"][model_id] = entry
+    partial = f"{path}.tmp-{os.getpid()}"
+    with open(partial, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, ensure_ascii=False, indent=1)
+        fh.write("\n")
+    os.replace(partial, path)
+
+
+def calibrate(data_path: str, model: str | None = None, out: str | None = None) -> dict:
+    """Fit one temperature per question group on labelled requests by minimising NLL, and write it where the engine
+    reads it (`out`, else BLINK_CALIBRATION / calibration.json). Returns the fit report."""
+    eng = engine(model)
+    if getattr(eng, "fabricated", False):
+        raise BlinkError("calibration needs a model's own numbers; the mock engine's are fabricated")
+    items = read_labelled(data_path)
+    groups = labelled_observations(eng, items, data_path)
+    start = check_temperature(eng.temperature)
+    fits, temps = {}, {}
+    for group, obs in sorted(groups.items()):
+        fitted = fit_temperature(obs, start) if len(obs) >= MIN_CALIBRATION_PROMPTS else None
+        after = fitted if fitted is not None else start
+        fits[group] = {"prompts": len(obs), "temperature": fitted,
+                       "nll_before": nll(obs, start), "nll_after": nll(obs, after),
+                       "ece_before": ece(obs, start), "ece_after": ece(obs, after)}
+        if fitted is not None:
+            temps[group] = fitted
+    path = out or CALIBRATION_PATH
+    entry = {"temperatures": temps, "fit": fits, "data": os.path.basename(data_path), "requests": len(items),
+             "engine": _live(eng).name, "revision": getattr(eng, "revision", None),
+             "hardware": hardware(), "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_calibration(path, eng.model_id, entry)
+    return {"model": eng.model_id, "path": path, "start_temperature": start, **entry}
+
+
+def format_calibration(report: dict) -> str:
+    """The fit report as a table: prompts, temperature, NLL and ECE before and after, per group."""
+    head = (f"calibrated {report['model']} on {report['requests']} requests from {report['data']}; "
+            f"before = temperature {report['start_temperature']:g}; wrote {report['path']}")
+    columns = (f"{'group':<12} {'prompts':>7} {'temperature':>11} {'NLL before':>10} {'NLL after':>9} "
+               f"{'ECE before':>10} {'ECE after':>9}")
+    lines = [head, columns]
+    for group, fit in report["fit"].items():
+        t = f"{fit['temperature']:.4f}" if fit["temperature"] is not None else "too few"
+        lines.append(f"{group:<12} {fit['prompts']:>7} {t:>11} {fit['nll_before']:>10.4f} {fit['nll_after']:>9.4f} "
+                     f"{fit['ece_before']:>10.4f} {fit['ece_after']:>9.4f}")
+    return "\n".join(lines)
+
+
+# ==================================================================================================================
 # Command line
 # ==================================================================================================================
 
@@ -1195,7 +1723,7 @@ def record(model_id: str | None = None, path: str | None = None) -> dict:
         t0 = time.perf_counter()
         raw, n_tokens = live.logits(example["state"], example["questions"])
         requests[request_key(example["state"], example["questions"])] = {
-            "example": os.path.basename(file), "logits": raw, "input_tokens": n_tokens,
+            "example": os.path.basename(file), **recording_entry(raw), "input_tokens": n_tokens,
             "latency_ms": round((time.perf_counter() - t0) * 1000, 1), "model_ms": live.last_model_ms}
     data = {"model": model_id, "revision": live.revision, "hardware": hardware(),
             "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "requests": requests}
@@ -1206,18 +1734,25 @@ def record(model_id: str | None = None, path: str | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python blink.py --state S --questions Q | record | prepare"""
+    """python blink.py --state S --questions Q | record | prepare | calibrate DATA.jsonl"""
     parser = argparse.ArgumentParser(prog="blink.py", description="one-pass typed decisions from a language model")
-    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare"), default="decide")
+    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare", "calibrate"), default="decide")
+    parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line")
     parser.add_argument("--state", help="evidence: a file, inline text or JSON")
     parser.add_argument("--questions", help="questions JSON: a file or inline")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--model", default=None, help="one of the served models (BLINK_MODELS)")
-    parser.add_argument("--out", default=None, help="record: where to write the recording")
+    parser.add_argument("--out", default=None,
+                        help="record: where to write the recording; calibrate: where to write the temperatures")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
             print(standin_folder())
+            return 0
+        if args.command == "calibrate":
+            if args.data is None:
+                parser.error("calibrate needs a data file: python blink.py calibrate DATA.jsonl")
+            print(format_calibration(calibrate(args.data, args.model, args.out)))
             return 0
         if args.command == "record":
             data = record(args.model, args.out)
