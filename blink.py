@@ -96,6 +96,9 @@ MAX_PROMPTS = 2048  # rendered prompts per request: `permute` adds one per rotat
 LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp
 MAX_INPUT_TOKENS = int(os.environ.get("BLINK_MAX_INPUT_TOKENS", "131072"))  # per question, as evaluated
 TOKEN_BUDGET = int(os.environ.get("BLINK_TOKEN_BUDGET", "32768"))  # padded tokens per forward
+MAX_REQUEST_TOKENS = int(os.environ.get("BLINK_MAX_REQUEST_TOKENS", "1048576"))  # all questions' prompts together
+MAX_REQUEST_CHARS = int(os.environ.get("BLINK_MAX_REQUEST_CHARS", str(32 * 1024 * 1024)))  # text in state+questions
+MAX_JSON_DEPTH = int(os.environ.get("BLINK_MAX_JSON_DEPTH", "64"))  # nesting of state and questions
 # Shared-prefix prefill (opt-in): the questions of one request share the system prompt and the evidence, so that
 # prefix is encoded once and each question runs only its own tail against a copy of the cached prefix.
 PREFIX_CACHE = _flag("BLINK_PREFIX_CACHE")
@@ -189,7 +192,7 @@ def as_state(state):
         return state
     try:
         return json.loads(state)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return state
 
 
@@ -328,12 +331,15 @@ def validate(questions) -> None:
         raise BlinkError(f"questions: {len(questions)} questions; supported 1-{MAX_QUESTIONS}", ["body", "questions"])
     n_prompts = 0
     for qkey, q in questions.items():
+        if not isinstance(qkey, str) or not qkey:
+            raise BlinkError(f"question names must be non-empty strings (got {qkey!r})", ["body", "questions"])
         if not isinstance(q, dict):
             raise BlinkError(f"question {qkey!r} must be an object with type and criteria",
                              ["body", "questions", qkey])
         instructions = q.get("instructions")
-        if instructions is not None and not isinstance(instructions, (str, dict, list, int, float)):
-            raise BlinkError(f"question {qkey!r}: instructions must be text", ["body", "questions", qkey])
+        if instructions is not None and not isinstance(instructions, (str, dict, list)):
+            raise BlinkError(f"question {qkey!r}: instructions must be text", ["body", "questions", qkey,
+                                                                                "instructions"])
         n_options = len(question_options(q, qkey))
         rotations = permute_count(q, qkey, n_options)
         abstain_rule(q, qkey)
@@ -341,6 +347,39 @@ def validate(questions) -> None:
     if n_prompts > MAX_PROMPTS:
         raise BlinkError(f"questions: {n_prompts} prompts to run (permute and multi add prompts); supported at most "
                          f"{MAX_PROMPTS} per request", ["body", "questions"])
+
+
+def check_json(value, loc: list, budget: int) -> int:
+    """Walk a JSON-like value without recursion: refuse non-JSON types and deep nesting, return its text length
+    (strings and keys), stopping as soon as it passes `budget` characters."""
+    chars, pending = 0, [(value, loc, 0)]
+    while pending:
+        item, where, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BlinkError(f"{'.'.join(map(str, where[1:]))} nests deeper than {MAX_JSON_DEPTH} levels", where)
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if not isinstance(k, str):
+                    raise BlinkError(f"{'.'.join(map(str, where[1:]))} has a non-text key {k!r}", where)
+                chars += len(k)
+                pending.append((v, [*where, k], depth + 1))
+        elif isinstance(item, (list, tuple)):
+            pending.extend((v, [*where, i], depth + 1) for i, v in enumerate(item))
+        elif item is not None and not isinstance(item, (bool, int, float)):
+            raise BlinkError(f"{'.'.join(map(str, where[1:]))} must be text or JSON (got {type(item).__name__})",
+                             where)
+        if chars > budget:
+            raise BlinkError(f"the request holds over {MAX_REQUEST_CHARS} characters of text", ["body"])
+    return chars
+
+
+def validate_request(state, questions) -> None:
+    """Check a whole request (size, nesting, types, every question) before any model work."""
+    used = check_json(state, ["body", "state"], MAX_REQUEST_CHARS)
+    check_json(questions, ["body", "questions"], MAX_REQUEST_CHARS - used)
+    validate(questions)
 
 
 def check_temperature(value) -> float:
@@ -913,6 +952,10 @@ class TorchEngine:
                     raise BlinkError(f"question {qkey!r} renders to {len(ids)} tokens, over the maximum context "
                                      f"length of {MAX_INPUT_TOKENS}", ["body", "questions", qkey])
                 work.append(Prompt(qkey, [k for k, _ in shown], ids, self.label_ids[: len(shown)]))
+        total = sum(len(p.ids) for p in work)
+        if total > MAX_REQUEST_TOKENS:
+            raise BlinkError(f"the request renders to {total} tokens over all questions, over the limit of "
+                             f"{MAX_REQUEST_TOKENS}", ["body"])
         return work
 
     def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, Readout], int]:
@@ -1275,7 +1318,7 @@ def decide(state, questions: dict, temperature: float | None = None, bias: dict 
     `bias` shapes the mock engine only. `prefer="saved"` lets the hybrid engine answer a bundled example from
     its recording; every other call runs the model. `model` picks one of models() (default: the first).
     """
-    validate(questions)
+    validate_request(state, questions)
     eng = engine(model)
     temps, sources = question_temperatures(eng, questions, temperature)
     t0 = time.perf_counter()
@@ -1295,24 +1338,33 @@ def decide(state, questions: dict, temperature: float | None = None, bias: dict 
 # ==================================================================================================================
 
 
-def _packed_logits(live, requests: list, out: list) -> dict:
-    """Render each request on its own (its error stays in `out`), then run all rendered ones in one packed call.
+MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call
+
+
+def _request_pair(req, i: int) -> tuple:
+    """One checked (state, questions) pair of a batch."""
+    if not isinstance(req, (list, tuple)) or len(req) != 2:
+        raise BlinkError(f"requests[{i}] must be a [state, questions] pair", ["body", "requests", i])
+    state, questions = req
+    validate_request(state, questions)
+    return state, questions
+
+
+def _packed_logits(live: TorchEngine, pairs: dict) -> dict:
+    """Render each request on its own (its error stays its own), then run all rendered ones in one packed call.
     Returns {request index: (raw, n_tokens) or exception}; a failing packed forward falls back to one at a time."""
-    todo, works = [], []
-    for i, (state, questions) in enumerate(requests):
+    got, works = {}, {}
+    for i, (state, questions) in pairs.items():
         try:
-            validate(questions)
-            works.append(live.render(state, questions))
-            todo.append(i)
-        except Exception as exc:  # noqa: BLE001 - this request's own error (a BlinkError is the caller's fault)
-            out[i] = exc
-    if not todo:
-        return {}
+            works[i] = live.render(state, questions)
+        except Exception as exc:  # noqa: BLE001 - this request's own error
+            got[i] = exc
+    if not works:
+        return got
     try:
-        return dict(zip(todo, live.logits_rendered(works)))
+        return {**got, **dict(zip(works, live.logits_rendered(list(works.values()))))}
     except Exception:  # noqa: BLE001 - e.g. out of memory on the packed batch: answer each request alone
-        got = {}
-        for i, work in zip(todo, works):
+        for i, work in works.items():
             try:
                 got[i] = live.logits_rendered([work])[0]
             except Exception as exc:  # noqa: BLE001
@@ -1320,32 +1372,47 @@ def _packed_logits(live, requests: list, out: list) -> dict:
         return got
 
 
-def _logits_many(eng, requests: list, out: list) -> dict:
-    """{request index: (raw, n_tokens) or exception}: packed into shared forwards when the engine runs a model,
-    one request at a time otherwise. A request that fails validation gets its error in `out` instead."""
+def _logits_many(eng, pairs: dict) -> dict:
+    """{request index: (raw, n_tokens) or exception} for checked pairs: packed into shared forwards when the engine
+    runs a model, one request at a time otherwise."""
     live = _live(eng)
-    if hasattr(live, "logits_rendered"):
-        return _packed_logits(live, requests, out)
+    if isinstance(live, TorchEngine):
+        return _packed_logits(live, pairs)
     got = {}
-    for i, (state, questions) in enumerate(requests):
+    for i, (state, questions) in pairs.items():
         try:
-            validate(questions)
             got[i] = eng.logits(state, questions)
         except Exception as exc:  # noqa: BLE001
-            out[i] = exc
+            got[i] = exc
     return got
 
 
 def decide_many(requests: list, temperature: float | None = None, model: str | None = None) -> list:
     """Several (state, questions) requests in one GPU call. Returns one item per request, in order: the dict
     decide() returns, or the exception that request raised. One request's failure never reaches another."""
+    if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_BATCH_REQUESTS:
+        raise BlinkError(f"requests must be a list of 1-{MAX_BATCH_REQUESTS} [state, questions] pairs",
+                         ["body", "requests"])
     eng = engine(model)
     if temperature is not None:
         check_temperature(temperature)  # a bad temperature is the whole call's error, raised before any work
-    live = _live(eng)
     out: list = [None] * len(requests)
+    pairs = {}
+    for i, req in enumerate(requests):
+        try:
+            pairs[i] = _request_pair(req, i)
+        except Exception as exc:  # noqa: BLE001 - this request's own error
+            out[i] = exc
+    live = _live(eng)
+    if not isinstance(live, TorchEngine):  # mock and replay engines answer one request at a time, as decide() does
+        for i, (state, questions) in pairs.items():
+            try:
+                out[i] = decide(state, questions, temperature=temperature, model=model)
+            except Exception as exc:  # noqa: BLE001
+                out[i] = exc
+        return out
     t0 = time.perf_counter()
-    got = _logits_many(eng, requests, out)
+    got = _packed_logits(live, pairs)
     latency_ms = round((time.perf_counter() - t0) * 1000, 1)
     n_ok = sum(1 for res in got.values() if not isinstance(res, Exception))
     for i, res in got.items():
@@ -1353,13 +1420,11 @@ def decide_many(requests: list, temperature: float | None = None, model: str | N
             out[i] = res
             continue
         raw, n_tokens = res
-        if isinstance(eng, HybridEngine):
-            eng.last_source = "torch"
         try:
-            temps, sources = question_temperatures(eng, requests[i][1], temperature)
-            meta = _meta(live if not isinstance(eng, HybridEngine) else eng, temps, sources, n_tokens, latency_ms)
+            temps, sources = question_temperatures(live, pairs[i][1], temperature)
+            meta = _meta(live, temps, sources, n_tokens, latency_ms)
             meta["batched_requests"] = n_ok
-            out[i] = {"answers": assemble(requests[i][1], raw, temps), "meta": meta}
+            out[i] = {"answers": assemble(pairs[i][1], raw, temps), "meta": meta}
         except Exception as exc:  # noqa: BLE001 - e.g. an unreadable calibration file: this request's error
             out[i] = exc
     return out
@@ -1414,7 +1479,7 @@ class Batcher:
         import concurrent.futures
         import queue
 
-        validate(questions)  # a malformed request fails at once and never takes a place in the queue
+        validate_request(state, questions)  # a malformed request fails at once, never taking a place in the queue
         self._ensure_worker()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
@@ -1449,6 +1514,10 @@ class Batcher:
                 results = decide_many([(s, q) for s, q, _ in batch], model=self.model)
             except Exception as exc:  # noqa: BLE001 - a failure outside any one request: each caller gets it
                 results = [exc] * len(batch)
+            except BaseException as exc:  # the worker itself is dying: its callers must not wait forever
+                for _, _, fut in batch:
+                    fut.set_exception(RuntimeError(f"the batching worker stopped ({type(exc).__name__}); retry"))
+                raise
             if len(results) != len(batch):
                 results = [RuntimeError("the batching worker lost this request")] * len(batch)
             for (_, _, fut), res in zip(batch, results):
@@ -1577,7 +1646,7 @@ def read_labelled(path: str) -> list[tuple[int, object, dict, dict]]:
                              [f"line {n}", "labels"])
         questions, labels = item.get("questions"), item["labels"]
         try:
-            validate(questions)
+            validate_request(item.get("state"), questions)
         except BlinkError as exc:
             raise BlinkError(f"{where}: {exc}", [f"line {n}", *exc.loc[1:]]) from None
         for qkey, key in labels.items():
@@ -1597,11 +1666,10 @@ def read_labelled(path: str) -> list[tuple[int, object, dict, dict]]:
 
 def labelled_observations(eng, items: list, path: str) -> dict[str, list[tuple[list[float], int]]]:
     """Run every labelled request (packed, like decide_many) and group its prompts' (logits, correct index)."""
-    errors: list = [None] * len(items)
-    got = _logits_many(eng, [(state, questions) for _, state, questions, _ in items], errors)
+    got = _logits_many(eng, {i: (state, questions) for i, (_, state, questions, _) in enumerate(items)})
     groups: dict[str, list] = {}
     for i, (n, _, questions, labels) in enumerate(items):
-        res = errors[i] if errors[i] is not None else got[i]
+        res = got[i]
         if isinstance(res, Exception):
             raise BlinkError(f"{path} line {n}: {res}") from None
         raw, _ = res

@@ -37,6 +37,13 @@ and the cache is empty (or rope_deltas is None); a later call with a non-empty c
 (or with only ``inputs_embeds``) reuses the stored value, even for text-only input.
 Reset it to ``None`` before an unrelated prompt.
 
+Caches (``use_cache=True``; forward takes ``cache=`` and returns ``.cache``): a
+``DynamicCache`` whose ``layers[i]`` is a ``DynamicLayer`` (``keys``/``values`` of
+shape (batch, kv_heads, seq, head_dim)) for full-attention layers and a
+``LinearAttentionLayer`` for linear-attention layers, holding dicts keyed by state
+index 0: ``conv_states[0]`` (batch, conv_dim, conv_kernel) and
+``recurrent_states[0]`` (batch, linear_v_heads, key_head_dim, value_head_dim).
+
 Weight-name mapping from the text checkpoint to the vision model:
 ``model.X`` -> ``model.language_model.X``; ``lm_head.weight`` unchanged
 (``graft_reference`` checks this gives identical text logits).
@@ -77,6 +84,12 @@ SPECIAL_TOKENS: list[str] = [
     "<|video_pad|>",
 ]
 THINK_TOKENS: list[str] = ["<think>", "</think>"]
+NAMED_SPECIAL_TOKENS: dict[str, str] = {  # as in Qwen3.5's tokenizer_config.json (tokenizer.image_token_id etc.)
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+}
 HIDDEN_SIZE = 64
 PATCH_SIZE = 16
 MERGE_SIZE = 2
@@ -151,22 +164,22 @@ def _train_bpe(lines: list[str], vocab_size: int = 900) -> tuple[dict[str, int],
     return dict(model["vocab"]), [tuple(m) for m in model["merges"]]
 
 
-def _force_label_merges(vocab: dict[str, int], merges: list[tuple[str, str]]) -> None:
-    """Add vocab entries and merges so every two-letter uppercase label is one token."""
+def _force_merges(vocab: dict[str, int], merges: list[tuple[str, str]]) -> None:
+    """Add vocab entries and merges so each two-letter label (and "\\n\\n") is one token."""
     have = set(merges)
-    for label in LABELS[26:]:
-        pair = (label[0], label[1])
+    for word in LABELS[26:] + ["\u010a\u010a"]:  # byte-level "\n\n" is "ĊĊ"
+        pair = (word[0], word[1])
         if pair not in have:
             merges.append(pair)
             have.add(pair)
-        if label not in vocab:
-            vocab[label] = len(vocab)
+        if word not in vocab:
+            vocab[word] = len(vocab)
 
 
 def build_tokenizer() -> Qwen3_5Tokenizer:
-    """Build the tiny Qwen3.5 tokenizer (deterministic, ~0.1 s)."""
+    """Build the tiny Qwen3.5 tokenizer (deterministic, well under a second)."""
     vocab, merges = _train_bpe(_corpus())
-    _force_label_merges(vocab, merges)
+    _force_merges(vocab, merges)
     for token in SPECIAL_TOKENS + THINK_TOKENS:
         vocab[token] = len(vocab)
     tokenizer = Qwen3_5Tokenizer(
@@ -175,10 +188,11 @@ def build_tokenizer() -> Qwen3_5Tokenizer:
         unk_token="<|endoftext|>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        extra_special_tokens=SPECIAL_TOKENS[1:],
+        extra_special_tokens=NAMED_SPECIAL_TOKENS,
         model_max_length=4096,
         chat_template=CHAT_TEMPLATE,
     )
+    tokenizer.add_tokens([AddedToken("<|im_start|>", special=True, normalized=False)], special_tokens=True)
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     return tokenizer
 
@@ -353,13 +367,16 @@ def describe_cache(cache: object) -> list[str]:
     return lines
 
 
-def check_labels(tokenizer: Qwen3_5Tokenizer) -> str:
-    """Assert prompt+label tokenizes to prompt ids + one label token for all 702 labels; return the prompt."""
-    messages = [
-        {"role": "system", "content": "You are a classifier. Answer with one label."},
-        {"role": "user", "content": [{"type": "text", "text": "Which option is best? A, B or AB."}]},
-    ]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+def check_labels(tokenizer: Qwen3_5Tokenizer, prompt: str | None = None) -> str:
+    """Assert prompt+label tokenizes to prompt ids + one token decoding to label, for all 702 labels."""
+    if prompt is None:
+        messages = [
+            {"role": "system", "content": "You are a classifier. Answer with one label."},
+            {"role": "user", "content": [{"type": "text", "text": "Which option is best? A, B or AB."}]},
+        ]
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n"), prompt
     base = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     for label in LABELS:
@@ -424,6 +441,7 @@ def _self_check() -> None:
         )
         logits = run_image_prompt(vision_model, vtok, processor, image_prompt, [image])
         grid = processor(images=[image], return_tensors="pt")["image_grid_thw"]
+        check_labels(vtok, expand_image_pads(image_prompt, grid, processor.merge_size))
         print(f"         image grid_thw {grid.tolist()}, rope_deltas {vision_model.model.rope_deltas.tolist()}")
         print("         image label logits A..D:", [round(x, 3) for x in logits[label_ids].tolist()])
         lap("image prompt forward")

@@ -1,0 +1,49 @@
+"""Shared fixtures: one loaded stand-in engine per test session, and clean engine state around every test."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import blink  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def standin() -> blink.TorchEngine:
+    """The embedded stand-in (SmolLM2-135M-Instruct), loaded once by the real torch engine."""
+    return blink.TorchEngine(blink.STANDIN_MODEL)
+
+
+@pytest.fixture()
+def served(monkeypatch):
+    """Let a test install engines for blink.decide() without leaking them into other tests."""
+    monkeypatch.setattr(blink, "_ENGINE", None)
+    monkeypatch.setattr(blink, "_ENGINES", {})
+
+    def install(eng, model_id: str | None = None) -> None:
+        model_id = model_id or eng.model_id
+        monkeypatch.setattr(blink, "MODEL_ID", model_id)
+        monkeypatch.setattr(blink, "MODEL_SPECS", [(model_id, None)])
+        monkeypatch.setattr(blink, "_ENGINE", eng)
+
+    return install
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory) -> str:
+    """A tiny random-weight Qwen3.5 text model saved to a folder (fp32)."""
+    import tiny_models
+
+    return tiny_models.build_qwen35_text(tmp_path_factory.mktemp("qwen35") / "tiny-qwen3.5")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tiny_qwen_dir) -> blink.TorchEngine:
+    """The tiny Qwen3.5 text model loaded by the real torch engine."""
+    return blink.TorchEngine(tiny_qwen_dir)

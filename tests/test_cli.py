@@ -1,0 +1,55 @@
+"""The command line: decide from files or inline JSON, clear errors, record a real recording."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import blink
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """python blink.py ARGS, as a user runs it."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "blink.py"), *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_cli_decides_from_a_file_and_inline_json(tmp_path):
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps({"ticket": "My card was charged twice", "plan": "pro"}))
+    qs = '{"billing": {"type": "noul", "instructions": "Is this a billing problem?"}}'
+    done = run("--state", str(state), "--questions", qs)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["meta"]["model"] == blink.STANDIN_MODEL and out["meta"]["engine"] in ("torch", "hybrid")
+    assert 0.0 <= out["answers"]["billing"]["noul"] <= 1.0
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+    done = run("--state", "x", "--questions", '{"q": {"type": "score", "criteria": [1]}}', env={"BLINK_MOCK": "1"})
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: question 'q': a score takes a list of 2 to 10 levels"
+    done = run("--state", "x", "--questions", "{broken", env={"BLINK_MOCK": "1"})
+    assert done.returncode == 2 and done.stderr.startswith("error: --questions is neither a file nor valid JSON")
+    assert "Traceback" not in done.stderr
+
+
+def test_record_writes_a_stamped_recording_that_replays(tmp_path, monkeypatch):
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    example = {"name": "t", "state": "The parcel arrived crushed.",
+               "questions": {"ok": {"type": "noul", "instructions": "Did the parcel arrive intact?"}}}
+    (examples / "t.json").write_text(json.dumps(example))
+    out = tmp_path / "replay.json"
+    monkeypatch.setattr(blink, "EXAMPLES_DIR", str(examples))
+    data = blink.record(blink.STANDIN_MODEL, str(out))
+    assert data["model"] == blink.STANDIN_MODEL and "CPU" in data["hardware"]
+    rec = blink.ReplayEngine(str(out), model_id=blink.STANDIN_MODEL)
+    raw, n_tokens = rec.logits(example["state"], example["questions"])
+    assert n_tokens > 50 and len(raw["ok"].logits) == 1 and len(raw["ok"].logits[0]) == 2
+    entry = next(iter(data["requests"].values()))
+    assert entry["example"] == "t.json" and entry["latency_ms"] > 0

@@ -1,0 +1,117 @@
+"""The torch engine on real models: label verification, packed right-padded readout equal to each prompt alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import blink
+
+DOC = ("Invoice 2211 from Norrland Timber AB: 40 pallets of pine boards, 18,400 EUR, due 30 days after delivery. "
+       "Delivered 3 March; paid 29 April after two reminders. The buyer disputes 4 damaged pallets.")
+QUESTIONS = {
+    "late": {"type": "noul", "instructions": "Was the invoice paid after its due date?"},
+    "currency": {"type": "choice", "instructions": "Which currency is the invoice in?",
+                 "criteria": ["EUR", "USD", "SEK", "GBP"]},
+    "dispute": {"type": "score", "instructions": "How serious is the dispute?",
+                "criteria": ["no dispute", "minor", "part of the order", "whole order"]},
+    "goods": {"type": "choice", "instructions": "What was sold?",
+              "criteria": {"timber": "wood or lumber", "steel": "metal products", "food": "groceries"}},
+    "many": {"type": "choice", "instructions": "Pick the letter of the alphabet that starts the supplier's name.",
+             "criteria": list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")},
+}
+
+SMALL = {k: QUESTIONS[k] for k in ("late", "currency", "dispute")}
+
+
+def alone(eng: blink.TorchEngine, prompt: blink.Prompt) -> list[float]:
+    """Reference: the full model's logits at the last position of this prompt run by itself."""
+    with torch.no_grad():
+        logits = eng.model(input_ids=torch.tensor([prompt.ids])).logits[0, -1].float()
+    return logits[prompt.cand].tolist()
+
+
+def max_gap(eng: blink.TorchEngine, state, questions: dict) -> float:
+    """Largest difference between the engine's packed readout and each prompt run alone."""
+    raw, _ = eng.logits(state, questions)
+    prompts = eng.render(state, questions)
+    return max(abs(a - b) for p in prompts for a, b in zip(raw[p.qkey].logits[0], alone(eng, p)))
+
+
+def test_standin_labels_verify_and_name_the_model(standin):
+    assert standin.labels[:26] == list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    assert len(set(standin.label_ids)) == len(standin.label_ids)
+    assert standin.model_id == blink.STANDIN_MODEL
+    assert sum(p.numel() for p in standin.model.parameters()) == pytest.approx(134.5e6, rel=0.01)
+
+
+def test_standin_packed_readout_equals_each_prompt_alone(standin):
+    assert len({len(p.ids) for p in standin.render(DOC, QUESTIONS)}) > 1  # real right-padding happens
+    assert max_gap(standin, DOC, QUESTIONS) < 1e-4
+
+
+@pytest.mark.parametrize("readout, budget", [("rows", 64), ("batched", 32768), ("batched", 64)])
+def test_readouts_and_budgets_agree(standin, monkeypatch, readout, budget):
+    monkeypatch.setattr(standin, "readout", readout)
+    monkeypatch.setattr(standin, "token_budget", budget)
+    assert max_gap(standin, {"doc": DOC, "id": 2211}, SMALL) < 1e-4
+
+
+def test_tiny_qwen35_fp32_packed_equals_alone(tiny_qwen):
+    assert [t for t in tiny_qwen.model.config.layer_types] == [
+        "linear_attention", "full_attention", "linear_attention", "full_attention"]
+    assert max_gap(tiny_qwen, DOC, SMALL) < 1e-4
+
+
+def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir, monkeypatch):
+    # bf16 keeps 8 mantissa bits (relative step 2**-8 = 0.4%); with logits of a few units and 4 layers of rounding,
+    # batch-shape-dependent kernels move a logit by a few hundredths, so 5e-2 bounds noise, not a real difference.
+    monkeypatch.setenv("BLINK_DTYPE", "bfloat16")
+    eng = blink.TorchEngine(tiny_qwen_dir)
+    assert eng.model.dtype == torch.bfloat16
+    raw, _ = eng.logits(DOC, SMALL)
+    for p in eng.render(DOC, SMALL):
+        ref = alone(eng, p)
+        row = raw[p.qkey].logits[0]
+        assert max(abs(a - b) for a, b in zip(row, ref)) < 5e-2
+        assert max(range(len(ref)), key=ref.__getitem__) == max(range(len(ref)), key=row.__getitem__)
+
+
+def test_logits_differ_with_the_evidence(tiny_qwen):
+    a, _ = tiny_qwen.logits("The sky is green.", SMALL)
+    b, _ = tiny_qwen.logits("Completely different evidence about cats.", SMALL)
+    assert max(abs(x - y) for q in SMALL for x, y in zip(a[q].logits[0], b[q].logits[0])) > 1e-3
+
+
+def test_prompt_over_the_token_limit_is_refused_before_any_forward(standin, monkeypatch):
+    monkeypatch.setattr(blink, "MAX_INPUT_TOKENS", 100)
+    with pytest.raises(blink.BlinkError, match=r"question 'late' renders to \d+ tokens, over the maximum") as caught:
+        standin.logits(DOC, QUESTIONS)
+    assert caught.value.loc == ["body", "questions", "late"]
+
+
+def test_model_whose_labels_do_not_verify_is_refused_at_load(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate("<>|_ abcdefghijklmnopqrstuvwxyz\n{}\":,.")}  # no uppercase letters at all
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="_"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="_")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(blink.BlinkError, match="verified single-token labels"):
+        blink.TorchEngine(str(tmp_path))
+
+
+def test_decide_meta_on_the_live_engine(standin, served):
+    served(standin)
+    out = blink.decide(DOC, SMALL)
+    meta = out["meta"]
+    assert meta["model"] == blink.STANDIN_MODEL and meta["engine"] == "torch"
+    assert meta["generated_tokens"] == 0 and meta["temperature"] == 1.0
+    assert meta["input_tokens"] == sum(len(p.ids) for p in standin.render(DOC, SMALL))
+    assert meta["prefill_tokens"] == meta["input_tokens"]
+    assert meta["model_ms"] > 0 and meta["latency_ms"] >= meta["model_ms"]
+    assert out["answers"]["currency"]["type"] == "choice"
+    assert set(out["answers"]["currency"]["probabilities"]) == {"EUR", "USD", "SEK", "GBP"}
