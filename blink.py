@@ -796,8 +796,9 @@ class ReplayEngine:
 # ==================================================================================================================
 
 
-def _gpu(duration: int):
-    """spaces.GPU when the package is importable (a no-op off ZeroGPU), a plain decorator anywhere else."""
+def _gpu(duration):
+    """spaces.GPU when the package is importable (a no-op off ZeroGPU), a plain decorator anywhere else.
+    `duration` is seconds or a callable given the function's own arguments."""
     try:
         import spaces
     except Exception:  # noqa: BLE001 - not installed, or not on a Space
@@ -866,7 +867,9 @@ def load_causal_lm(source: str, revision: str | None, dtype, device: str):
     """A causal LM with its weights placed on the device at load time (ZeroGPU wants them placed at start)."""
     from transformers import AutoModelForCausalLM
 
-    load = dict(revision=revision, dtype=dtype, attn_implementation="sdpa")
+    # safetensors only: a pickled checkpoint could run code on load; remote code is never trusted either
+    load = dict(revision=revision, dtype=dtype, attn_implementation="sdpa", use_safetensors=True,
+                trust_remote_code=False)
     if _on_zero_gpu():
         return AutoModelForCausalLM.from_pretrained(source, **load).to("cuda")
     return AutoModelForCausalLM.from_pretrained(source, device_map=device, **load)
@@ -925,7 +928,7 @@ class TorchEngine:
         self.prefix_cache = bool(prefix_cache)
         self.readout = readout
         source = model_source(model_id)
-        self.tok = AutoTokenizer.from_pretrained(source, revision=revision)
+        self.tok = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=False)
         self.labels, self.label_ids = verify_labels(self.tok)  # refuse a model before loading its weights
         device = _device()
         self.model = load_causal_lm(source, revision, _dtype(device), device)
@@ -1166,7 +1169,13 @@ def _forward_shared(engine: TorchEngine, seqs: list[list[int]], cands: list[list
     _run_batches(engine, tails, cands, out, cache=cache, max_rows=rows_cap)
 
 
-@_gpu(GPU_DURATION)
+def _gpu_seconds(key: int, seqs: list[list[int]], cands: list[list[int]]) -> int:
+    """The ZeroGPU time to reserve for one forward call: a few seconds plus the prompt tokens at a conservative
+    10k tokens/s, capped at BLINK_GPU_DURATION (a short reservation is scheduled sooner)."""
+    return int(min(GPU_DURATION, 5 + sum(len(s) for s in seqs) / 10_000))
+
+
+@_gpu(_gpu_seconds)
 def _forward(key: int, seqs: list[list[int]], cands: list[list[int]]) -> tuple[list[tuple[list[float], float]],
                                                                              float]:
     """Right-padded maskless prefill; every layer is causal, so padding cannot reach the last real position.

@@ -47,3 +47,13 @@ def tiny_qwen_dir(tmp_path_factory) -> str:
 def tiny_qwen(tiny_qwen_dir) -> blink.TorchEngine:
     """The tiny Qwen3.5 text model loaded by the real torch engine."""
     return blink.TorchEngine(tiny_qwen_dir)
+
+
+@pytest.fixture(scope="module")
+def mock_served():
+    """The mock engine as the served engine for a whole module (fast, fabricated numbers)."""
+    saved = (blink._ENGINE, blink.MODEL_ID, blink.MODEL_SPECS)
+    blink._ENGINE = blink.MockEngine("org/mock")
+    blink.MODEL_ID, blink.MODEL_SPECS = "org/mock", [("org/mock", None)]
+    yield blink._ENGINE
+    blink._ENGINE, blink.MODEL_ID, blink.MODEL_SPECS = saved

@@ -150,3 +150,13 @@ def test_hybrid_serves_saved_runs_only_when_asked(tmp_path, standin, served):
     assert live["meta"]["engine"] == "torch" and edited["meta"]["engine"] == "torch"
     assert saved["answers"]["spam"]["noul"] == pytest.approx(blink.softmax([5.0, 0.0], 1.0)[0])
     assert "model_ms" in live["meta"] and "model_ms" not in saved["meta"]
+
+
+def test_gpu_decorator_is_plain_off_zero_gpu_and_sized_to_the_work(monkeypatch):
+    def f(key, seqs, cands):
+        return key
+
+    assert blink._gpu(10)(f) is f and blink._gpu(blink._gpu_seconds)(f) is f
+    assert blink._gpu_seconds(0, [[1] * 100], [[1]]) == 5
+    assert blink._gpu_seconds(0, [[1] * 100_000] * 2, [[1]] * 2) == 25
+    assert blink._gpu_seconds(0, [[1] * 131_072] * 512, [[1]] * 512) == blink.GPU_DURATION
