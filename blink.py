@@ -5,6 +5,11 @@ the fixed template the model was trained on, all questions run as right-padded p
 most BLINK_TOKEN_BUDGET padded tokens, and the answer is read from the next-token distribution over the offered
 option labels. No tokens are generated.
 
+Every answer carries `label_mass`, the share of the model's whole next-token distribution that fell on the offered
+labels (a low mass: the model wanted to say something else). Opt-in per question: `permute` (order-robust average
+over rotations of the options), `multi` (independent yes-probability per option), `abstain` (thresholds on label mass
+or confidence). `python blink.py calibrate DATA.jsonl` fits temperatures per question type that decide() then applies.
+
 Sections, in order: settings · errors · request schema · rendering · answers · images · engines (mock, replay,
 torch, hybrid) · forward pass · engine selection and decide() · batching (decide_many, Batcher) · calibration ·
 command line.
@@ -1326,6 +1331,7 @@ def decide(state, questions: dict, temperature: float | None = None, bias: dict 
 
     `bias` shapes the mock engine only. `prefer="saved"` lets the hybrid engine answer a bundled example from
     its recording; every other call runs the model. `model` picks one of models() (default: the first).
+    `temperature` given here wins; else a calibration fitted for this model applies, else the default.
     """
     validate_request(state, questions)
     eng = engine(model)
