@@ -1710,10 +1710,10 @@ def write_calibration(path: str, model_id: str, entry: dict) -> None:
 def calibrate(data_path: str, model: str | None = None, out: str | None = None) -> dict:
     """Fit one temperature per question group on labelled requests by minimising NLL, and write it where the engine
     reads it (`out`, else BLINK_CALIBRATION / calibration.json). Returns the fit report."""
+    items = read_labelled(data_path)  # a bad data file fails before any model loads
     eng = engine(model)
     if getattr(eng, "fabricated", False):
         raise BlinkError("calibration needs a model's own numbers; the mock engine's are fabricated")
-    items = read_labelled(data_path)
     groups = labelled_observations(eng, items, data_path)
     start = check_temperature(eng.temperature)
     fits, temps = {}, {}
