@@ -11,6 +11,9 @@ torch, hybrid) · forward pass · engine selection and decide() · batching (dec
 Engines (BLINK_ENGINE): "torch" runs the model; "replay" serves label logits the real model recorded for the
 bundled examples; "hybrid" serves those recordings for the bundled examples and runs the model for everything
 else; "mock" is a deterministic stand-in with fabricated numbers (BLINK_MOCK=1 also selects it).
+
+Images: data URIs inside the state, or a top-level `images` list, go to a vision model (BLINK_VISION for a model with
+its own vision tower, BLINK_VISION_TOWER to graft blink-4b onto its base's tower); text-only models refuse them.
 """
 
 from __future__ import annotations
@@ -1121,7 +1124,8 @@ class TorchEngine:
         if getattr(config, "vision_config", None) is None:
             raise BlinkError("the selected vision tower has no vision configuration")
         self.renderer, self.vision_tok, self.image_processor = load_image_processing(base, base_rev)
-        text_config = AutoConfig.from_pretrained(source, revision=revision) if tower else config.text_config
+        text_config = (AutoConfig.from_pretrained(source, revision=revision) if tower
+                       else getattr(config, "text_config", config))
         if tower:
             check_graft_config(text_config, config)
         check_vision_tokens(config, text_config.vocab_size, [self.tok, self.vision_tok])

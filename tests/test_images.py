@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import json
+
 import pytest
 from image_samples import data_uri, declared_png, encode, exif_rotated_jpeg, gradient, png_uri
 from PIL import Image
@@ -212,14 +215,15 @@ def test_resize_is_the_processors_policy():
 
 
 def test_decoded_images_are_resized_factor_aligned():
-    req = blink.extract_images(png_uri(gradient(400, 280)), limits=blink.ImageLimits(max_pixels=65536, min_pixels=4096))
+    limits = blink.ImageLimits(max_pixels=65536, min_pixels=4096)
+    req = blink.extract_images(png_uri(gradient(400, 280)), limits=limits)
     w, h = req.images[0].size
     assert w % 32 == 0 and h % 32 == 0 and 65536 >= w * h >= 32768 and req.images[0].mode == "RGB"
 
 
 def test_exif_orientation_is_applied():
     raw = exif_rotated_jpeg(96, 64, orientation=6)  # stored landscape, shown rotated 90 degrees clockwise
-    assert Image.open(__import__("io").BytesIO(raw)).size == (96, 64)
+    assert Image.open(io.BytesIO(raw)).size == (96, 64)
     img = blink.extract_images(data_uri(raw, "image/jpeg"), limits=SMALL).images[0]
     assert img.size == (64, 96)
     left, right = img.getpixel((8, 48)), img.getpixel((56, 48))
@@ -273,3 +277,12 @@ def test_image_data_uri_reads_the_files_own_format(tmp_path):
     gradient(8, 8).save(gif, "GIF")
     with pytest.raises(blink.BlinkError, match="images must be PNG, JPEG or WebP"):
         blink.image_data_uri(str(gif))
+
+
+def test_command_line_images(served, tmp_path, capsys):
+    served(blink.MockEngine("mock-model"))
+    path = tmp_path / "photo.png"
+    path.write_bytes(encode(gradient(64, 64), "PNG"))
+    assert blink.main(["--state", "a photo", "--questions", json.dumps(Q), "--image", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == "error: this model reads text only"
+    assert blink.main(["--state", "a photo", "--questions", json.dumps(Q)]) == 0

@@ -19,7 +19,6 @@ import graft_keys
 QS = {
     "kind": {"type": "choice", "instructions": "What does the picture show?",
              "criteria": {"cat": "a cat", "dog": "a dog", "car": "a car"}},
-    "bright": {"type": "noul", "instructions": "Is the picture bright?"},
     "sharp": {"type": "score", "instructions": "How sharp is it?", "criteria": ["blurry", "fair", "sharp"]},
 }
 IMAGE = gradient(96, 64)
@@ -97,9 +96,9 @@ def image_logits(eng, state, images=blink._NO_IMAGES) -> tuple[dict, int, dict]:
 def assert_close(got: dict, want: dict, tol: float = 1e-4) -> None:
     """Every question's label logits agree within tol."""
     assert got.keys() == want.keys()
-    for qkey in want:
-        assert len(got[qkey]) == len(want[qkey])
-        assert max(abs(a - b) for a, b in zip(got[qkey], want[qkey])) < tol, qkey
+    for qkey, row in want.items():
+        assert len(got[qkey]) == len(row)
+        assert max(abs(a - b) for a, b in zip(got[qkey], row)) < tol, qkey
 
 
 # -------------------------------------------------------------------------------------------------------------- graft
@@ -268,7 +267,7 @@ def test_processor_falls_back_to_the_pil_image_processor(native):
 
 def test_layout_first_matches_the_reference_forward(native):
     state = {"photo": URI, "note": "taken at noon"}
-    got, n_tokens, meta = image_logits(native, state)
+    got, _, meta = image_logits(native, state)
     want = reference_label_logits(native, First({"photo": "[image 1]", "note": "taken at noon"}, 1), [IMAGE])
     assert_close(got, want)
     assert meta == {"image_pixels": 96 * 64, "visual_tokens": 96 * 64 // 32**2}
@@ -322,8 +321,9 @@ def test_text_requests_on_a_vision_engine_stay_text(served, text_engine, grafted
     served(grafted)
     state = "The parcel arrived damaged."
     image_logits(grafted, URI)  # an image request first: no state of it may reach the next text request
-    assert blink.decide(state, QS)["answers"] == blink.assemble(QS, text_engine.logits(state, QS)[0], 1.0)
-    assert "image_pixels" not in blink.decide(state, QS)["meta"]
+    result = blink.decide(state, QS)
+    assert result["answers"] == blink.assemble(QS, text_engine.logits(state, QS)[0], 1.0)
+    assert "image_pixels" not in result["meta"]
 
 
 def test_text_only_model_refuses_images(served, text_engine):
@@ -360,3 +360,13 @@ def test_reference_image_processor_reloads_from_the_folder(folders, native):
     tok = AutoTokenizer.from_pretrained(folders["base"])
     assert type(proc) is type(native.image_processor) and tok.convert_tokens_to_ids(blink.IMAGE_PAD) == (
         native.image_token_id)
+
+
+def test_bundled_image_example_runs_on_a_vision_model_and_is_never_recorded(served, native, folders, tmp_path):
+    path = next(f for f in blink.example_files() if f.endswith("support-chart-image.json"))
+    example = blink.load_example(path)
+    served(native)
+    result = blink.decide(example["state"], example["questions"])
+    assert result["answers"]["busiest"]["choice"] in ("Q1", "Q2", "Q3", "Q4") and result["meta"]["visual_tokens"] > 0
+    data = blink.record(folders["text"], str(tmp_path / "replay.json"))
+    assert "support-chart-image.json" not in {hit["example"] for hit in data["requests"].values()}
