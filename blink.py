@@ -1488,7 +1488,7 @@ def _forward_images(key: int, pixel_values, grids, work: list[ImagePrompt]) -> t
     with torch.no_grad():
         grids = grids.to(device)
         start = _stamp(device, sync)
-        features = vlm.get_image_features(pixel_values.to(device), grids).pooler_output  # one tensor per image
+        features = vlm.get_image_features(pixel_values.to(device), grids, return_dict=True).pooler_output  # per image
         encoder_ms = (_stamp(device, sync) - start) * 1000
         for p in work:
             ids = torch.tensor([p.ids], dtype=torch.long, device=device)
