@@ -17,6 +17,9 @@ command line.
 Engines (BLINK_ENGINE): "torch" runs the model; "replay" serves label logits the real model recorded for the
 bundled examples; "hybrid" serves those recordings for the bundled examples and runs the model for everything
 else; "mock" is a deterministic stand-in with fabricated numbers (BLINK_MOCK=1 also selects it).
+
+Images: data URIs inside the state, or a top-level `images` list, go to a vision model (BLINK_VISION for a model with
+its own vision tower, BLINK_VISION_TOWER to graft blink-4b onto its base's tower); text-only models refuse them.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import string
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
@@ -109,11 +112,13 @@ MAX_JSON_DEPTH = int(os.environ.get("BLINK_MAX_JSON_DEPTH", "64"))  # nesting of
 PREFIX_CACHE = _flag("BLINK_PREFIX_CACHE")
 # Readout: "rows" (per-question gather, upcast and GEMV) or "batched" (one gather and one FP32 matmul per forward).
 READOUT = os.environ.get("BLINK_READOUT", "rows").strip().lower()
-GPU_DURATION = int(os.environ.get("BLINK_GPU_DURATION", "60"))
+GPU_DURATION = int(os.environ.get("BLINK_GPU_DURATION", "60"))  # the most seconds one GPU call reserves
 VISION = _flag("BLINK_VISION")
 VISION_TOWER = os.environ.get("BLINK_VISION_TOWER") or None
 IMAGE_LAYOUTS = ("inline", "first")
 IMAGE_LAYOUT_DEFAULT = "first"
+# Where a vision model sees the images: "first" (all images, then the text) or "inline" (each where it stood).
+IMAGE_LAYOUT = os.environ.get("BLINK_IMAGE_LAYOUT", "").strip().lower() or IMAGE_LAYOUT_DEFAULT
 MOCK = os.environ.get("BLINK_MOCK", "") not in ("", "0", "false", "False")
 ENGINE = "mock" if MOCK else os.environ.get("BLINK_ENGINE", "").strip().lower()
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -420,8 +425,8 @@ def chat(user) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
 
-def wrap(tokenizer, user: str) -> str:
-    """The full prompt text up to the answer position."""
+def wrap(tokenizer, user) -> str:
+    """The full prompt text up to the answer position (`user`: text, or a vision model's list of content parts)."""
     return tokenizer.apply_chat_template(chat(user), tokenize=False, add_generation_prompt=True,
                                          enable_thinking=False)
 
@@ -621,12 +626,350 @@ def assemble(questions: dict, raw: dict[str, Readout], temperatures: dict[str, f
 # Images
 # ==================================================================================================================
 
-_NO_IMAGES = object()
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Per-request image limits. min_pixels and factor come from the served model's vision processor."""
+
+    max_images: int = 2
+    max_bytes: int = 8 * 1024 * 1024
+    max_pixels: int = 1920 * 1088
+    max_source_pixels: int = 20_000_000
+    min_pixels: int = 65_536
+    factor: int = 32
+
+
+@dataclass(frozen=True)
+class ImageSubmission:
+    """A request's images located and counted, nothing decoded yet; `loc` is where the first image stands."""
+
+    state: object
+    images: object
+    limits: ImageLimits
+    loc: list
+
+
+@dataclass(frozen=True)
+class ImageRequest:
+    """A request's decoded images, its state with a unique marker where each image stood (`marked_state`), and
+    the same state as the model reads it between images (`state`, markers shown as [image N])."""
+
+    state: object
+    marked_state: object
+    images: tuple
+    markers: tuple[str, ...]
+    limits: ImageLimits
+    loc: list
+
+
+_NO_IMAGES = object()  # `images` not given at all (an empty list is given, and holds no image)
+MAX_HEADER = 256  # how far past "data:image/" a header's comma is looked for
+_IMAGE_PREFIX = "data:image/"
+_CANONICAL_IMAGE_URI = re.compile(r"data:image/(?:png|jpeg|webp);base64,[A-Za-z0-9+/]*={0,2}", re.IGNORECASE)
+_IMAGE_DATA = re.compile(r"data:(image/(?:png|jpeg|webp));base64,([A-Za-z0-9+/]+={0,2})\Z", re.IGNORECASE)
+_IMAGE_FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP"}
+_CANONICAL_IMAGE_HEADERS = {f"data:{mime};base64" for mime in _IMAGE_FORMATS}
+_BAD_IMAGE_URI = "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data"
+_IMAGE_LIMIT_ENV = {  # env name -> (ImageLimits field, lowest, highest)
+    "BLINK_MAX_IMAGES": ("max_images", 1, 8),
+    "BLINK_MAX_IMAGE_BYTES": ("max_bytes", 1024, 32 * 1024 * 1024),
+    "BLINK_MAX_IMAGE_PIXELS": ("max_pixels", 65_536, 16_777_216),
+    "BLINK_MAX_IMAGE_SOURCE_PIXELS": ("max_source_pixels", 65_536, 64_000_000),
+}
+
+
+def image_limits() -> ImageLimits:
+    """The image limits from BLINK_MAX_IMAGE*, range-checked; read only when a request carries images."""
+    defaults, values = ImageLimits(), {}
+    for name, (field, lo, hi) in _IMAGE_LIMIT_ENV.items():
+        try:
+            n = int(os.environ.get(name, str(getattr(defaults, field))))
+        except ValueError:
+            raise BlinkError(f"{name} must be an integer from {lo} to {hi}") from None
+        if not lo <= n <= hi:
+            raise BlinkError(f"{name} must be from {lo} to {hi}")
+        values[field] = n
+    return replace(defaults, **values)
+
+
+def _scan_image_uris(value: str) -> Iterator[tuple[int, int, str | None]]:
+    """(start, end, error) per image data URI in a string: a canonical URI's span, or a refused header's error.
+    "data:image/" without a ";base64," header within MAX_HEADER characters is plain text."""
+    low = value.lower()
+    if len(low) != len(value):
+        # Some characters lowercase to several (e.g. "İ"): keep those as they are so offsets stay the string's own.
+        low = "".join(char.lower() if len(char.lower()) == 1 else char for char in value)
+    pos = 0
+    while True:
+        start = low.find(_IMAGE_PREFIX, pos)
+        if start < 0:
+            return
+        comma = low.find(",", start, start + MAX_HEADER)
+        if comma < 0:
+            pos = start + len(_IMAGE_PREFIX)
+            continue
+        header = low[start:comma]
+        compact = "".join(header.split())
+        if not compact.endswith(";base64"):
+            pos = start + len(_IMAGE_PREFIX)
+            continue
+        if compact not in _CANONICAL_IMAGE_HEADERS or header != compact:
+            error = ("image data URI parameters or whitespace are not supported"
+                     if header != compact or compact.count(";") > 1 else _BAD_IMAGE_URI)
+            yield start, comma + 1, error
+            pos = comma + 1
+            continue
+        match = _CANONICAL_IMAGE_URI.match(value, start)
+        if match is None:
+            yield start, comma + 1, _BAD_IMAGE_URI
+            pos = comma + 1
+            continue
+        yield start, match.end(), None
+        pos = match.end()
 
 
 def contains_image_uri(value) -> bool:
-    """True when a string anywhere in the value holds an image data URI (the vision path lands here)."""
+    """True when a string anywhere in the value (nested lists and object values) holds an image data URI."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str) and next(_scan_image_uris(item), None) is not None:
+            return True
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
     return False
+
+
+def _state_strings(state) -> Iterator[tuple[str, list]]:
+    """Every string in the state with its location in the request body, in the order the JSON renders them."""
+    pending = [(state, ["body", "state"])]
+    while pending:
+        value, loc = pending.pop()
+        if isinstance(value, str):
+            yield value, loc
+        elif isinstance(value, dict):
+            pending.extend((child, [*loc, key]) for key, child in reversed(tuple(value.items())))
+        elif isinstance(value, list):
+            pending.extend((value[i], [*loc, i]) for i in range(len(value) - 1, -1, -1))
+
+
+def _listed_uri(uri, i: int, count: int) -> None:
+    """Check one entry of the top-level images list is a string that starts with a canonical image header."""
+    loc = ["body", "images", i]
+    if not isinstance(uri, str):
+        raise ImageError(f"image {count + 1} must be a data URI", loc)
+    first = next(_scan_image_uris(uri), None)
+    if first is None or first[0] != 0:
+        raise ImageError(_BAD_IMAGE_URI, loc)
+    if first[2] is not None:
+        raise ImageError(first[2], loc)
+
+
+def inspect_images(state, images=_NO_IMAGES, limits: ImageLimits | None = None) -> ImageSubmission | None:
+    """Locate and count a request's images without decoding any base64 or pixel; None when it has none."""
+    if images is _NO_IMAGES and not contains_image_uri(state):
+        return None
+    if images is not _NO_IMAGES and not isinstance(images, list):
+        raise ImageError("images must be a list of data URIs", ["body", "images"])
+    count, first_loc, resolved = 0, None, limits
+
+    def count_one(loc: list) -> None:
+        nonlocal count, first_loc, resolved
+        resolved = resolved or image_limits()
+        count += 1
+        if count > resolved.max_images:
+            raise ImageError(f"at most {resolved.max_images} images per request", loc)
+        first_loc = first_loc or loc
+
+    for value, loc in _state_strings(state):
+        for _, _, error in _scan_image_uris(value):
+            if error is not None:
+                raise ImageError(error, loc)
+            count_one(loc)
+    for i, uri in enumerate([] if images is _NO_IMAGES else images):
+        _listed_uri(uri, i, count)
+        count_one(["body", "images", i])
+    return ImageSubmission(state, images, resolved, first_loc) if count else None
+
+
+def _image_size(height: int, width: int, limits: ImageLimits) -> tuple[int, int]:
+    """The vision processor's resize policy: both sides factor-aligned, pixels between min_pixels and max_pixels."""
+    factor = limits.factor
+    if max(height, width) / min(height, width) > 200:
+        raise BlinkError("image aspect ratio must be at most 200:1")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > limits.max_pixels:
+        scale = math.sqrt(height * width / limits.max_pixels)
+        h = max(factor, math.floor(height / scale / factor) * factor)
+        w = max(factor, math.floor(width / scale / factor) * factor)
+    elif h * w < limits.min_pixels:
+        scale = math.sqrt(limits.min_pixels / (height * width))
+        h, w = math.ceil(height * scale / factor) * factor, math.ceil(width * scale / factor) * factor
+    if not limits.min_pixels <= h * w <= limits.max_pixels:
+        raise BlinkError(f"image cannot fit between {limits.min_pixels} and {limits.max_pixels} pixels")
+    return h, w
+
+
+def _decode_base64(uri: str, index: int, loc: list, limits: ImageLimits) -> tuple[str, bytes]:
+    """The MIME type and bytes of one data URI, refusing an oversized payload before decoding it."""
+    import base64
+    import binascii
+
+    match = _IMAGE_DATA.fullmatch(uri)
+    if match is None:
+        raise ImageError(_BAD_IMAGE_URI, loc)
+    mime, payload = match.group(1).lower(), match.group(2)
+    if len(payload) > 4 * math.ceil(limits.max_bytes / 3):
+        raise ImageError(f"image {index} exceeds {limits.max_bytes} decoded bytes", loc)
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except binascii.Error:
+        raise ImageError(f"image {index} has invalid base64 data", loc) from None
+    if not raw or len(raw) > limits.max_bytes:
+        raise ImageError(f"image {index} must contain 1-{limits.max_bytes} decoded bytes", loc)
+    return mime, raw
+
+
+def _decode_image(uri: str, index: int, loc: list, limits: ImageLimits) -> Image.Image:
+    """One data URI as an RGB image: format checked against the MIME type, source pixels checked from the header
+    before any pixel is decoded, EXIF orientation applied, resized by the processor's policy."""
+    import io
+
+    from PIL import Image, ImageOps
+
+    mime, raw = _decode_base64(uri, index, loc, limits)
+    too_big = ImageError(f"image {index} exceeds {limits.max_source_pixels} source pixels", loc)
+    try:
+        with Image.open(io.BytesIO(raw)) as opened:
+            if opened.format != _IMAGE_FORMATS[mime]:
+                raise ImageError(f"image {index} does not match its {mime} MIME type", loc)
+            width, height = opened.size
+            if not width or not height or width * height > limits.max_source_pixels:
+                raise too_big
+            img = ImageOps.exif_transpose(opened)
+            try:
+                new_height, new_width = _image_size(img.height, img.width, limits)
+            except BlinkError as exc:
+                raise ImageError(f"image {index}: {exc}", loc) from exc
+            img = img.convert("RGB")
+            if img.size != (new_width, new_height):
+                img = img.resize((new_width, new_height), Image.Resampling.BICUBIC)
+            return img
+    except ImageError:
+        raise
+    except Image.DecompressionBombError:
+        raise too_big from None
+    except Exception as exc:  # noqa: BLE001 - a malformed file can raise almost anything from inside the decoder
+        raise ImageError(f"image {index} cannot be decoded: {exc}", loc) from None
+
+
+def _map_state_values(value, loc: list, transform):
+    """A copy of the state with every non-container value replaced by transform(value, loc); no recursion."""
+    if not isinstance(value, (dict, list)):
+        return transform(value, loc)
+    result = {} if isinstance(value, dict) else [None] * len(value)
+
+    def entries(node):
+        return iter(node.items()) if isinstance(node, dict) else iter(enumerate(node))
+
+    pending = [(entries(value), result, loc)]
+    while pending:
+        children, target, parent_loc = pending[-1]
+        try:
+            key, child = next(children)
+        except StopIteration:
+            pending.pop()
+            continue
+        child_loc = [*parent_loc, key]
+        if isinstance(child, (dict, list)):
+            nested = {} if isinstance(child, dict) else [None] * len(child)
+            target[key] = nested
+            pending.append((entries(child), nested, child_loc))
+        else:
+            target[key] = transform(child, child_loc)
+    return result
+
+
+def _attach(marked, attachments: list[str]):
+    """The marked state with the top-level images' markers added after it."""
+    if not attachments:
+        return marked
+    if isinstance(marked, str):
+        return marked + ("\n" if marked else "") + "\n".join(attachments)
+    if isinstance(marked, list):
+        return [*marked, *attachments]
+    return {"state": marked, "images": attachments}
+
+
+def decode_images(submission: ImageSubmission) -> ImageRequest:
+    """Decode a located submission: each image is lifted out and a unique per-request marker takes its place."""
+    import secrets
+
+    limits = submission.limits
+    found: list = []
+    markers: list[str] = []
+    nonce = secrets.token_hex(16)
+
+    def add(uri: str, loc: list) -> str:
+        index = len(found) + 1
+        if index > limits.max_images:
+            raise ImageError(f"at most {limits.max_images} images per request", loc)
+        found.append(_decode_image(uri, index, loc, limits))
+        markers.append(f"BLINK_IMAGE_{nonce}_{index}_END")
+        return markers[-1]
+
+    def lift(value, loc: list):
+        if not isinstance(value, str):
+            return value
+        parts, offset = [], 0
+        for start, end, error in _scan_image_uris(value):
+            if error is not None:
+                raise ImageError(error, loc)
+            parts.extend((value[offset:start], add(value[start:end], loc)))
+            offset = end
+        return "".join(parts) + value[offset:] if parts else value
+
+    marked = _map_state_values(submission.state, ["body", "state"], lift)
+    listed = [] if submission.images is _NO_IMAGES else submission.images
+    marked = _attach(marked, [add(uri, ["body", "images", i]) for i, uri in enumerate(listed)])
+    names = {marker: f"[image {i}]" for i, marker in enumerate(markers, 1)}
+
+    def visible(value, _loc):
+        if isinstance(value, str):
+            for marker, name in names.items():
+                value = value.replace(marker, name)
+        return value
+
+    return ImageRequest(_map_state_values(marked, ["body", "state"], visible), marked, tuple(found),
+                        tuple(markers), limits, submission.loc)
+
+
+def extract_images(state, images=_NO_IMAGES, limits: ImageLimits | None = None) -> ImageRequest | None:
+    """Locate, count, then decode a request's images (inline data URIs and/or the images list); None if none."""
+    submission = inspect_images(state, images, limits)
+    return decode_images(submission) if submission is not None else None
+
+
+def image_data_uri(path: str) -> str:
+    """A PNG, JPEG or WebP file as a data URI, its MIME type taken from the file's own format."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            fmt = img.format
+    except Exception as exc:  # noqa: BLE001
+        raise BlinkError(f"{path} is not an image: {exc}") from None
+    mime = {v: k for k, v in _IMAGE_FORMATS.items()}.get(fmt)
+    if mime is None:
+        raise BlinkError(f"{path} is {fmt}; images must be PNG, JPEG or WebP")
+    return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
 
 
 # ==================================================================================================================
@@ -803,7 +1146,7 @@ class ReplayEngine:
 
 def _gpu(duration):
     """spaces.GPU when the package is importable (a no-op off ZeroGPU), a plain decorator anywhere else.
-    `duration` is seconds or a callable given the function's own arguments."""
+    `duration` is seconds or a callable given the same arguments as the decorated function."""
     try:
         import spaces
     except Exception:  # noqa: BLE001 - not installed, or not on a Space
@@ -868,21 +1211,27 @@ def _device() -> str:
     return "cuda" if _on_zero_gpu() or _cuda() else "cpu"
 
 
-def load_causal_lm(source: str, revision: str | None, dtype, device: str):
-    """A causal LM with its weights placed on the device at load time (ZeroGPU wants them placed at start)."""
-    from transformers import AutoModelForCausalLM
-
+def load_pretrained(auto_class, source: str, revision: str | None, dtype, device: str):
+    """A model with its weights placed on the device at load time (ZeroGPU wants them placed at start)."""
     # safetensors only: a pickled checkpoint could run code on load; remote code is never trusted either
     load = dict(revision=revision, dtype=dtype, attn_implementation="sdpa", use_safetensors=True,
                 trust_remote_code=False)
     if _on_zero_gpu():
-        return AutoModelForCausalLM.from_pretrained(source, **load).to("cuda")
-    return AutoModelForCausalLM.from_pretrained(source, device_map=device, **load)
+        return auto_class.from_pretrained(source, **load).to("cuda")
+    return auto_class.from_pretrained(source, device_map=device, **load)
 
 
-def verify_labels(tokenizer) -> tuple[list[str], list[int]]:
-    """Labels that are one token right after the assistant boundary and decode back to themselves."""
-    probe = wrap(tokenizer, "x")
+def load_causal_lm(source: str, revision: str | None, dtype, device: str):
+    """A causal LM with its weights placed on the device at load time."""
+    from transformers import AutoModelForCausalLM
+
+    return load_pretrained(AutoModelForCausalLM, source, revision, dtype, device)
+
+
+def verify_labels(tokenizer, user="x", renderer=None) -> tuple[list[str], list[int]]:
+    """Labels that are one token right after the assistant boundary and decode back to themselves. `renderer`
+    (default: the tokenizer) renders the probe conversation; `user` is its user content."""
+    probe = wrap(renderer or tokenizer, user)
     base = tokenizer(probe, add_special_tokens=False)["input_ids"]
     labels, ids = [], []
     for lab in LABEL_POOL:
@@ -897,6 +1246,89 @@ def verify_labels(tokenizer) -> tuple[list[str], list[int]]:
     if len(labels) < 26 or labels[:26] != list(string.ascii_uppercase):
         raise BlinkError(f"only {len(labels)} verified single-token labels; A..Z must all verify")
     return labels, ids
+
+
+IMAGE_PAD = "<|image_pad|>"
+VISION_TOKENS = (("<|image_pad|>", "image_token_id"), ("<|vision_start|>", "vision_start_token_id"),
+                 ("<|vision_end|>", "vision_end_token_id"))
+GRAFT_CONFIG_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "layer_types")
+
+
+def vision_source(model_name: str, spec: str) -> tuple[str, str]:
+    """Only graft a text checkpoint with its own base model's vision tower: that base's (source, revision)."""
+    expected = VISION_BASES.get(model_name)
+    if expected is None:
+        raise BlinkError("BLINK_VISION_TOWER is only supported for blink-4b and blink-27b")
+    source, separator, revision = spec.rpartition("@")
+    if not separator or not source or not revision:
+        raise BlinkError("BLINK_VISION_TOWER must be a repo@revision")
+    if source != expected and not (
+        os.path.isdir(source) and os.path.basename(os.path.normpath(source)) == expected.split("/")[-1]
+    ):
+        raise BlinkError(f"BLINK_VISION_TOWER for {model_name} must use {expected}@revision")
+    return source, revision
+
+
+def check_graft_config(text_config, base_config) -> None:
+    """Refuse a vision base whose language model is not the text checkpoint's architecture."""
+    base_text = getattr(base_config, "text_config", None)
+    for field in GRAFT_CONFIG_FIELDS:
+        value = getattr(text_config, field, None)
+        if value is None or value != getattr(base_text, field, None):
+            raise BlinkError(f"incompatible vision tower: text {field} differs from the checkpoint")
+    if getattr(base_config.vision_config, "out_hidden_size", None) != text_config.hidden_size:
+        raise BlinkError("incompatible vision tower: visual output does not match text hidden size")
+
+
+def check_vision_tokens(config, vocab_size: int, tokenizers: list) -> None:
+    """The vision model's special-token ids are in the vocabulary and every tokenizer maps its tokens to them."""
+    for token, field in VISION_TOKENS:
+        expected = getattr(config, field, None)
+        if (not isinstance(expected, int) or not 0 <= expected < vocab_size
+                or any(tok.convert_tokens_to_ids(token) != expected for tok in tokenizers)):
+            raise BlinkError(f"incompatible vision tower: {field} differs from the text tokenizer")
+
+
+def load_image_processing(source: str, revision: str | None) -> tuple:
+    """(chat renderer, tokenizer, image processor) of a vision model. AutoProcessor needs torchvision; without it
+    the model's tokenizer and AutoImageProcessor (the PIL class) serve. blink expands the image pads itself."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+
+    try:
+        processor = AutoProcessor.from_pretrained(source, revision=revision)
+    except (ImportError, OSError, ValueError):
+        processor = None
+    if hasattr(processor, "tokenizer") and hasattr(processor, "image_processor"):
+        return processor, processor.tokenizer, processor.image_processor
+    tok = AutoTokenizer.from_pretrained(source, revision=revision)
+    return tok, tok, AutoImageProcessor.from_pretrained(source, revision=revision)
+
+
+def graft_text_weights(vision_model, text_model) -> int:
+    """Copy every text-checkpoint weight onto its name in the vision model (graft_keys.text_to_parent), refusing an
+    unknown, unplaceable, duplicated or mis-shaped weight and a language weight left unfilled. Returns the count."""
+    from graft_keys import text_to_parent
+
+    target = vision_model.state_dict()
+    copied = {}
+    for name, value in text_model.state_dict().items():
+        try:
+            dest = text_to_parent(name)
+        except ValueError as exc:
+            raise BlinkError(f"incompatible text checkpoint: {exc}") from None
+        if dest not in target or dest in copied:
+            raise BlinkError(f"text weight {name!r} cannot be grafted onto the vision model")
+        if target[dest].shape != value.shape:
+            raise BlinkError(f"text weight {name!r} has shape {tuple(value.shape)}, the vision model's {dest!r} "
+                             f"has {tuple(target[dest].shape)}")
+        copied[dest] = value
+    missing, unexpected = vision_model.load_state_dict(copied, strict=False)
+    unfilled = [name for name in missing if name.startswith("model.language_model.") or name == "lm_head.weight"]
+    if unexpected or unfilled:
+        raise BlinkError(f"incomplete text graft: {len(unfilled)} missing language weights, "
+                         f"{len(unexpected)} unexpected weights")
+    return len(copied)
 
 
 # Live engines by id. The GPU function looks its engine up here instead of receiving it as an argument: on ZeroGPU
@@ -915,13 +1347,58 @@ class Prompt:
     cand: list[int]
 
 
+@dataclass
+class ImagePrompt:
+    """One rendered prompt of an image request (a question has several with permute or multi): ids with every
+    image pad expanded, the request's images it shows (indices, in prompt order) and its offered labels' token ids."""
+
+    qkey: str
+    keys: list[str]
+    ids: list[int]
+    cand: list[int]
+    order: tuple[int, ...]
+
+
+def _image_content(user: str, markers: tuple[str, ...], images: tuple, layout: str) -> tuple[list[dict], tuple]:
+    """The user turn as content parts and the order its images appear in: "first" puts every image before the
+    text (markers read [image N]); "inline" puts each image where its marker stands."""
+    split = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
+    index = {marker: i for i, marker in enumerate(markers)}
+    if layout == "first":
+        names = {marker: f"[image {i}]" for i, marker in enumerate(markers, 1)}
+        content = [{"type": "image", "image": image} for image in images]
+        return content + [{"type": "text", "text": split.sub(lambda m: names[m.group()], user)}], tuple(index.values())
+    content, order = [], []
+    for part in split.split(user):
+        if part in index:
+            content.append({"type": "image", "image": images[index[part]]})
+            order.append(index[part])
+        elif part:
+            content.append({"type": "text", "text": part})
+    return content, tuple(order)
+
+
+def _readouts(work: list, rows: list[tuple[list[float], float]]) -> dict[str, Readout]:
+    """The forward's (label logits, lse) per prompt, gathered into each question's readout in prompt order."""
+    raw: dict[str, Readout] = {}
+    for p, (row, lse) in zip(work, rows):
+        readout = raw.setdefault(p.qkey, Readout([], []))
+        readout.logits.append(row)
+        readout.lse.append(lse)
+    return raw
+
+
 class TorchEngine:
     """Prefill-only readout over the offered labels, all questions of a request in one GPU call."""
 
     name = "torch"
 
     def __init__(self, model_id: str = MODEL_ID, revision: str | None = None, temperature: float = TEMPERATURE,
-                 token_budget: int = TOKEN_BUDGET, prefix_cache: bool = PREFIX_CACHE, readout: str = READOUT):
+                 token_budget: int = TOKEN_BUDGET, prefix_cache: bool = PREFIX_CACHE, readout: str = READOUT,
+                 vision: bool = False, vision_tower: str | None = None, image_layout: str | None = None,
+                 limits: ImageLimits | None = None, model_name: str | None = None):
+        """vision: the model has its own vision tower; vision_tower="repo@revision": graft this text checkpoint
+        onto its base model's vision tower; model_name (default: the id's last part) picks the allowed base."""
         from transformers import AutoTokenizer
 
         if readout not in ("rows", "batched"):
@@ -936,35 +1413,170 @@ class TorchEngine:
         self.tok = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=False)
         self.labels, self.label_ids = verify_labels(self.tok)  # refuse a model before loading its weights
         device = _device()
-        self.model = load_causal_lm(source, revision, _dtype(device), device)
+        self.accepts_images = bool(vision or vision_tower)
+        if self.accepts_images:
+            self._load_vision(source, revision, vision_tower, model_name or model_id, image_layout, limits, device)
+        else:
+            self.model = load_causal_lm(source, revision, _dtype(device), device)
         self.model.eval()
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.key = id(self)
         _LIVE[self.key] = self
 
+    def _load_vision(self, source: str, revision: str | None, tower: str | None, model_name: str,
+                     layout: str | None, limits: ImageLimits | None, device: str) -> None:
+        """Load a vision-language model: the model itself (native) or its base with this text checkpoint grafted
+        in. Every config field, special-token id and label token is checked before any weight is loaded."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+        name = model_name.rstrip("/").split("/")[-1]
+        if tower:
+            base, base_rev = vision_source(name, tower)
+        elif name in NATIVE_VISION_MODELS:
+            base, base_rev = source, revision
+        else:
+            raise BlinkError("BLINK_VISION needs a model with its own vision tower, or BLINK_VISION_TOWER for a text "
+                             "model")
+        self.image_layout = layout or IMAGE_LAYOUT
+        if self.image_layout not in IMAGE_LAYOUTS:
+            raise BlinkError("image_layout must be inline or first")
+        self.image_timing = _flag("BLINK_IMAGE_TIMING")
+        config = AutoConfig.from_pretrained(base, revision=base_rev)
+        if getattr(config, "vision_config", None) is None:
+            raise BlinkError("the selected vision tower has no vision configuration")
+        self.renderer, self.vision_tok, self.image_processor = load_image_processing(base, base_rev)
+        text_config = (AutoConfig.from_pretrained(source, revision=revision) if tower
+                       else getattr(config, "text_config", config))
+        if tower:
+            check_graft_config(text_config, config)
+        check_vision_tokens(config, text_config.vocab_size, [self.tok, self.vision_tok])
+        self._verify_image_labels()
+        self.image_token_id = config.image_token_id
+        self.image_limits = self._processor_limits(limits or image_limits())
+        self.model = load_pretrained(AutoModelForImageTextToText, base, base_rev, _dtype(device), device)
+        if tower:
+            text_model = AutoModelForCausalLM.from_pretrained(source, revision=revision, device_map="cpu",
+                                                              dtype=self.model.dtype)
+            graft_text_weights(self.model, text_model)
+            del text_model
+
+    def _verify_image_labels(self) -> None:
+        """Refuse a vision tokenizer that does not give each verified label the text tokenizer's token."""
+        try:
+            labels, ids = verify_labels(self.vision_tok, [{"type": "text", "text": "x"}], self.renderer)
+        except BlinkError as exc:
+            raise BlinkError(f"vision processor does not preserve the option-label tokens: {exc}") from None
+        got = dict(zip(labels, ids))
+        for label, expected in zip(self.labels, self.label_ids):
+            if got.get(label) != expected:
+                raise BlinkError(f"vision processor does not preserve the option-label token for {label}")
+
+    def _processor_limits(self, limits: ImageLimits) -> ImageLimits:
+        """The limits with the processor's minimum pixels, its factor (patch x merge) and its maximum pixels."""
+        size, proc = self.image_processor.size, self.image_processor
+        fitted = replace(limits, min_pixels=int(size["shortest_edge"]), factor=int(proc.patch_size * proc.merge_size),
+                         max_pixels=min(limits.max_pixels, int(size["longest_edge"])))
+        if fitted.max_pixels < fitted.min_pixels:
+            raise BlinkError(f"BLINK_MAX_IMAGE_PIXELS must be at least {fitted.min_pixels}")
+        return fitted
+
     def backbone(self):
         """The decoder stack that returns hidden states (the language model of a vision model)."""
-        return self.model.model
+        return self.model.model.language_model if self.accepts_images else self.model.model
+
+    def _offered(self, qkey: str, q: dict) -> list[tuple[str, str]]:
+        """A question's options, refused when there are more than verified labels."""
+        items = question_options(q, qkey)
+        if len(items) > len(self.labels):
+            raise BlinkError(f"question {qkey!r}: {len(items)} options; {len(self.labels)} labels verified",
+                             ["body", "questions", qkey, "criteria"])
+        return items
+
+    @staticmethod
+    def _check_length(qkey: str, n_tokens: int) -> None:
+        """Refuse a question whose prompt is over the per-question token limit."""
+        if n_tokens > MAX_INPUT_TOKENS:
+            raise BlinkError(f"question {qkey!r} renders to {n_tokens} tokens, over the maximum context length "
+                             f"of {MAX_INPUT_TOKENS}", ["body", "questions", qkey])
 
     def render(self, state, questions: dict) -> list[Prompt]:
         """Every prompt's ids (one per question, more with permute or multi), checked against the token limit."""
         work = []
         for qkey, q in questions.items():
+            self._offered(qkey, q)
             for shown_q, shown in prompt_rows(q, qkey):
-                if len(shown) > len(self.labels):
-                    raise BlinkError(f"question {qkey!r}: {len(shown)} options; {len(self.labels)} labels verified",
-                                     ["body", "questions", qkey, "criteria"])
                 prompt = wrap(self.tok, user_message(state, shown_q, self.labels[: len(shown)], shown))
                 ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
-                if len(ids) > MAX_INPUT_TOKENS:
-                    raise BlinkError(f"question {qkey!r} renders to {len(ids)} tokens, over the maximum context "
-                                     f"length of {MAX_INPUT_TOKENS}", ["body", "questions", qkey])
+                self._check_length(qkey, len(ids))
                 work.append(Prompt(qkey, [k for k, _ in shown], ids, self.label_ids[: len(shown)]))
         total = sum(len(p.ids) for p in work)
         if total > MAX_REQUEST_TOKENS:
             raise BlinkError(f"the request renders to {total} tokens over all questions, over the limit of "
                              f"{MAX_REQUEST_TOKENS}", ["body"])
         return work
+
+    def process_images(self, request: ImageRequest) -> tuple:
+        """pixel_values and patch grids (t, h, w) of a request's images, computed once for all its questions."""
+        vision = self.image_processor(images=list(request.images), return_tensors="pt")
+        grids = vision["image_grid_thw"]
+        patch, merge = int(self.image_processor.patch_size), int(self.image_processor.merge_size)
+        if len(grids) != len(request.images):
+            raise ImageError("mismatched image patches", request.loc)
+        for i, grid in enumerate(grids, 1):
+            count = int(grid.prod())
+            if count % merge**2:
+                raise ImageError(f"image {i} has an unaligned image patch grid", request.loc)
+            if count * patch**2 > self.image_limits.max_pixels:
+                raise ImageError(f"image {i} exceeds {self.image_limits.max_pixels} processed image pixels",
+                                 request.loc)
+        return vision["pixel_values"], grids
+
+    def _image_ids(self, qkey: str, prompt: str, grids: list) -> list[int]:
+        """Token ids of a rendered image prompt, its i-th image pad expanded to that image's visual tokens."""
+        merge = int(self.image_processor.merge_size)
+        counts = [int(grid.prod()) // merge**2 for grid in grids]
+        pieces = prompt.split(IMAGE_PAD)
+        mismatch = BlinkError(f"question {qkey!r} has mismatched image patches", ["body", "questions", qkey])
+        if len(pieces) - 1 != len(counts):
+            raise mismatch
+        expanded = pieces[0] + "".join(IMAGE_PAD * n + piece for n, piece in zip(counts, pieces[1:]))
+        ids = self.vision_tok(expanded, add_special_tokens=False)["input_ids"]
+        if sum(t == self.image_token_id for t in ids) != sum(counts):
+            raise mismatch
+        return ids
+
+    def render_images(self, request: ImageRequest, questions: dict, grids) -> list[ImagePrompt]:
+        """Every question of an image request rendered in the engine's image layout, its pads expanded."""
+        if not self.accepts_images:
+            raise ImageError("this model reads text only", request.loc)
+        work = []
+        for qkey, q in questions.items():
+            self._offered(qkey, q)
+            for shown_q, shown in prompt_rows(q, qkey):
+                user = user_message(request.marked_state, shown_q, self.labels[: len(shown)], shown)
+                content, order = _image_content(user, request.markers, request.images, self.image_layout)
+                ids = self._image_ids(qkey, wrap(self.renderer, content), [grids[i] for i in order])
+                self._check_length(qkey, len(ids))
+                work.append(ImagePrompt(qkey, [k for k, _ in shown], ids, self.label_ids[: len(shown)], order))
+        return work
+
+    def logits_images(self, submission: ImageSubmission, questions: dict) -> tuple[dict[str, Readout], int, dict]:
+        """The readout per question of an image request, its prompt tokens, and its image meta fields."""
+        t0 = time.perf_counter()
+        request = decode_images(submission)
+        pixel_values, grids = self.process_images(request)
+        work = self.render_images(request, questions, grids)
+        preprocess_ms = (time.perf_counter() - t0) * 1000
+        rows, self.last_model_ms, encoder_ms, prefill_ms = _forward_images(self.key, pixel_values, grids, work)
+        n_tokens = sum(len(p.ids) for p in work)
+        self.last_prefill_tokens = n_tokens
+        patches = int(grids.prod(-1).sum())
+        meta = {"image_pixels": patches * int(self.image_processor.patch_size) ** 2,
+                "visual_tokens": patches // int(self.image_processor.merge_size) ** 2}
+        if self.image_timing:
+            meta.update(image_preprocess_ms=round(preprocess_ms, 3), vision_encoder_ms=encoder_ms,
+                        lm_prefill_ms=prefill_ms)
+        return _readouts(work, rows), n_tokens, meta
 
     def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, Readout], int]:
         """The readout per question and the number of prompt tokens."""
@@ -983,12 +1595,8 @@ class TorchEngine:
         self.last_prefill_tokens = _prefill_tokens(seqs, self.prefix_cache)
         out, k = [], 0
         for work in works:
-            raw: dict[str, Readout] = {}
-            for p, (row, lse) in zip(work, rows[k:k + len(work)]):
-                raw.setdefault(p.qkey, Readout([], [])).logits.append(row)
-                raw[p.qkey].lse.append(lse)
+            out.append((_readouts(work, rows[k:k + len(work)]), sum(len(p.ids) for p in work)))
             k += len(work)
-            out.append((raw, sum(len(p.ids) for p in work)))
         return out
 
 
@@ -1174,10 +1782,17 @@ def _forward_shared(engine: TorchEngine, seqs: list[list[int]], cands: list[list
     _run_batches(engine, tails, cands, out, cache=cache, max_rows=rows_cap)
 
 
+# Prefill rate assumed when reserving ZeroGPU time: far below what a 4B model reaches on one GPU, so a call is not
+# cut short, while a small request still reserves little (ZeroGPU schedules short reservations first).
+GPU_RESERVE_TOKENS_PER_S = 5000
+GPU_RESERVE_BASE_S = 10
+
+
 def _gpu_seconds(key: int, seqs: list[list[int]], cands: list[list[int]]) -> int:
-    """The ZeroGPU time to reserve for one forward call: a few seconds plus the prompt tokens at a conservative
-    10k tokens/s, capped at BLINK_GPU_DURATION (a short reservation is scheduled sooner)."""
-    return int(min(GPU_DURATION, 5 + sum(len(s) for s in seqs) / 10_000))
+    """Seconds of GPU one forward call reserves: sized by its tokens, at most BLINK_GPU_DURATION."""
+    del key, cands
+    tokens = sum(len(s) for s in seqs)
+    return min(GPU_DURATION, GPU_RESERVE_BASE_S + math.ceil(tokens / GPU_RESERVE_TOKENS_PER_S))
 
 
 @_gpu(_gpu_seconds)
@@ -1199,6 +1814,48 @@ def _forward(key: int, seqs: list[list[int]], cands: list[list[int]]) -> tuple[l
     return out, round((time.perf_counter() - t0) * 1000, 1)
 
 
+def _stamp(device, sync: bool) -> float:
+    """perf_counter, after the device has finished its queued work when `sync` (timed image forwards)."""
+    import torch
+
+    if sync and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@_gpu(GPU_DURATION)
+def _forward_images(key: int, pixel_values, grids, work: list[ImagePrompt]) -> tuple[list, float, float, float]:
+    """The vision tower encodes the request's images once; then each question runs alone, its image pads filled
+    with those features and its M-RoPE positions computed from its own ids and grids. lm_head is applied in FP32.
+    Returns per prompt (label logits, full-vocabulary log-sum-exp), model ms, vision-encoder ms and LM-prefill ms."""
+    import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    engine = _LIVE[key]
+    vlm, head = engine.model.model, engine.model.lm_head.weight
+    device, read, sync = head.device, _READERS[engine.readout], engine.image_timing
+    out: list = []
+    lm_ms = 0.0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        grids = grids.to(device)
+        start = _stamp(device, sync)
+        features = vlm.get_image_features(pixel_values.to(device), grids, return_dict=True).pooler_output  # per image
+        encoder_ms = (_stamp(device, sync) - start) * 1000
+        for p in work:
+            ids = torch.tensor([p.ids], dtype=torch.long, device=device)
+            shown = BaseModelOutputWithPooling(pooler_output=[features[i] for i in p.order])
+            vlm.rope_deltas = None  # the model keeps it between calls; positions must come from this prompt alone
+            start = _stamp(device, sync)
+            h = vlm(input_ids=ids, attention_mask=torch.ones_like(ids), image_grid_thw=grids[list(p.order)],
+                    mm_token_type_ids=(ids == engine.image_token_id).to(torch.int32),
+                    mm_encoder_outputs={"image": shown}, use_cache=False).last_hidden_state
+            lm_ms += (_stamp(device, sync) - start) * 1000
+            hs = _last_hidden(h, [len(p.ids)])
+            out.append((read(head, hs, [p.cand])[0], _vocab_lse(head, hs)[0]))
+    return out, round((time.perf_counter() - t0) * 1000, 1), round(encoder_ms, 3), round(lm_ms, 3)
+
+
 # ==================================================================================================================
 # Engine selection and decide()
 # ==================================================================================================================
@@ -1214,14 +1871,14 @@ def _can_run_live(model_id: str) -> bool:
 
 
 def engine_kind(model_id: str | None = None) -> str:
-    """BLINK_ENGINE if set; else hybrid when a live model can run and a recording exists, torch when only the
-    model can run, replay otherwise."""
+    """BLINK_ENGINE if set; else hybrid when a live model can run and its own recording exists, torch when only
+    the model can run, replay otherwise. A recording made by another model counts as none; a corrupt one is refused."""
     if ENGINE in ("mock", "replay", "torch", "hybrid"):
         return ENGINE
     if ENGINE:
         raise BlinkError("BLINK_ENGINE must be torch, replay, hybrid or mock")
     model_id = model_id or MODEL_ID
-    recorded = os.path.exists(replay_path(model_id))
+    recorded = _matching_replay(model_id) is not None
     if _can_run_live(model_id):
         return "hybrid" if recorded else "torch"
     return "replay" if recorded else "torch"
@@ -1249,8 +1906,16 @@ def _build(model_id: str):
         return MockEngine(model_id)
     if kind == "replay":
         return ReplayEngine(replay_path(model_id), TEMPERATURE, model_id=model_id)
-    live = TorchEngine(model_id, revision, TEMPERATURE)
+    live = TorchEngine(model_id, revision, TEMPERATURE, **_vision_options(model_id))
     return HybridEngine(_matching_replay(model_id), live) if kind == "hybrid" else live
+
+
+def _vision_options(model_id: str) -> dict:
+    """BLINK_VISION for a model with its own vision tower, BLINK_VISION_TOWER for blink-4b and blink-27b."""
+    name = model_id.rstrip("/").split("/")[-1]
+    vision = VISION and name in NATIVE_VISION_MODELS
+    tower = VISION_TOWER if name in VISION_BASES else None
+    return {"vision": vision, "vision_tower": tower} if vision or tower else {}
 
 
 def engine(model: str | None = None):
@@ -1325,27 +1990,51 @@ def _meta(eng, temps: dict[str, float], sources: dict[str, str], n_tokens: int, 
     return meta
 
 
+def _image_submission(eng, state, images, limits: ImageLimits | None) -> ImageSubmission | None:
+    """A request's images located and counted (nothing decoded), or None; refused at the first image's location
+    when the model reads text only."""
+    live = _live(eng)
+    submission = inspect_images(state, images, limits or getattr(live, "image_limits", None))
+    if submission is not None and not getattr(live, "accepts_images", False):
+        raise ImageError("this model reads text only", submission.loc)
+    return submission
+
+
+def holds_images(state, images=_NO_IMAGES) -> bool:
+    """True when a request carries images: a non-empty `images` argument or a data URI inside the state."""
+    return (images is not _NO_IMAGES and images != []) or contains_image_uri(state)
+
+
 def decide(state, questions: dict, temperature: float | None = None, bias: dict | None = None,
-           prefer: str = "live", model: str | None = None) -> dict:
+           prefer: str = "live", model: str | None = None, images=_NO_IMAGES,
+           limits: ImageLimits | None = None) -> dict:
     """{state, questions} -> {answers, meta}. One forward pass, zero generated tokens.
 
     `bias` shapes the mock engine only. `prefer="saved"` lets the hybrid engine answer a bundled example from
     its recording; every other call runs the model. `model` picks one of models() (default: the first).
+    `images` is a list of image data URIs shown after the state; data URIs inside the state are images where
+    they stand. Image requests always run the live model; `limits` overrides the served image limits.
     `temperature` given here wins; else a calibration fitted for this model applies, else the default.
     """
     validate_request(state, questions)
     eng = engine(model)
     temps, sources = question_temperatures(eng, questions, temperature)
     t0 = time.perf_counter()
-    if isinstance(eng, HybridEngine):
+    submission = _image_submission(eng, state, images, limits)
+    image_meta: dict = {}
+    if submission is not None:
+        raw, n_tokens, image_meta = _live(eng).logits_images(submission, questions)
+        if isinstance(eng, HybridEngine):
+            eng.last_source = "torch"
+    elif isinstance(eng, HybridEngine):
         raw, n_tokens = eng.logits(state, questions, bias, prefer=prefer)
     else:
         raw, n_tokens = eng.logits(state, questions, bias)
         if isinstance(eng, ReplayEngine):
             eng.last_source = "replay"
     answers = assemble(questions, raw, temps)
-    latency_ms = round((time.perf_counter() - t0) * 1000, 1)
-    return {"answers": answers, "meta": _meta(eng, temps, sources, n_tokens, latency_ms)}
+    meta = _meta(eng, temps, sources, n_tokens, round((time.perf_counter() - t0) * 1000, 1))
+    return {"answers": answers, "meta": {**meta, **image_meta}}
 
 
 # ==================================================================================================================
@@ -1356,13 +2045,14 @@ def decide(state, questions: dict, temperature: float | None = None, bias: dict 
 MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call
 
 
-def _request_pair(req, i: int) -> tuple:
-    """One checked (state, questions) pair of a batch."""
-    if not isinstance(req, (list, tuple)) or len(req) != 2:
-        raise BlinkError(f"requests[{i}] must be a [state, questions] pair", ["body", "requests", i])
-    state, questions = req
+def _request_parts(req, i: int) -> tuple:
+    """One checked (state, questions, images) request of a batch (images _NO_IMAGES when not given)."""
+    if not isinstance(req, (list, tuple)) or len(req) not in (2, 3):
+        raise BlinkError(f"requests[{i}] must be a [state, questions] pair or [state, questions, images]",
+                         ["body", "requests", i])
+    state, questions, images = (*req, _NO_IMAGES)[:3]
     validate_request(state, questions)
-    return state, questions
+    return state, questions, images
 
 
 def _packed_logits(live: TorchEngine, pairs: dict) -> dict:
@@ -1402,29 +2092,43 @@ def _logits_many(eng, pairs: dict) -> dict:
     return got
 
 
-def decide_many(requests: list, temperature: float | None = None, model: str | None = None) -> list:
-    """Several (state, questions) requests in one GPU call. Returns one item per request, in order: the dict
-    decide() returns, or the exception that request raised. One request's failure never reaches another."""
+def _temperatures(temperature, n: int) -> list[float | None]:
+    """One checked temperature per request, from a single value or a list of n; None where a request gives none
+    (its questions then take a calibration fitted for the model, or the default)."""
+    given = temperature if isinstance(temperature, (list, tuple)) else [temperature] * n
+    if len(given) != n:
+        raise BlinkError(f"temperature: {len(given)} values for {n} requests", ["body", "temperature"])
+    return [None if t is None else check_temperature(t) for t in given]
+
+
+def decide_many(requests: list, temperature: float | list | None = None, model: str | None = None) -> list:
+    """Several (state, questions) or (state, questions, images) requests in one GPU call. Returns one item per
+    request, in order: the dict decide() returns, or the exception that request raised. One request's failure
+    never reaches another. Text requests are packed together; each image request runs on its own.
+    `temperature` is one value for all or a list with one per request."""
     if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_BATCH_REQUESTS:
         raise BlinkError(f"requests must be a list of 1-{MAX_BATCH_REQUESTS} [state, questions] pairs",
                          ["body", "requests"])
     eng = engine(model)
-    if temperature is not None:
-        check_temperature(temperature)  # a bad temperature is the whole call's error, raised before any work
+    temps = _temperatures(temperature, len(requests))
     out: list = [None] * len(requests)
-    pairs = {}
+    parts = {}
     for i, req in enumerate(requests):
         try:
-            pairs[i] = _request_pair(req, i)
+            parts[i] = _request_parts(req, i)
         except Exception as exc:  # noqa: BLE001 - this request's own error
             out[i] = exc
     live = _live(eng)
-    if not isinstance(live, TorchEngine):  # mock and replay engines answer one request at a time, as decide() does
-        for i, (state, questions) in pairs.items():
+    # text requests on the torch engine are packed; image requests and the instant engines answer one at a time
+    pairs = {i: (state, questions) for i, (state, questions, images) in parts.items()
+             if isinstance(live, TorchEngine) and not holds_images(state, images)}
+    for i, (state, questions, images) in parts.items():
+        if i not in pairs:
             try:
-                out[i] = decide(state, questions, temperature=temperature, model=model)
-            except Exception as exc:  # noqa: BLE001
+                out[i] = decide(state, questions, temperature=temps[i], model=model, images=images)
+            except Exception as exc:  # noqa: BLE001 - this request's own error
                 out[i] = exc
+    if not pairs:
         return out
     t0 = time.perf_counter()
     got = _packed_logits(live, pairs)
@@ -1436,10 +2140,10 @@ def decide_many(requests: list, temperature: float | None = None, model: str | N
             continue
         raw, n_tokens = res
         try:
-            temps, sources = question_temperatures(live, pairs[i][1], temperature)
-            meta = _meta(live, temps, sources, n_tokens, latency_ms)
+            qtemps, sources = question_temperatures(live, pairs[i][1], temps[i])
+            meta = _meta(live, qtemps, sources, n_tokens, latency_ms)
             meta["batched_requests"] = n_ok
-            out[i] = {"answers": assemble(pairs[i][1], raw, temps), "meta": meta}
+            out[i] = {"answers": assemble(pairs[i][1], raw, qtemps), "meta": meta}
         except Exception as exc:  # noqa: BLE001 - e.g. an unreadable calibration file: this request's error
             out[i] = exc
     return out
@@ -1489,16 +2193,21 @@ class Batcher:
                 self.restarts += 1
                 self._start_worker()
 
-    def submit(self, state, questions: dict) -> dict:
+    def submit(self, state, questions: dict, temperature: float | None = None, images=_NO_IMAGES) -> dict:
         """Queue one request, block until its own result is ready, return it or raise its own error."""
         import concurrent.futures
+        import contextvars
         import queue
 
         validate_request(state, questions)  # a malformed request fails at once, never taking a place in the queue
+        if temperature is not None:
+            temperature = check_temperature(temperature)
+        if holds_images(state, images):
+            _image_submission(engine(self.model), state, images, None)  # too many images or a text-only model
         self._ensure_worker()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            self.q.put_nowait((state, questions, fut))
+            self.q.put_nowait((state, questions, images, temperature, contextvars.copy_context(), fut))
         except queue.Full:
             raise BlinkBusy(f"busy: {self.max_queued} requests are already waiting; retry shortly") from None
         while not fut.done():
@@ -1525,17 +2234,20 @@ class Batcher:
         """Worker: gather, decide together, hand each caller its own result."""
         while True:
             batch = self._gather()
+            requests = [(s, q, im) for s, q, im, *_ in batch]
+            temps = [t for _, _, _, t, _, _ in batch]
             try:
-                results = decide_many([(s, q) for s, q, _ in batch], model=self.model)
+                # in the oldest caller's context, so what it carries (a ZeroGPU caller's quota token) reaches the GPU
+                results = batch[0][4].run(decide_many, requests, temps, self.model)
             except Exception as exc:  # noqa: BLE001 - a failure outside any one request: each caller gets it
                 results = [exc] * len(batch)
             except BaseException as exc:  # the worker itself is dying: its callers must not wait forever
-                for _, _, fut in batch:
+                for *_, fut in batch:
                     fut.set_exception(RuntimeError(f"the batching worker stopped ({type(exc).__name__}); retry"))
                 raise
             if len(results) != len(batch):
                 results = [RuntimeError("the batching worker lost this request")] * len(batch)
-            for (_, _, fut), res in zip(batch, results):
+            for (*_, fut), res in zip(batch, results):
                 if isinstance(res, BaseException):
                     fut.set_exception(res)
                 else:
@@ -1797,12 +2509,15 @@ def hardware() -> str:
 
 
 def record(model_id: str | None = None, path: str | None = None) -> dict:
-    """Run the live model over every bundled example and write the recording the replay engine serves."""
+    """Run the live model over every bundled text example and write the recording the replay engine serves.
+    Examples with images are skipped: decide() always answers an image request with the live model."""
     model_id = model_id or MODEL_ID
     live = TorchEngine(model_id, dict(MODEL_SPECS).get(model_id), TEMPERATURE)
     requests = {}
     for file in example_files():
         example = load_example(file)
+        if "images" in example or contains_image_uri(example["state"]):
+            continue
         t0 = time.perf_counter()
         raw, n_tokens = live.logits(example["state"], example["questions"])
         requests[request_key(example["state"], example["questions"])] = {
@@ -1823,6 +2538,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line")
     parser.add_argument("--state", help="evidence: a file, inline text or JSON")
     parser.add_argument("--questions", help="questions JSON: a file or inline")
+    parser.add_argument("--image", action="append", default=None, metavar="FILE",
+                        help="a PNG, JPEG or WebP file shown after the state (repeatable; needs a vision model)")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--model", default=None, help="one of the served models (BLINK_MODELS)")
     parser.add_argument("--out", default=None,
@@ -1843,8 +2560,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.state is None or args.questions is None:
             parser.error("decide needs --state and --questions")
+        images = [image_data_uri(path) for path in args.image] if args.image else _NO_IMAGES
         result = decide(_json_arg(args.state, "state"), _json_arg(args.questions, "questions"),
-                        temperature=args.temperature, model=args.model)
+                        temperature=args.temperature, model=args.model, images=images)
     except BlinkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

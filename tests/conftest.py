@@ -1,11 +1,14 @@
-"""Shared fixtures: one loaded stand-in engine per test session, and clean engine state around every test."""
+"""Shared fixtures: one loaded stand-in engine, tiny Qwen3.5 models, and one launched Space per test session."""
 
 from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 
 import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -57,3 +60,32 @@ def mock_served():
     blink.MODEL_ID, blink.MODEL_SPECS = "org/mock", [("org/mock", None)]
     yield blink._ENGINE
     blink._ENGINE, blink.MODEL_ID, blink.MODEL_SPECS = saved
+
+
+@pytest.fixture(scope="session")
+def launched():
+    """The app module, launched once on loopback; yields (app module, local url)."""
+    import app
+
+    _, url, _ = app.launch(prevent_thread_lock=True, server_name="127.0.0.1", quiet=True)
+    yield app, url
+    app.demo.close()
+
+
+@pytest.fixture(scope="session")
+def client(launched):
+    """A real gradio_client connected to the launched app."""
+    from gradio_client import Client
+
+    return Client(launched[1], verbose=False)
+
+
+@contextmanager
+def serving(engine):
+    """Serve the default model with another engine for the duration (a mock, or a replay-only host)."""
+    before = blink._ENGINE
+    blink._ENGINE = engine
+    try:
+        yield engine
+    finally:
+        blink._ENGINE = before
