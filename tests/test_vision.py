@@ -53,17 +53,22 @@ def grafted(folders) -> blink.TorchEngine:
     return blink.TorchEngine(folders["text"], vision_tower=f"{folders['base']}@main")
 
 
+def reference_logits(eng: blink.TorchEngine, content_for, images: list, qkey: str, q: dict) -> torch.Tensor:
+    """Last-position logits over the whole vocabulary from tiny_models.run_image_prompt, for one question alone."""
+    tok, proc = eng.vision_tok, eng.image_processor
+    items = blink.question_options(q, qkey)
+    user = blink.user_message(content_for.state, q, blink.LABEL_POOL[: len(items)], items)
+    messages = [{"role": "system", "content": blink.SYSTEM}, {"role": "user", "content": content_for(user)}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    return tm.run_image_prompt(eng.model, tok, proc, prompt, images)
+
+
 def reference_label_logits(eng: blink.TorchEngine, content_for, images: list, questions: dict = QS) -> dict:
     """Label logits from tiny_models.run_image_prompt: the plain transformers path, one prompt per question."""
-    tok, proc = eng.vision_tok, eng.image_processor
     out = {}
     for qkey, q in questions.items():
-        items = blink.question_options(q, qkey)
-        user = blink.user_message(content_for.state, q, blink.LABEL_POOL[: len(items)], items)
-        messages = [{"role": "system", "content": blink.SYSTEM}, {"role": "user", "content": content_for(user)}]
-        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
-        logits = tm.run_image_prompt(eng.model, tok, proc, prompt, images)
-        out[qkey] = logits[eng.label_ids[: len(items)]].tolist()
+        n = len(blink.question_options(q, qkey))
+        out[qkey] = reference_logits(eng, content_for, images, qkey, q)[eng.label_ids[:n]].tolist()
     return out
 
 
@@ -286,6 +291,26 @@ def test_layout_inline_matches_the_reference_forward(native, monkeypatch):
     monkeypatch.setattr(native, "image_layout", "first")
     first, _, _ = image_logits(native, state)
     assert max(abs(a - b) for a, b in zip(first["kind"], got["kind"])) > 1e-4
+
+
+def test_image_prompts_rotate_ask_each_option_and_carry_the_label_mass(native):
+    state = {"photo": URI, "note": "taken at noon"}
+    kind = QS["kind"]
+    qs = {"kind": {**kind, "permute": 3}, "which": {**kind, "multi": True}}
+    raw, _, _ = native.logits_images(blink.inspect_images(state, blink._NO_IMAGES, native.image_limits), qs)
+    assert [len(raw[q].logits) for q in qs] == [3, 3]
+    plain, _, _ = image_logits(native, state)
+    assert raw["kind"].logits[0] == pytest.approx(plain["kind"], abs=1e-5)
+    visible = First({"photo": "[image 1]", "note": "taken at noon"}, 1)
+    items = list(kind["criteria"].items())
+    rotation_1 = {**kind, "criteria": dict(items[1:] + items[:1])}
+    option_dog = {"type": "noul", "instructions": blink.multi_criterion(kind, "dog: a dog")}
+    for readout, q in ((raw["kind"], rotation_1), (raw["which"], option_dog)):
+        logits = reference_logits(native, visible, [IMAGE], "q", q)
+        labels = native.label_ids[: len(readout.logits[1])]
+        assert readout.logits[1] == pytest.approx(logits[labels].tolist(), abs=1e-4)
+        want = logits.float().log_softmax(-1)[labels].exp().sum().item()
+        assert blink.label_mass(readout.logits[1], readout.lse[1]) == pytest.approx(want, rel=1e-4)  # mass ~1e-3
 
 
 def test_two_images_inline_and_listed(native):
