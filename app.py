@@ -14,11 +14,9 @@ try:  # ZeroGPU: `spaces` must be imported before anything initialises CUDA
 except ImportError:  # off a Space, on a machine without the package
     spaces = None
 
-import base64
 import concurrent.futures
 import contextvars
 import html
-import inspect
 import json
 import logging
 import os
@@ -40,7 +38,6 @@ BATCH_WINDOW_S = float(os.environ.get("BLINK_BATCH_WINDOW_MS", "25")) / 1000  # 
 BATCH_MAX_REQUESTS = int(os.environ.get("BLINK_BATCH_MAX_REQUESTS", "32"))  # requests packed into one GPU call
 BATCH_MAX_QUEUED = int(os.environ.get("BLINK_BATCH_MAX_QUEUED", "256"))  # requests waiting for the model
 MAX_BATCH_CALL = blink.Batcher.MAX_REQUESTS  # requests one /decide_batch call may carry
-IMAGES_SUPPORTED = "images" in inspect.signature(blink.decide).parameters  # the vision path, when blink has one
 
 PRESETS: dict[str, dict] = {ex["name"]: ex for ex in map(blink.load_example, blink.example_files())}
 
@@ -132,12 +129,16 @@ def error_text(exc: Exception) -> str:
 
 def image_uris(path: str | None) -> list[str]:
     """The uploaded image as a data URI for blink's vision path (an empty list when none was given)."""
-    if not path:
+    return [blink.image_data_uri(path)] if path else []
+
+
+def parse_images(images) -> list[str]:
+    """The API's images: a list of data URIs (an empty list or None for none)."""
+    if images is None:
         return []
-    if not IMAGES_SUPPORTED:
-        raise blink.BlinkError("this deployment reads text only", ["body", "images"])
-    with open(path, "rb") as fh:
-        return ["data:image/png;base64," + base64.b64encode(fh.read()).decode("ascii")]
+    if not isinstance(images, list):
+        raise blink.ImageError("images must be a list of data URIs", ["body", "images"])
+    return images
 
 
 # ==================================================================================================================
@@ -172,16 +173,14 @@ def recorded(eng, state, questions: dict) -> bool:
     return replay is not None and replay.has(state, questions)
 
 
-def run(state, questions: dict, temperature: float, model: str | None, prefer: str, images=()) -> dict:
+def run(state, questions: dict, temperature: float, model: str | None, prefer: str, images: list) -> dict:
     """One request through the right path: recording or mock at once, the live model through the Batcher."""
     eng = blink.engine(model)
-    if images:
-        with _DIRECT_LOCK:  # the vision path: one request at a time (its batching belongs to blink)
-            return blink.decide(state, questions, temperature, prefer=prefer, model=model, images=list(images))
-    if not runs_live(eng) or (prefer == "saved" and recorded(eng, state, questions)):
+    with_images = blink.holds_images(state, images)
+    if not runs_live(eng) or (prefer == "saved" and not with_images and recorded(eng, state, questions)):
         with _DIRECT_LOCK:
-            return blink.decide(state, questions, temperature, prefer=prefer, model=model)
-    return batcher(model).submit(state, questions, temperature)
+            return blink.decide(state, questions, temperature, prefer=prefer, model=model, images=images)
+    return batcher(model).submit(state, questions, temperature, images=images)
 
 
 def run_many(items: list, temperature: float, model: str | None) -> list:
@@ -191,7 +190,7 @@ def run_many(items: list, temperature: float, model: str | None) -> list:
         if isinstance(item, Exception):
             return item
         try:
-            return run(item[0], item[1], temperature, model, "live")
+            return run(item[0], item[1], temperature, model, "live", [])
         except Exception as exc:  # noqa: BLE001 - this request's own error, reported in its place
             return exc
 
@@ -493,9 +492,8 @@ def build_page() -> None:
             with gr.Row():
                 evidence = gr.Textbox(st0, label="Evidence (text or JSON)", lines=10, max_lines=24, elem_id="evidence",
                                       scale=3)
-                # Room for the vision path: shown once blink.decide accepts images.
-                image = gr.Image(label="Image", type="filepath", format="png", visible=IMAGES_SUPPORTED,
-                                 elem_id="image", scale=2)
+                image = gr.Image(label="Image (read by vision models)", type="filepath", format="png",
+                                 sources=["upload", "clipboard"], elem_id="image", scale=2)
             questions = gr.Code(qs0, label="Questions (JSON)", language="json", lines=10, max_lines=22, wrap_lines=True,
                                 elem_id="questions")
             with gr.Accordion("Add a question", open=False):
@@ -539,14 +537,15 @@ def _refuse(exc: Exception) -> gr.Error:
 
 
 def decide(state: str | dict | list, questions: str | dict, temperature: float = blink.TEMPERATURE,
-           model: str = "", prefer: str = "live") -> dict:
+           model: str = "", prefer: str = "live", images: list | None = None) -> dict:
     """Answer typed questions about the evidence. state: text or JSON; questions: {name: {type, instructions,
     criteria}} as an object or JSON text; temperature > 0; model: '' for the default; prefer: 'live' runs the model,
-    'saved' lets a bundled example come from its recording. Returns {answers, meta}."""
+    'saved' lets a bundled example come from its recording; images: data URIs read by a vision model.
+    Returns {answers, meta}."""
     try:
         st, qs = parse_state(state), parse_questions(questions)
         t, mid, how = blink.check_temperature(temperature), parse_model(model), parse_prefer(prefer)
-        return run(st, qs, t, mid, how)
+        return run(st, qs, t, mid, how, parse_images(images))
     except (blink.BlinkError, blink.BlinkBusy) as exc:
         raise _refuse(exc) from None
     except Exception as exc:  # noqa: BLE001 - a message, never a traceback

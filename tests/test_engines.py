@@ -37,9 +37,22 @@ def test_engine_kind_rules(monkeypatch, tmp_path, env, cuda, recorded, model, ki
     monkeypatch.setattr(blink, "_cuda", lambda: cuda)
     path = tmp_path / "replay.json"
     if recorded:
-        path.write_text("{}")
+        write_recording(path, model, "x", QS, {"spam": [0.0, 0.0], "topic": [0.0, 0.0, 0.0]})
     monkeypatch.setattr(blink, "replay_path", lambda model_id=None: str(path))
     assert blink.engine_kind(model) == kind
+
+
+def test_a_foreign_recording_counts_as_none_and_a_corrupt_one_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(blink, "ENGINE", "")
+    monkeypatch.setattr(blink, "_cuda", lambda: False)
+    path = tmp_path / "replay.json"
+    monkeypatch.setattr(blink, "replay_path", lambda model_id=None: str(path))
+    write_recording(path, "org/other", "x", QS, {"spam": [0.0, 0.0], "topic": [0.0, 0.0, 0.0]})
+    assert blink.engine_kind("org/mine") == "torch"
+    assert blink.engine_kind(blink.STANDIN_MODEL) == "torch"
+    path.write_text("{truncated")
+    with pytest.raises(blink.BlinkError, match="cannot be read"):
+        blink.engine_kind("org/mine")
 
 
 def test_unknown_engine_name_is_refused(monkeypatch):
