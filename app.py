@@ -554,7 +554,8 @@ def decide(state: str | dict | list, questions: str | dict, temperature: float =
 
 
 def parse_batch(requests) -> list:
-    """The request list of /decide_batch: each item parsed to (state, questions), or the error it raised."""
+    """The request list of /decide_batch: each item parsed to (state, questions), or the error it raised (located
+    in that request, as /decide would locate it)."""
     if isinstance(requests, str):
         requests = json_text(requests, "requests")
     if not isinstance(requests, list) or not requests:
@@ -563,16 +564,19 @@ def parse_batch(requests) -> list:
         raise blink.BlinkError(f"requests: {len(requests)} requests; one call takes 1-{MAX_BATCH_CALL}",
                                ["body", "requests"])
     items = []
-    for i, item in enumerate(requests):
+    for item in requests:
         try:
             if not isinstance(item, dict) or "state" not in item or "questions" not in item:
                 raise blink.BlinkError("each request must be an object with state and questions", [])
-            state, questions = parse_state(item["state"]), parse_questions(item["questions"])
-            blink.validate_request(state, questions)  # size and nesting too, so every refusal names its request
-            items.append((state, questions))
+            items.append((parse_state(item["state"]), parse_questions(item["questions"])))
         except blink.BlinkError as exc:
-            items.append(blink.BlinkError(str(exc), ["body", "requests", i, *exc.loc[1:]]))
+            items.append(exc)
     return items
+
+
+def in_batch(exc: blink.BlinkError, i: int) -> blink.BlinkError:
+    """Request i's refusal located inside the batch: ['body', 'state'] -> ['body', 'requests', i, 'state']."""
+    return blink.BlinkError(str(exc), ["body", "requests", i, *exc.loc[1:]])
 
 
 def decide_batch(requests: list | str, temperature: float = blink.TEMPERATURE, model: str = "") -> list:
@@ -589,7 +593,9 @@ def decide_batch(requests: list | str, temperature: float = blink.TEMPERATURE, m
         log.exception("batch failed")
         raise gr.Error(f"the model failed on this batch ({type(exc).__name__})", print_exception=False) from None
     out = []
-    for res in results:
+    for i, res in enumerate(results):
+        if isinstance(res, blink.BlinkError):
+            res = in_batch(res, i)
         if isinstance(res, (blink.BlinkError, blink.BlinkBusy)):
             out.append({"error": error_text(res), "loc": getattr(res, "loc", [])})
         elif isinstance(res, Exception):

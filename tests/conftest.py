@@ -104,6 +104,7 @@ def free_port() -> int:
 def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 240):
     """The app started in a process of its own on a free loopback port, with extra environment and Python run
     before `import app` (e.g. to slow the model down); yields (url, path of its combined stdout/stderr log)."""
+    import pathlib
     import subprocess
     import tempfile
     import time
@@ -120,7 +121,7 @@ def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeou
     try:
         deadline = time.monotonic() + timeout_s
         while True:
-            assert proc.poll() is None, open(log_path).read()[-3000:]
+            assert proc.poll() is None, pathlib.Path(log_path).read_text()[-3000:]
             assert time.monotonic() < deadline, "the app did not come up in time"
             try:
                 if httpx.get(url + "gradio_api/info", timeout=5).status_code == 200:

@@ -54,6 +54,7 @@ def test_limits_are_documented_with_the_defaults_of_the_code():
     for name, value in limits.items():
         assert shows(row_of(name), value), (name, value, row_of(name))
     fixed = {"questions per request": blink.MAX_QUESTIONS, "options of a `choice`": blink.MAX_OPTIONS,
+             "prompts one request renders": blink.MAX_PROMPTS,
              "requests in one `/decide_batch`": blink.MAX_BATCH_REQUESTS}
     for label, value in fixed.items():
         rows = [row for row in limits_rows() if row.startswith(f"| {label}")]

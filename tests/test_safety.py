@@ -78,4 +78,5 @@ def test_hf_token_never_reaches_the_served_app(crowded_app):
     seen += [httpx.get(url + path, timeout=30).text for path in ("", "config", "gradio_api/info",
                                                                    "gradio_api/openapi.json")]
     assert all(SECRET not in text for text in seen)
-    assert SECRET not in open(log_path, encoding="utf-8").read()
+    with open(log_path, encoding="utf-8") as log:
+        assert SECRET not in log.read()
