@@ -303,8 +303,8 @@ def multi_card(qkey: str, q: dict, ans: dict) -> str:
 def noul_card(qkey: str, q: dict, ans: dict) -> str:
     """A yes/no question: p(yes) as a meter."""
     p = ans["probabilities"]["yes"]  # the same as ans["noul"], which an abstained answer leaves null
-    lean = "" if ans["noul"] is None else f' · leans {"yes" if p >= 0.5 else "no"}'
-    summary = f'p(yes) = <b class="bk-answer">{p:.3f}</b>{lean}'
+    lean = pick_html(None) if ans["noul"] is None else f'leans {"yes" if p >= 0.5 else "no"}'
+    summary = f'p(yes) = <b class="bk-answer">{p:.3f}</b> · {lean}'
     meter = (f'<div class="bk-meter" role="meter" aria-valuemin="0" aria-valuemax="1" aria-valuenow="{p:.4f}">'
              f'<span class="bk-meter-fill" style="width:{100 * p:.2f}%"></span>'
              f'<span class="bk-meter-mid"></span></div>'
@@ -479,7 +479,7 @@ CSS = """
 QUESTION_FORM_HELP = (
     "One option per line. **choice**: an option per line, or `key: description`. **score**: the levels, lowest "
     "first (2 to 10). **noul**: optional `yes: …` and `no: …` lines describing each side. Rotations, multi and the "
-    "abstain thresholds are optional: leave them empty for a plain question.")
+    "abstain thresholds are optional: 0 and unticked leave a plain question.")
 
 
 def state_text(state) -> str:
@@ -528,15 +528,16 @@ def ui_preset(name: str, temperature, model):
 
 
 def question_extras(permute, multi, min_label_mass, min_confidence) -> dict:
-    """The form's opt-in fields of a question, only those that were set (blink.validate judges them)."""
+    """The form's opt-in fields of a question, only those that were set: an empty number or 0 is off (the page
+    sends an empty number as 0, and a threshold of 0 never abstains). blink.validate judges the rest."""
     extras: dict = {}
-    if permute is not None:
+    if permute:
         extras["permute"] = int(permute) if isinstance(permute, float) and permute.is_integer() else permute
     if multi:
         extras["multi"] = True
     thresholds = {"min_label_mass": min_label_mass, "min_confidence": min_confidence}
-    if any(v is not None for v in thresholds.values()):
-        extras["abstain"] = {k: v for k, v in thresholds.items() if v is not None}
+    if any(thresholds.values()):
+        extras["abstain"] = {k: v for k, v in thresholds.items() if v}
     return extras
 
 
@@ -579,7 +580,7 @@ def choice_only_controls(qtype: str) -> tuple:
     """permute and multi apply to choice questions only: shown (and kept) for a choice, hidden and cleared else."""
     if qtype == "choice":
         return gr.update(visible=True), gr.update(visible=True)
-    return gr.update(visible=False, value=None), gr.update(visible=False, value=False)
+    return gr.update(visible=False, value=0), gr.update(visible=False, value=False)
 
 
 def opening_view(name: str | None) -> tuple[str, str, str, str, str, str]:
@@ -622,15 +623,16 @@ def build_page() -> None:
                 q_instr = gr.Textbox(label="Instructions", placeholder="What should the model decide?")
                 q_opts = gr.Textbox(label="Options", lines=4, placeholder="billing\naccess\nbug")
                 with gr.Row():
-                    q_permute = gr.Number(None, label="Rotations (permute)", precision=0, minimum=1,
-                                          info="choice: average over this many option orders", elem_id="q-permute")
+                    q_permute = gr.Number(0, label="Rotations (permute)", precision=0, minimum=0,
+                                          info="choice: average over this many option orders (0 = off)",
+                                          elem_id="q-permute")
                     q_multi = gr.Checkbox(False, label="Which of these apply (multi)",
                                           info="choice: p(yes) per option", elem_id="q-multi")
                 with gr.Row():
-                    q_min_mass = gr.Number(None, label="Abstain below label mass", minimum=0, maximum=1, step=0.05,
-                                           info="optional, 0 to 1", elem_id="q-min-mass")
-                    q_min_conf = gr.Number(None, label="Abstain below confidence", minimum=0, maximum=1, step=0.05,
-                                           info="optional, 0 to 1", elem_id="q-min-conf")
+                    q_min_mass = gr.Number(0, label="Abstain below label mass", minimum=0, maximum=1, step=0.05,
+                                           info="0 to 1 (0 = off)", elem_id="q-min-mass")
+                    q_min_conf = gr.Number(0, label="Abstain below confidence", minimum=0, maximum=1, step=0.05,
+                                           info="0 to 1 (0 = off)", elem_id="q-min-conf")
                 gr.Markdown(QUESTION_FORM_HELP, elem_classes="bk-hint")
                 add = gr.Button("Add to questions", size="sm", elem_id="q-add")
             with gr.Row():
