@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Collection
 
 import gradio as gr
 
@@ -216,18 +217,23 @@ def pct(p: float) -> str:
     return f"{p * 100:.1f}%" if p >= 0.001 else f"{p * 100:.2g}%"
 
 
-def bars(rows: list[tuple[str, str, float]], chosen: str | None) -> str:
-    """One bar per option, in request order: every option is shown, however many there are."""
-    top = max((p for _, _, p in rows), default=1.0) or 1.0
+def bars(rows: list[tuple[str, str, float]], chosen: Collection[str | None], scale: float | None = None,
+         ticks: bool = False) -> str:
+    """One bar per option, in request order: every option is shown, however many there are. Widths are relative to
+    the largest bar, or to `scale` when given; `ticks` adds a checkbox per row, ticked for the chosen keys."""
+    top = scale or max((p for _, _, p in rows), default=1.0) or 1.0
     out = []
     for key, label, p in rows:
-        cls = "bk-row bk-chosen" if key == chosen else "bk-row"
+        on = key in chosen
+        cls = "bk-row bk-chosen" if on else "bk-row"
+        tick = (f'<span class="bk-tick" role="checkbox" aria-checked="{str(on).lower()}">{"✓" if on else ""}</span>'
+                if ticks else "")
         out.append(
             f'<div class="{cls}" data-option="{esc(key)}" title="{esc(label)}: {pct(p)}">'
-            f'<span class="bk-label">{esc(label)}</span>'
+            f'<span class="bk-label">{tick}{esc(label)}</span>'
             f'<span class="bk-track"><span class="bk-fill" style="width:{100 * p / top:.2f}%"></span></span>'
             f'<span class="bk-pct">{pct(p)}</span></div>')
-    return f'<div class="bk-bars">{"".join(out)}</div>'
+    return f'<div class="bk-bars{" bk-checklist" if ticks else ""}">{"".join(out)}</div>'
 
 
 def option_labels(q: dict, qkey: str) -> list[tuple[str, str]]:
@@ -240,53 +246,135 @@ def option_labels(q: dict, qkey: str) -> list[tuple[str, str]]:
     return [(k, k if k == d else f"{k} — {d[len(k) + 2:]}" if d.startswith(f"{k}: ") else d) for k, d in items]
 
 
-def card_head(qkey: str, q: dict, summary: str) -> str:
-    """The title row of one question's card."""
+def option_rows(q: dict, qkey: str, ans: dict) -> list[tuple[str, str, float]]:
+    """(option key, bar label, probability) for every option, in request order."""
+    return [(k, lab, ans["probabilities"][k]) for k, lab in option_labels(q, qkey)]
+
+
+def pick_html(value: str | None) -> str:
+    """The answer's pick, highlighted; an abstained answer has none."""
+    return '<b class="bk-answer bk-nopick">no pick</b>' if value is None else f'<b class="bk-answer">{esc(value)}</b>'
+
+
+def mass_badge(ans: dict) -> str:
+    """The on-label badge: how much of the model's own next-token distribution fell on the offered labels."""
+    mass = ans.get("label_mass")
+    what = "share of the model's next-token distribution (T = 1) on the offered labels"
+    if mass is None:
+        return f'<span class="bk-badge bk-mass bk-mass-na" title="{what}: not recorded">on-label n/a</span>'
+    cls = "bk-badge bk-mass bk-mass-low" if mass < 0.5 else "bk-badge bk-mass"
+    return f'<span class="{cls}" title="{what}: {mass:.4f}">on-label {pct(mass)}</span>'
+
+
+def abstain_chip(ans: dict) -> str:
+    """The Abstained chip (nothing when the answer did not abstain)."""
+    if not ans.get("abstained"):
+        return ""
+    return f'<span class="bk-badge bk-abstain" title="{esc(ans.get("reason", ""))}">Abstained</span>'
+
+
+def card_head(qkey: str, q: dict, ans: dict, summary: str) -> str:
+    """The title row of one question's card: name, type, the on-label badge, any abstention (and why), summary."""
     instructions = blink.text(q.get("instructions")).strip()
+    reason = f'<div class="bk-reason">{esc(ans.get("reason", ""))}</div>' if ans.get("abstained") else ""
     return (f'<div class="bk-head"><span class="bk-key">{esc(qkey)}</span>'
-            f'<span class="bk-type bk-{q["type"]}">{q["type"]}</span><span class="bk-summary">{summary}</span></div>'
-            + (f'<div class="bk-instr">{esc(instructions)}</div>' if instructions else ""))
+            f'<span class="bk-type bk-{q["type"]}">{"multi" if ans.get("multi") else q["type"]}</span>'
+            f'{mass_badge(ans)}{abstain_chip(ans)}<span class="bk-summary">{summary}</span></div>'
+            + reason + (f'<div class="bk-instr">{esc(instructions)}</div>' if instructions else ""))
+
+
+def rotation_line(ans: dict) -> str:
+    """For a permuted choice: order sensitivity, the rotation count and each rotation's own pick."""
+    if "rotations" not in ans:
+        return ""
+    agree = len(set(ans["rotation_choices"])) == 1
+    picks = "".join(f'<span class="bk-rot">{esc(c)}</span>' for c in ans["rotation_choices"])
+    return (f'<div class="bk-rotations{"" if agree else " bk-rot-split"}" data-rotations="{ans["rotations"]}">'
+            f'order sensitivity <b>{ans["order_sensitivity"]:.2f}</b> · {ans["rotations"]} rotation(s): {picks}'
+            f'{"" if agree else " · the rotations disagree"}</div>')
 
 
 def choice_card(qkey: str, q: dict, ans: dict) -> str:
-    """A choice: the chosen option, its confidence, and bars over every option."""
-    labels = option_labels(q, qkey)
-    summary = f'<b class="bk-answer">{esc(ans["choice"])}</b> · confidence {ans["confidence"]:.2f}'
-    rows = [(k, lab, ans["probabilities"][k]) for k, lab in labels]
-    return card_head(qkey, q, summary) + bars(rows, ans["choice"])
+    """A choice: the chosen option, its confidence, and bars over every option (a checklist for multi)."""
+    if ans.get("multi"):
+        return multi_card(qkey, q, ans)
+    summary = f'{pick_html(ans["choice"])} · confidence {ans["confidence"]:.2f}'
+    return card_head(qkey, q, ans, summary) + rotation_line(ans) + bars(option_rows(q, qkey, ans), [ans["choice"]])
+
+
+def multi_card(qkey: str, q: dict, ans: dict) -> str:
+    """A multi-label choice: a checklist with an absolute p(yes) bar per option, ticked for those above 0.5."""
+    chosen = ans["choices"]
+    count = (pick_html(None) if chosen is None
+             else f'<b class="bk-answer">{len(chosen)}</b> of {len(ans["probabilities"])} apply')
+    summary = f'{count} · confidence {ans["confidence"]:.2f}'
+    return card_head(qkey, q, ans, summary) + bars(option_rows(q, qkey, ans), chosen or [], scale=1.0, ticks=True)
 
 
 def noul_card(qkey: str, q: dict, ans: dict) -> str:
     """A yes/no question: p(yes) as a meter."""
-    p = ans["noul"]
-    verdict = "yes" if p >= 0.5 else "no"
-    summary = f'p(yes) = <b class="bk-answer">{p:.3f}</b> · leans {verdict}'
+    p = ans["probabilities"]["yes"]  # the same as ans["noul"], which an abstained answer leaves null
+    lean = pick_html(None) if ans["noul"] is None else f'leans {"yes" if p >= 0.5 else "no"}'
+    summary = f'p(yes) = <b class="bk-answer">{p:.3f}</b> · {lean}'
     meter = (f'<div class="bk-meter" role="meter" aria-valuemin="0" aria-valuemax="1" aria-valuenow="{p:.4f}">'
              f'<span class="bk-meter-fill" style="width:{100 * p:.2f}%"></span>'
              f'<span class="bk-meter-mid"></span></div>'
              f'<div class="bk-meter-scale"><span>no</span><span>0.5</span><span>yes</span></div>')
-    return card_head(qkey, q, summary) + meter
+    return card_head(qkey, q, ans, summary) + meter
 
 
 def score_card(qkey: str, q: dict, ans: dict) -> str:
     """A score: the expected value on the level scale, the distribution over levels, the legend in the bars."""
     top = len(q["criteria"]) - 1
-    summary = (f'expected <b class="bk-answer">{ans["score"]:.2f}</b> of 0–{top} · most likely level '
-               f'{esc(ans["choice"])} ({ans["confidence"]:.2f} confidence)')
-    scale = (f'<div class="bk-scale"><span class="bk-scale-marker" style="left:{100 * ans["score"] / top:.2f}%"'
-             f' title="expected score {ans["score"]:.2f}"></span></div>')
-    rows = [(k, lab, ans["probabilities"][k]) for k, lab in option_labels(q, qkey)]
-    return card_head(qkey, q, summary) + scale + bars(rows, ans["choice"])
+    if ans["score"] is None:
+        summary, scale = f'{pick_html(None)} on 0–{top} · confidence {ans["confidence"]:.2f}', ""
+    else:
+        summary = (f'expected <b class="bk-answer">{ans["score"]:.2f}</b> of 0–{top} · most likely level '
+                   f'{esc(ans["choice"])} ({ans["confidence"]:.2f} confidence)')
+        scale = (f'<div class="bk-scale"><span class="bk-scale-marker" style="left:{100 * ans["score"] / top:.2f}%"'
+                 f' title="expected score {ans["score"]:.2f}"></span></div>')
+    return card_head(qkey, q, ans, summary) + scale + bars(option_rows(q, qkey, ans), [ans["choice"]])
 
 
 _CARDS = {"choice": choice_card, "noul": noul_card, "score": score_card}
 
 
 def render_answers(questions: dict, result: dict) -> str:
-    """Every question's card, in request order."""
-    cards = [f'<div class="bk-card" data-question="{esc(k)}">{_CARDS[q["type"]](k, q, result["answers"][k])}</div>'
-             for k, q in questions.items()]
+    """Every question's card, in request order (an abstained answer's card is greyed)."""
+    cards = []
+    for k, q in questions.items():
+        ans = result["answers"][k]
+        cls = "bk-card bk-abstained" if ans.get("abstained") else "bk-card"
+        cards.append(f'<div class="{cls}" data-question="{esc(k)}">{_CARDS[q["type"]](k, q, ans)}</div>')
     return f'<div class="bk-results">{"".join(cards)}</div>'
+
+
+def source_name(source: str) -> str:
+    """Where a temperature came from, in a word or two: request, default, or the calibration file's name."""
+    kind, _, path = source.partition(":")
+    return f"calibration {os.path.basename(path)}" if kind == "calibration" and path else source
+
+
+def listed(names: list[str], at_most: int = 3) -> str:
+    """A few names, the rest counted: 'a, b, c +2'."""
+    more = f" +{len(names) - at_most}" if len(names) > at_most else ""
+    return ", ".join(names[:at_most]) + more
+
+
+def temperature_text(meta: dict) -> str:
+    """The applied temperature and its source; per-question values grouped compactly when questions differ."""
+    temps, sources = meta["temperature"], meta.get("temperature_source", "")
+    keys = list(temps) if isinstance(temps, dict) else list(sources) if isinstance(sources, dict) else []
+    if not keys:
+        return f"T = {temps:g}" + (f" ({esc(source_name(sources))})" if sources else "")
+    groups: dict[tuple[float, str], list[str]] = {}
+    for k in keys:
+        t = temps[k] if isinstance(temps, dict) else temps
+        s = sources.get(k, "") if isinstance(sources, dict) else sources
+        groups.setdefault((t, s), []).append(k)
+    full = "; ".join(f"{t:g} ({s}) for {', '.join(names)}" for (t, s), names in groups.items())
+    short = "; ".join(f"{t:g} ({source_name(s)}) for {listed(names)}" for (t, s), names in groups.items())
+    return f'<span class="bk-temps" title="{esc(full)}">T = {esc(short)}</span>'
 
 
 def render_meta(meta: dict) -> str:
@@ -310,7 +398,7 @@ def render_meta(meta: dict) -> str:
     notice = ""
     if meta.get("fabricated"):
         notice = f'<div class="bk-notice bk-fabricated" role="alert">⚠ {esc(meta["notice"])}</div>'
-    parts.append(f'T = {meta["temperature"]:g}')
+    parts.append(temperature_text(meta))
     return f'{notice}{line}<div class="bk-meta">{" · ".join(parts)}</div>'
 
 
@@ -366,6 +454,25 @@ CSS = """
             background: linear-gradient(90deg, #e0e7ff, #fde68a, #fca5a5); }
 .bk-scale-marker { position: absolute; top: -5px; width: 4px; height: 18px; margin-left: -2px; border-radius: 2px;
                    background: var(--body-text-color); }
+.bk-badge { font-size: 0.75em; padding: 1px 8px; border-radius: 999px; border: 1px solid #86efac;
+            background: #dcfce7; color: #14532d; white-space: nowrap; }
+.bk-mass-low { background: #fef3c7; color: #78350f; border-color: #f59e0b; }
+.bk-mass-na { background: var(--background-fill-secondary); color: inherit; border-color: var(--border-color-primary);
+              opacity: 0.75; }
+.bk-abstain { background: #e5e7eb; color: #374151; border-color: #9ca3af; font-weight: 700; }
+.bk-reason { font-size: 0.85em; color: #6b7280; margin-top: 4px; }
+.bk-answer.bk-nopick { color: #6b7280; }
+.bk-abstained .bk-bars, .bk-abstained .bk-meter, .bk-abstained .bk-meter-scale { filter: grayscale(1); opacity: 0.45; }
+.bk-rotations { font-size: 0.85em; margin: 2px 0 8px; }
+.bk-rot { font-family: var(--font-mono); padding: 0 6px; margin-left: 3px; border-radius: 4px;
+          background: var(--background-fill-secondary); }
+.bk-rot-split { color: #b45309; }
+.bk-tick { display: inline-flex; align-items: center; justify-content: center; width: 13px; height: 13px;
+           margin-right: 6px; vertical-align: -2px; border: 1.5px solid #9ca3af; border-radius: 3px; font-size: 0.8em; }
+.bk-chosen .bk-tick { background: var(--color-accent); border-color: var(--color-accent); color: #fff; }
+.bk-checklist .bk-track { position: relative; }
+.bk-checklist .bk-track::after { content: ""; position: absolute; left: 50%; top: 0; bottom: 0; width: 1px;
+                                 background: rgba(0, 0, 0, 0.35); }
 .bk-notice { border-radius: 8px; padding: 10px 12px; margin-bottom: 8px; }
 .bk-error { background: #fee2e2; color: #7f1d1d; border: 1px solid #fca5a5; }
 .bk-miss { background: #e0f2fe; color: #0c4a6e; border: 1px solid #7dd3fc; }
@@ -382,7 +489,8 @@ CSS = """
 
 QUESTION_FORM_HELP = (
     "One option per line. **choice**: an option per line, or `key: description`. **score**: the levels, lowest "
-    "first (2 to 10). **noul**: optional `yes: …` and `no: …` lines describing each side.")
+    "first (2 to 10). **noul**: optional `yes: …` and `no: …` lines describing each side. Rotations, multi and the "
+    "abstain thresholds are optional: 0 and unticked leave a plain question.")
 
 
 def state_text(state) -> str:
@@ -430,8 +538,23 @@ def ui_preset(name: str, temperature, model):
     return st, qs, f'*{ex.get("description", "")}*', meta, answers, raw
 
 
-def build_question(questions, name: str, qtype: str, instructions: str, options: str) -> str:
-    """The questions JSON with one question added from the form."""
+def question_extras(permute, multi, min_label_mass, min_confidence) -> dict:
+    """The form's opt-in fields of a question, only those that were set: an empty number or 0 is off (the page
+    sends an empty number as 0, and a threshold of 0 never abstains). blink.validate judges the rest."""
+    extras: dict = {}
+    if permute:
+        extras["permute"] = int(permute) if isinstance(permute, float) and permute.is_integer() else permute
+    if multi:
+        extras["multi"] = True
+    thresholds = {"min_label_mass": min_label_mass, "min_confidence": min_confidence}
+    if any(thresholds.values()):
+        extras["abstain"] = {k: v for k, v in thresholds.items() if v}
+    return extras
+
+
+def build_question(questions, name: str, qtype: str, instructions: str, options: str, permute=None,
+                   multi: bool = False, min_label_mass=None, min_confidence=None) -> str:
+    """The questions JSON with one question added from the form (permute, multi and abstain only when set)."""
     name = (name or "").strip()
     try:
         current = {} if (questions or "").strip() in ("", "{}") else parse_questions(questions)
@@ -455,12 +578,20 @@ def build_question(questions, name: str, qtype: str, instructions: str, options:
         described = {"true": sides.get("yes", "").strip(), "false": sides.get("no", "").strip()}
         if any(described.values()):
             q["criteria"] = {k: v for k, v in described.items() if v}
+    q.update(question_extras(permute, multi, min_label_mass, min_confidence))
     try:
         blink.validate({name: q})
     except blink.BlinkError as exc:
         raise gr.Error(esc(str(exc)), print_exception=False) from None
     current[name] = q
     return questions_text(current)
+
+
+def choice_only_controls(qtype: str) -> tuple:
+    """permute and multi apply to choice questions only: shown (and kept) for a choice, hidden and cleared else."""
+    if qtype == "choice":
+        return gr.update(visible=True), gr.update(visible=True)
+    return gr.update(visible=False, value=0), gr.update(visible=False, value=False)
 
 
 def opening_view(name: str | None) -> tuple[str, str, str, str, str, str]:
@@ -502,8 +633,19 @@ def build_page() -> None:
                     q_type = gr.Radio(["choice", "noul", "score"], value="choice", label="Type", scale=3)
                 q_instr = gr.Textbox(label="Instructions", placeholder="What should the model decide?")
                 q_opts = gr.Textbox(label="Options", lines=4, placeholder="billing\naccess\nbug")
+                with gr.Row():
+                    q_permute = gr.Number(0, label="Rotations (permute)", precision=0, minimum=0,
+                                          info="choice: average over this many option orders (0 = off)",
+                                          elem_id="q-permute")
+                    q_multi = gr.Checkbox(False, label="Which of these apply (multi)",
+                                          info="choice: p(yes) per option", elem_id="q-multi")
+                with gr.Row():
+                    q_min_mass = gr.Number(0, label="Abstain below label mass", minimum=0, maximum=1, step=0.05,
+                                           info="0 to 1 (0 = off)", elem_id="q-min-mass")
+                    q_min_conf = gr.Number(0, label="Abstain below confidence", minimum=0, maximum=1, step=0.05,
+                                           info="0 to 1 (0 = off)", elem_id="q-min-conf")
                 gr.Markdown(QUESTION_FORM_HELP, elem_classes="bk-hint")
-                add = gr.Button("Add to questions", size="sm")
+                add = gr.Button("Add to questions", size="sm", elem_id="q-add")
             with gr.Row():
                 temperature = gr.Slider(0.05, 5.0, value=blink.TEMPERATURE, step=0.05, label="Temperature",
                                         elem_id="temperature")
@@ -521,8 +663,10 @@ def build_page() -> None:
     preset.change(ui_preset, [preset, temperature, model], [evidence, questions, preset_note, *outputs],
                   api_visibility="private", show_progress="minimal")
     run_btn.click(ui_decide, [evidence, questions, temperature, model, image], outputs, api_visibility="private")
-    add.click(build_question, [questions, q_name, q_type, q_instr, q_opts], questions, api_visibility="private",
-              concurrency_limit=None)
+    q_type.change(choice_only_controls, q_type, [q_permute, q_multi], api_visibility="private",
+                  concurrency_limit=None, show_progress="hidden")
+    add.click(build_question, [questions, q_name, q_type, q_instr, q_opts, q_permute, q_multi, q_min_mass, q_min_conf],
+              questions, api_visibility="private", concurrency_limit=None)
 
 
 # ==================================================================================================================

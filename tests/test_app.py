@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from conftest import serving
@@ -14,6 +15,7 @@ import blink
 
 NEWS = "News topic (30 categories)"
 TICKET = "Support ticket triage"
+INCIDENT = "Incident review (multi-label, order-robust, abstain)"
 
 
 def preset(app, name: str) -> dict:
@@ -90,6 +92,35 @@ def test_preset_comes_from_the_recording(launched, client):
         assert_distribution(got["answers"][qkey], len(blink.question_options(q, qkey)))
 
 
+def test_feature_preset_comes_from_the_recording_with_label_mass(launched, client):
+    """The multi-label / permute / abstain preset is recorded with each prompt's vocabulary log-sum-exp, so its
+    answers carry label mass; multi, rotations and abstention are read from the recorded numbers."""
+    app, _ = launched
+    ex = preset(app, INCIDENT)
+    qs = ex["questions"]
+    entry = blink.load_recording(blink.REPLAY_PATH)["requests"][blink.request_key(ex["state"], qs)]
+    assert {qkey: len(v) for qkey, v in entry["lse"].items()} == {qkey: len(blink.prompt_rows(q, qkey))
+                                                                    for qkey, q in qs.items()}
+    got = client.predict(app.state_text(ex["state"]), app.questions_text(qs), 1.0, "", "saved", api_name="/decide")
+    assert got["meta"]["engine"] == "replay"
+    assert (got["meta"]["temperature"], got["meta"]["temperature_source"]) == (1.0, "request")
+    recorded, _ = blink.ReplayEngine(blink.REPLAY_PATH).logits(ex["state"], qs)
+    assert got["answers"] == json.loads(json.dumps(blink.assemble(qs, recorded, dict.fromkeys(qs, 1.0))))
+    for answer in got["answers"].values():
+        assert answer["label_mass"] is not None and 0.0 < answer["label_mass"] <= 1.0
+    multi = got["answers"]["contributing_factors"]
+    assert multi["multi"] is True and list(multi["probabilities"]) == list(qs["contributing_factors"]["criteria"])
+    assert multi["choices"] == [k for k, p in multi["probabilities"].items() if p > 0.5]
+    severity = got["answers"]["severity"]
+    assert severity["rotations"] == 3 and len(severity["rotation_choices"]) == 3
+    assert_distribution(severity, 4)
+    for qkey in ("refunds_owed", "root_cause_clear"):
+        answer, rule = got["answers"][qkey], qs[qkey]["abstain"]
+        short = (answer["label_mass"] < rule.get("min_label_mass", 0)
+                 or answer["confidence"] < rule.get("min_confidence", 0))
+        assert answer["abstained"] is short and (answer["noul"] is None) is short and ("reason" in answer) is short
+
+
 def test_recording_matches_the_live_model(launched, client):
     """The preset's recorded numbers are what the served model computes now (30 options, every one shown)."""
     app, _ = launched
@@ -123,6 +154,46 @@ def test_edited_request_runs_live(launched, client):
     assert 0.0 <= sentiment["score"] <= 4.0
     assert sentiment["legend"] == {str(i): level for i, level in enumerate(ex["questions"]["sentiment"]["criteria"])}
     assert 0.0 <= got["answers"]["will_return"]["noul"] <= 1.0
+
+
+def test_abstained_answers_keep_their_distribution(launched, client):
+    """Thresholds out of reach abstain every type (no pick, a reason, the distribution kept); a zero one never."""
+    app, _ = launched
+    qs = {"urgent": {"type": "noul", "instructions": "Is this urgent?", "abstain": {"min_label_mass": 1.0}},
+          "size": {"type": "score", "criteria": ["small", "medium", "large"], "abstain": {"min_confidence": 1.0}},
+          "team": {"type": "choice", "criteria": ["billing", "access"], "abstain": {"min_confidence": 0.0}}}
+    got = client.predict("Card charged twice, please refund.", qs, api_name="/decide")["answers"]
+    urgent, size, team = got["urgent"], got["size"], got["team"]
+    assert urgent["abstained"] is True and urgent["noul"] is None and "below min_label_mass 1" in urgent["reason"]
+    assert size["abstained"] is True and size["score"] is None and size["choice"] is None
+    assert "below min_confidence 1" in size["reason"]
+    assert_distribution(urgent, 2)
+    assert_distribution(size, 3)
+    assert team["abstained"] is False and team["choice"] in ("billing", "access") and "reason" not in team
+    html = app.render_answers(qs, {"answers": got})
+    assert html.count('class="bk-card bk-abstained"') == 2 and html.count(">Abstained</span>") == 2
+    assert html.count('class="bk-reason"') == 2 and html.count(">no pick</b>") == 2
+
+
+def test_multi_and_permute_answers(launched, client):
+    """A multi question gives independent p(yes) per option; a permuted one averages its rotations."""
+    app, _ = launched
+    qs = {"issues": {"type": "choice", "multi": True, "instructions": "Which problems does the customer report?",
+                     "criteria": ["double charge", "cannot log in", "slow delivery"]},
+          "team": {"type": "choice", "permute": 2, "criteria": ["billing", "access", "shipping"]}}
+    got = client.predict("I was charged twice and now my login fails.", qs, api_name="/decide")["answers"]
+    issues, team = got["issues"], got["team"]
+    p = issues["probabilities"]
+    assert issues["multi"] is True and list(p) == qs["issues"]["criteria"] and all(0 < v < 1 for v in p.values())
+    assert issues["choices"] == [k for k, v in p.items() if v > 0.5]
+    assert issues["confidence"] == pytest.approx(min(abs(2 * v - 1) for v in p.values()))
+    assert team["rotations"] == 2 and set(team["rotation_choices"]) <= set(qs["team"]["criteria"])
+    assert 0.0 <= team["order_sensitivity"] <= 1.0
+    assert_distribution(team, 3)
+    assert all(0.0 < a["label_mass"] <= 1.0 for a in got.values())
+    html = app.render_answers(qs, {"answers": got})
+    assert html.count('role="checkbox"') == 3 and html.count('aria-checked="true"') == len(issues["choices"])
+    assert 'data-rotations="2"' in html and html.count('class="bk-rot"') == 2
 
 
 def test_concurrent_requests_share_forward_passes(launched, client):
@@ -287,6 +358,47 @@ def test_form_refuses_mistakes(launched, args, message):
         app.build_question(*args)
 
 
+def test_form_writes_the_opt_in_fields_only_when_set(launched):
+    app, _ = launched
+    text = app.build_question("", "tags", "choice", "Which apply?", "late\ndamaged", None, True, None, 0.2)
+    text = app.build_question(text, "team", "choice", "", "billing\naccess\nbug", 3.0, False, 0.5, None)
+    text = app.build_question(text, "urgent", "noul", "", "", None, False, 0.25, 0.5)
+    text = app.build_question(text, "plain", "choice", "", "a\nb")
+    text = app.build_question(text, "zeros", "choice", "", "a\nb", 0, False, 0, 0.0)  # what the page sends when unset
+    got = json.loads(text)
+    assert got["tags"] == {"type": "choice", "instructions": "Which apply?", "criteria": ["late", "damaged"],
+                           "multi": True, "abstain": {"min_confidence": 0.2}}
+    assert got["team"]["permute"] == 3 and isinstance(got["team"]["permute"], int)
+    assert got["team"]["abstain"] == {"min_label_mass": 0.5} and "multi" not in got["team"]
+    assert got["urgent"]["abstain"] == {"min_label_mass": 0.25, "min_confidence": 0.5}
+    assert set(got["plain"]) == set(got["zeros"]) == {"type", "instructions", "criteria"}
+    blink.validate(got)
+
+
+@pytest.mark.parametrize("extras,message", [
+    (("noul", 2, False, None, None), "permute applies to choice questions only"),
+    (("choice", 2, True, None, None), "multi and permute cannot be combined"),
+    (("choice", 4, False, None, None), "from 1 to its 3 options"),
+    (("choice", None, False, 1.5, None), "abstain.min_label_mass must be a number from 0 to 1"),
+    (("score", None, True, None, None), "multi applies to choice questions only"),
+])
+def test_form_refuses_bad_opt_in_fields(launched, extras, message):
+    import gradio as gr
+
+    app, _ = launched
+    qtype, *rest = extras
+    with pytest.raises(gr.Error, match=message):
+        app.build_question("", "q", qtype, "", "a\nb\nc", *rest)
+
+
+def test_permute_and_multi_controls_follow_the_type(launched):
+    app, _ = launched
+    shown = app.choice_only_controls("choice")
+    hidden = app.choice_only_controls("score")
+    assert [u["visible"] for u in shown] == [True, True] and all("value" not in u for u in shown)
+    assert [(u["visible"], u["value"]) for u in hidden] == [(False, 0), (False, False)]
+
+
 def test_rendering_shows_every_option(launched):
     app, _ = launched
     q = {"pick": {"type": "choice", "criteria": [f"label {i}" for i in range(40)]}}
@@ -300,6 +412,75 @@ def test_rendering_shows_every_option(launched):
                                                                           {"<script>": blink.Readout([[0.0, 0.0]],
                                                                                                      [None])},
                                                                           {"<script>": 1.0})})
+
+
+MOCK_QS = {
+    "tags": {"type": "choice", "multi": True, "criteria": ["late", "damaged", "wrong item"]},
+    "tags_unsure": {"type": "choice", "multi": True, "criteria": ["late", "damaged"],
+                    "abstain": {"min_confidence": 1.0}},
+    "intent": {"type": "choice", "permute": 3, "criteria": ["refund", "exchange", "complaint"]},
+    "upset": {"type": "noul", "abstain": {"min_label_mass": 1.0}},
+    "stars": {"type": "score", "criteria": ["1", "2", "3", "4", "5"], "abstain": {"min_confidence": 1.0}},
+    "kept": {"type": "choice", "criteria": ["a", "b"], "abstain": {"min_confidence": 0.0}},
+}
+
+
+def test_rendering_of_multi_abstained_and_permuted_answers(launched):
+    """Cards for the mock engine's (fabricated) multi, permuted and abstained answers: badges, chips, checklist."""
+    app, _ = launched
+    state = "The parcel came two weeks late and the box was crushed; I want my money back."
+    raw, _ = blink.MockEngine("org/mock").logits(state, MOCK_QS)
+    answers = blink.assemble(MOCK_QS, raw, dict.fromkeys(MOCK_QS, 1.0))
+    html = app.render_answers(MOCK_QS, {"answers": answers})
+    cards = {re.search(r'data-question="(\w+)"', part).group(1): part for part in html.split('<div class="bk-card')[1:]}
+    assert list(cards) == list(MOCK_QS)
+    for qkey, answer in answers.items():
+        card, abstained = cards[qkey], answer.get("abstained", False)
+        assert f">on-label {app.pct(answer['label_mass'])}</span>" in card
+        assert (">Abstained</span>" in card) is abstained and card.startswith(' bk-abstained"') is abstained, qkey
+    assert [answers[k].get("abstained") for k in MOCK_QS] == [None, True, None, True, True, False]
+    assert cards["tags"].count('role="checkbox"') == 3
+    assert cards["tags"].count('aria-checked="true"') == len(answers["tags"]["choices"])
+    assert cards["tags_unsure"].count('aria-checked="true"') == 0 and "no pick" in cards["tags_unsure"]
+    intent = answers["intent"]
+    assert f'order sensitivity <b>{intent["order_sensitivity"]:.2f}</b> · 3 rotation(s)' in cards["intent"]
+    assert re.findall(r'class="bk-rot">(\w+)<', cards["intent"]) == intent["rotation_choices"]
+    assert 'role="meter"' in cards["upset"] and "leans" not in cards["upset"]
+    assert "bk-scale-marker" not in cards["stars"] and cards["stars"].count('class="bk-row') == 5
+
+
+def test_on_label_badge_warns_below_half_and_says_when_unknown(launched):
+    app, _ = launched
+    q = {"q": {"type": "choice", "criteria": ["x", "y"]}}
+    row = [1.0, 0.0]
+
+    def badge(mass):
+        lse = None if mass is None else blink.logsumexp(row) - math.log(mass)
+        answers = blink.assemble(q, {"q": blink.Readout([row], [lse])}, {"q": 1.0})
+        return re.search(r'<span class="(bk-badge bk-mass[^"]*)"[^>]*>([^<]*)<', app.render_answers(q, {
+            "answers": answers})).groups()
+
+    assert badge(0.3) == ("bk-badge bk-mass bk-mass-low", "on-label 30.0%")
+    assert badge(0.8) == ("bk-badge bk-mass", "on-label 80.0%")
+    assert badge(None) == ("bk-badge bk-mass bk-mass-na", "on-label n/a")
+
+
+def test_meta_line_names_the_temperature_source(launched, tmp_path, monkeypatch):
+    app, _ = launched
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps({"format": blink.CALIBRATION_FORMAT,
+                                "models": {blink.MODEL_ID: {"temperatures": {"choice:3-4": 2.0}}}}))
+    monkeypatch.setattr(blink, "CALIBRATION_PATH", str(path))
+    qs = {"intent": MOCK_QS["intent"], "upset": {"type": "noul"}, "tags": MOCK_QS["tags"], "more": {"type": "noul"},
+          "again": {"type": "noul"}, "last": {"type": "noul"}}
+    with serving(blink.MockEngine(blink.MODEL_ID)):
+        mixed = blink.decide("x", qs)["meta"]
+        asked = blink.decide("x", qs, temperature=0.5)["meta"]
+    assert mixed["temperature"] == {"intent": 2.0, **dict.fromkeys(list(qs)[1:], 1.0)}
+    line = app.render_meta(mixed)
+    assert "T = 2 (calibration calibration.json) for intent; 1 (default) for upset, tags, more +2" in line
+    assert f'title="2 (calibration:{path}) for intent; 1 (default) for upset, tags, more, again, last"' in line
+    assert "T = 0.5 (request)</div>" in app.render_meta(asked)
 
 
 # ------------------------------------------------------------------------------------------------------------------
