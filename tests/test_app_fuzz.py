@@ -24,7 +24,7 @@ from conftest import serving
 from gradio_client.exceptions import AppError
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_fuzz import TRICKY
+from test_fuzz import TRICKY, plausible
 
 import blink
 
@@ -53,23 +53,15 @@ STATE = st.one_of(
 N_OPTIONS = st.sampled_from([0, 1, 2, 255, 256, 300])
 CRITERIA = st.one_of(JSON, st.lists(TEXT, max_size=12), st.dictionaries(TEXT, st.one_of(TEXT, st.none()), max_size=8),
                      N_OPTIONS.map(lambda n: [f"o{i}" for i in range(n)]))
-PLAUSIBLE = st.one_of(
-    st.fixed_dictionaries({"type": st.just("choice"), "criteria": st.one_of(
-        st.lists(TEXT, min_size=1, max_size=8, unique=True), st.dictionaries(TEXT, TEXT, min_size=1, max_size=6))},
-        optional={"instructions": TEXT}),
-    st.fixed_dictionaries({"type": st.just("noul")}, optional={"instructions": TEXT, "criteria": st.one_of(
-        st.none(), st.fixed_dictionaries({}, optional={"true": TEXT, "no": JSON}))}),
-    st.fixed_dictionaries({"type": st.just("score"), "criteria": st.lists(st.one_of(TEXT, st.none()), min_size=1,
-                                                                          max_size=11)},
-                          optional={"instructions": TEXT}))
+PLAUSIBLE = plausible(TEXT, JSON, levels=(1, 11))  # 1 and 11 score levels are refused
 QUESTION = st.one_of(PLAUSIBLE, PLAUSIBLE, JSON, st.fixed_dictionaries(
     {"type": st.sampled_from(["choice", "noul", "score", "rank", None, 3])},
     optional={"criteria": CRITERIA, "instructions": st.one_of(TEXT, JSON)}))
 NAME = st.one_of(st.text(min_size=1, max_size=20), TRICKY)
-QUESTIONS_OBJECT = st.one_of(
-    st.dictionaries(NAME, PLAUSIBLE, min_size=1, max_size=4), st.dictionaries(NAME, QUESTION, min_size=1, max_size=4),
-    JSON, st.sampled_from([511, 512, 513]).map(lambda n: {f"q{i}": {"type": "noul"} for i in range(n)}))
 PLAUSIBLE_QUESTIONS = st.dictionaries(NAME, PLAUSIBLE, min_size=1, max_size=4)
+QUESTIONS_OBJECT = st.one_of(
+    PLAUSIBLE_QUESTIONS, st.dictionaries(NAME, QUESTION, min_size=1, max_size=4),
+    JSON, st.sampled_from([511, 512, 513]).map(lambda n: {f"q{i}": {"type": "noul"} for i in range(n)}))
 QUESTIONS = st.one_of(
     PLAUSIBLE_QUESTIONS, PLAUSIBLE_QUESTIONS.map(json.dumps), QUESTIONS_OBJECT, QUESTIONS_OBJECT.map(json.dumps),
     QUESTIONS_OBJECT.map(lambda q: json.dumps(q)[:-1]),

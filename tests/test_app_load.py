@@ -10,19 +10,13 @@ one request (a request mixed with another would be off by orders of magnitude mo
 
 from __future__ import annotations
 
-import statistics
-import threading
-import time
-
 from conftest import serving
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from gradio_client.utils import QueueError
-from test_load import request
+from test_load import N_CALLERS, assert_same_answers, load_line, request, run_callers
 
 import blink
-
-N_CALLERS = 32
 
 
 def answered_alone(i: int) -> dict:
@@ -30,57 +24,18 @@ def answered_alone(i: int) -> dict:
     return blink.decide(*request(i))["answers"]
 
 
-def assert_same_answers(got: dict, want: dict, tolerance: float = 1e-6) -> None:
-    """The same questions in the same order, each with the same options in order and probabilities within tolerance."""
-    assert list(got) == list(want)
-    for q in want:
-        assert list(got[q]["probabilities"]) == list(want[q]["probabilities"])
-        assert max(abs(a - b) for a, b in zip(got[q]["probabilities"].values(),
-                                              want[q]["probabilities"].values())) < tolerance
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """The q-quantile of sorted values (nearest rank)."""
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
 def test_32_callers_each_get_their_own_answer(launched, tiny_qwen):
     _, url = launched
-    with serving(tiny_qwen):
-        run_callers(url)
-
-
-def run_callers(url: str) -> None:
-    """N_CALLERS callers, each with its own client, send their own requests at once; check and report."""
     clients = [Client(url, verbose=False) for _ in range(N_CALLERS)]  # each caller its own connection and session
-    start = threading.Barrier(N_CALLERS)
-    results: dict = {}
-    errors: list = []
-    latencies: list = []
-
-    def caller(i: int) -> None:
-        start.wait()
-        t0 = time.perf_counter()
-        try:
-            results[i] = clients[i].submit(*request(i), api_name="/decide").result(timeout=300)
-        except Exception as exc:  # noqa: BLE001 - counted and asserted below
-            errors.append(exc)
-        latencies.append(time.perf_counter() - t0)
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(N_CALLERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=320)
-    latencies.sort()
-    print(f"\n/decide under load: {N_CALLERS} requests, {len(errors)} errors, p50 {statistics.median(latencies):.2f}s, "
-          f"p99 {percentile(latencies, 0.99):.2f}s, largest batch "
-          f"{max((r['meta'].get('batched_requests', 1) for r in results.values()), default=0)}")
-    assert not errors and len(results) == N_CALLERS
-    assert all(r["meta"]["engine"] == "torch" for r in results.values())
-    assert max(r["meta"]["batched_requests"] for r in results.values()) > 1  # requests really shared forwards
-    for i in range(N_CALLERS):
-        assert_same_answers(results[i]["answers"], answered_alone(i), tolerance=1e-5)
+    with serving(tiny_qwen):
+        results, errors, latencies = run_callers(
+            lambda i: clients[i].submit(*request(i), api_name="/decide").result(timeout=300), timeout_s=320)
+        print(load_line("/decide under load", results, errors, latencies))
+        assert not errors and len(results) == N_CALLERS
+        assert all(r["meta"]["engine"] == "torch" for r in results.values())
+        assert max(r["meta"]["batched_requests"] for r in results.values()) > 1  # requests really shared forwards
+        for i in range(N_CALLERS):
+            assert_same_answers(results[i]["answers"], answered_alone(i), tolerance=1e-5)
 
 
 def test_a_full_queue_says_busy_and_never_answers_wrongly(launched, crowded_app):

@@ -27,16 +27,20 @@ CRITERIA = st.one_of(
     st.dictionaries(TEXT, st.one_of(TEXT, st.none()), max_size=8),
     st.integers(0, 300).map(lambda n: [f"o{i}" for i in range(n)]),  # 0 and 256 options among them
 )
-PLAUSIBLE = st.one_of(
-    st.fixed_dictionaries({"type": st.just("choice"), "criteria": st.one_of(
-        st.lists(TEXT, min_size=1, max_size=8, unique=True), st.dictionaries(TEXT, TEXT, min_size=1, max_size=6))},
-        optional={"instructions": TEXT}),
-    st.fixed_dictionaries({"type": st.just("noul")}, optional={"instructions": TEXT, "criteria": st.one_of(
-        st.none(), st.fixed_dictionaries({}, optional={"true": TEXT, "no": JSONISH}))}),
-    st.fixed_dictionaries({"type": st.just("score"), "criteria": st.lists(st.one_of(TEXT, st.none()), min_size=2,
-                                                                          max_size=10)},
-                          optional={"instructions": TEXT}),
-)
+def plausible(text: st.SearchStrategy, json_values: st.SearchStrategy, levels: tuple[int, int] = (2, 10)):
+    """Questions that look right (choice, noul, score), with tricky text in every field; `levels` bounds a score's."""
+    return st.one_of(
+        st.fixed_dictionaries({"type": st.just("choice"), "criteria": st.one_of(
+            st.lists(text, min_size=1, max_size=8, unique=True), st.dictionaries(text, text, min_size=1, max_size=6))},
+            optional={"instructions": text}),
+        st.fixed_dictionaries({"type": st.just("noul")}, optional={"instructions": text, "criteria": st.one_of(
+            st.none(), st.fixed_dictionaries({}, optional={"true": text, "no": json_values}))}),
+        st.fixed_dictionaries({"type": st.just("score"), "criteria": st.lists(
+            st.one_of(text, st.none()), min_size=levels[0], max_size=levels[1])}, optional={"instructions": text}),
+    )
+
+
+PLAUSIBLE = plausible(TEXT, JSONISH)
 QUESTION = st.one_of(
     PLAUSIBLE, PLAUSIBLE, JSONISH,
     st.fixed_dictionaries({"type": st.sampled_from(["choice", "noul", "score", "rank", None, 3])},
