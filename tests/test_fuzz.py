@@ -27,6 +27,8 @@ CRITERIA = st.one_of(
     st.dictionaries(TEXT, st.one_of(TEXT, st.none()), max_size=8),
     st.integers(0, 300).map(lambda n: [f"o{i}" for i in range(n)]),  # 0 and 256 options among them
 )
+
+
 def plausible(text: st.SearchStrategy, json_values: st.SearchStrategy, levels: tuple[int, int] = (2, 10)):
     """Questions that look right (choice, noul, score), with tricky text in every field; `levels` bounds a score's."""
     return st.one_of(
