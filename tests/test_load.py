@@ -65,8 +65,10 @@ def assert_same_answers(got: dict, want: dict, tolerance: float = 1e-6) -> None:
                                               want[q]["probabilities"].values())) < tolerance
 
 
-def test_concurrent_callers_through_the_batcher_get_their_own_answers(standin, served):
-    served(standin)
+def test_concurrent_callers_through_the_batcher_get_their_own_answers(tiny_qwen, served):
+    # the tiny Qwen3.5 (linear + full attention, as in production) keeps 32 alone-vs-batched runs quick; its fp32
+    # batch-composition noise measured 1.8e-6, so answers must agree within 1e-5
+    served(tiny_qwen)
     alone = [blink.decide(*request(i))["answers"] for i in range(N_CALLERS)]
     batcher = blink.Batcher(window_s=0.02, max_requests=16, max_queued=N_CALLERS)
     results, errors, latencies = run_callers(lambda i: batcher.submit(*request(i)), timeout_s=120)
@@ -74,4 +76,4 @@ def test_concurrent_callers_through_the_batcher_get_their_own_answers(standin, s
     assert not errors and len(results) == N_CALLERS
     assert max(r["meta"]["batched_requests"] for r in results.values()) > 1  # batches really formed
     for i in range(N_CALLERS):
-        assert_same_answers(results[i]["answers"], alone[i])
+        assert_same_answers(results[i]["answers"], alone[i], tolerance=1e-5)
