@@ -85,10 +85,11 @@ def _pick(keys: list[str], scores: list[float]) -> str:
 
 
 def prompt_text(engine: blink.TorchEngine, state, qkey: str, q: dict) -> tuple[str, list[str]]:
-    """The exact prompt blink renders for one question, and its option keys."""
-    items = blink.question_options(q, qkey)
-    user = blink.user_message(state, q, engine.labels[: len(items)], items)
-    return blink.wrap(engine.tok, user), [k for k, _ in items]
+    """The exact prompt blink renders for one question (its single prompt: no permute or multi), and its option
+    keys in shown order."""
+    (shown_q, shown), = blink.prompt_rows(q, qkey)
+    user = blink.user_message(state, shown_q, engine.labels[: len(shown)], shown)
+    return blink.wrap(engine.tok, user), [k for k, _ in shown]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,11 +106,12 @@ def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: boo
         raw, _ = engine.logits(state, questions)
         _sync(device)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    answers = blink.assemble(questions, raw, engine.temperature)
+    answers = blink.assemble(questions, raw, {k: engine.temperature for k in questions})
     seqs = [p.ids for p in engine.render(state, questions)]
     shared = [n for _, n in blink._prefix_groups(seqs, prefix) if n]
-    return Run(wall, cpu, engine.last_prefill_tokens, {k: a["choice"] for k, a in answers.items()}, mem.peak_mb, raw,
-               {"shared_prefix_tokens": shared[0] if shared else 0, "model_ms": engine.last_model_ms})
+    rows = {k: r.logits[0] for k, r in raw.items()}  # one prompt per question: no permute or multi here
+    return Run(wall, cpu, engine.last_prefill_tokens, {k: a["choice"] for k, a in answers.items()}, mem.peak_mb,
+               rows, {"shared_prefix_tokens": shared[0] if shared else 0, "model_ms": engine.last_model_ms})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ def per_option_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
     divided by the continuation's characters (lm-eval `acc_norm`) and averaged per token (SGLang `select`'s
     default, token_length_normalized)."""
     model, tok, device = engine.model, engine.tok, engine.model.lm_head.weight.device
-    items = blink.question_options(q, qkey)
+    (_, items), = blink.prompt_rows(q, qkey)
     keys = [k for k, _ in items]
     sums, norms, means, spans = [], [], [], []
     with PeakMemory(device) as mem, torch.no_grad():

@@ -56,6 +56,7 @@ def test_score_expected_value_legend_and_confidence():
 
 def test_assemble_goes_from_logits_to_answers():
     qs = {"c": {"type": "choice", "criteria": {"x": "ex", "y": "why"}}, "n": {"type": "noul"}}
-    out = blink.assemble(qs, {"c": [0.0, math.log(4.0)], "n": [math.log(9.0), 0.0]}, 1.0)
+    raw = {"c": blink.Readout([[0.0, math.log(4.0)]], [None]), "n": blink.Readout([[math.log(9.0), 0.0]], [None])}
+    out = blink.assemble(qs, raw, {"c": 1.0, "n": 1.0})
     assert out["c"]["choice"] == "y" and out["c"]["probabilities"]["y"] == pytest.approx(0.8)
     assert out["n"]["noul"] == pytest.approx(0.9)

@@ -50,6 +50,6 @@ def test_record_writes_a_stamped_recording_that_replays(tmp_path, monkeypatch):
     assert data["model"] == blink.STANDIN_MODEL and "CPU" in data["hardware"]
     rec = blink.ReplayEngine(str(out), model_id=blink.STANDIN_MODEL)
     raw, n_tokens = rec.logits(example["state"], example["questions"])
-    assert n_tokens > 50 and len(raw["ok"]) == 2
+    assert n_tokens > 50 and len(raw["ok"].logits) == 1 and len(raw["ok"].logits[0]) == 2
     entry = next(iter(data["requests"].values()))
     assert entry["example"] == "t.json" and entry["latency_ms"] > 0

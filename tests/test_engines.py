@@ -37,9 +37,22 @@ def test_engine_kind_rules(monkeypatch, tmp_path, env, cuda, recorded, model, ki
     monkeypatch.setattr(blink, "_cuda", lambda: cuda)
     path = tmp_path / "replay.json"
     if recorded:
-        path.write_text("{}")
+        write_recording(path, model, "x", QS, {"spam": [0.0, 0.0], "topic": [0.0, 0.0, 0.0]})
     monkeypatch.setattr(blink, "replay_path", lambda model_id=None: str(path))
     assert blink.engine_kind(model) == kind
+
+
+def test_a_foreign_recording_counts_as_none_and_a_corrupt_one_is_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(blink, "ENGINE", "")
+    monkeypatch.setattr(blink, "_cuda", lambda: False)
+    path = tmp_path / "replay.json"
+    monkeypatch.setattr(blink, "replay_path", lambda model_id=None: str(path))
+    write_recording(path, "org/other", "x", QS, {"spam": [0.0, 0.0], "topic": [0.0, 0.0, 0.0]})
+    assert blink.engine_kind("org/mine") == "torch"
+    assert blink.engine_kind(blink.STANDIN_MODEL) == "torch"
+    path.write_text("{truncated")
+    with pytest.raises(blink.BlinkError, match="cannot be read"):
+        blink.engine_kind("org/mine")
 
 
 def test_unknown_engine_name_is_refused(monkeypatch):
@@ -150,3 +163,13 @@ def test_hybrid_serves_saved_runs_only_when_asked(tmp_path, standin, served):
     assert live["meta"]["engine"] == "torch" and edited["meta"]["engine"] == "torch"
     assert saved["answers"]["spam"]["noul"] == pytest.approx(blink.softmax([5.0, 0.0], 1.0)[0])
     assert "model_ms" in live["meta"] and "model_ms" not in saved["meta"]
+
+
+def test_gpu_decorator_is_plain_off_zero_gpu_and_sized_to_the_work(monkeypatch):
+    def f(key, seqs, cands):
+        return key
+
+    assert blink._gpu(10)(f) is f and blink._gpu(blink._gpu_seconds)(f) is f
+    assert blink._gpu_seconds(0, [[1] * 100], [[1]]) == 11
+    assert blink._gpu_seconds(0, [[1] * 100_000] * 2, [[1]] * 2) == 50
+    assert blink._gpu_seconds(0, [[1] * 131_072] * 512, [[1]] * 512) == blink.GPU_DURATION

@@ -93,9 +93,16 @@ def common_prefix(seqs: list[list[int]]) -> int:
 
 
 def gap(a: dict, b: dict) -> float:
-    """Largest label-logit difference between two readouts of the same questions."""
+    """Largest difference between two readouts of the same questions: label logits and vocabulary log-sum-exp."""
     assert a.keys() == b.keys()
-    return max(abs(x - y) for k in a for x, y in zip(a[k], b[k]))
+    return rows_gap([(z, lse) for k in a for z, lse in zip(a[k].logits, a[k].lse)],
+                    [(z, lse) for k in b for z, lse in zip(b[k].logits, b[k].lse)])
+
+
+def rows_gap(a: list, b: list) -> float:
+    """Largest difference between two lists of forward rows (label logits, vocabulary log-sum-exp)."""
+    assert len(a) == len(b)
+    return max(abs(x - y) for (za, la), (zb, lb) in zip(a, b) for x, y in zip([*za, la], [*zb, lb]))
 
 
 def count_rows(eng: blink.TorchEngine, seen: dict):
@@ -176,11 +183,6 @@ def forward_rows(eng: blink.TorchEngine, seqs: list[list[int]], cands: list[list
         return blink._forward(eng.key, seqs, cands)[0]
     finally:
         eng.prefix_cache = False
-
-
-def rows_gap(a: list, b: list) -> float:
-    """Largest difference between two lists of label-logit rows."""
-    return max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r, s))
 
 
 def test_one_token_tails(eng, spy):

@@ -35,7 +35,7 @@ def max_gap(eng: blink.TorchEngine, state, questions: dict) -> float:
     """Largest difference between the engine's packed readout and each prompt run alone."""
     raw, _ = eng.logits(state, questions)
     prompts = eng.render(state, questions)
-    return max(abs(a - b) for p in prompts for a, b in zip(raw[p.qkey], alone(eng, p)))
+    return max(abs(a - b) for p in prompts for a, b in zip(raw[p.qkey].logits[0], alone(eng, p)))
 
 
 def test_standin_labels_verify_and_name_the_model(standin):
@@ -72,14 +72,15 @@ def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir, monkeypatch):
     raw, _ = eng.logits(DOC, SMALL)
     for p in eng.render(DOC, SMALL):
         ref = alone(eng, p)
-        assert max(abs(a - b) for a, b in zip(raw[p.qkey], ref)) < 5e-2
-        assert max(range(len(ref)), key=ref.__getitem__) == max(range(len(ref)), key=raw[p.qkey].__getitem__)
+        row = raw[p.qkey].logits[0]
+        assert max(abs(a - b) for a, b in zip(row, ref)) < 5e-2
+        assert max(range(len(ref)), key=ref.__getitem__) == max(range(len(ref)), key=row.__getitem__)
 
 
 def test_logits_differ_with_the_evidence(tiny_qwen):
     a, _ = tiny_qwen.logits("The sky is green.", SMALL)
     b, _ = tiny_qwen.logits("Completely different evidence about cats.", SMALL)
-    assert max(abs(x - y) for q in SMALL for x, y in zip(a[q], b[q])) > 1e-3
+    assert max(abs(x - y) for q in SMALL for x, y in zip(a[q].logits[0], b[q].logits[0])) > 1e-3
 
 
 def test_prompt_over_the_token_limit_is_refused_before_any_forward(standin, monkeypatch):
@@ -90,17 +91,10 @@ def test_prompt_over_the_token_limit_is_refused_before_any_forward(standin, monk
 
 
 def test_model_whose_labels_do_not_verify_is_refused_at_load(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    import tiny_models
 
-    vocab = {ch: i for i, ch in enumerate("<>|_ abcdefghijklmnopqrstuvwxyz\n{}\":,.")}  # no uppercase letters at all
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="_"))
-    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="_")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    tok.save_pretrained(tmp_path)
     with pytest.raises(blink.BlinkError, match="verified single-token labels"):
-        blink.TorchEngine(str(tmp_path))
+        blink.TorchEngine(tiny_models.build_letterless_tokenizer(tmp_path))
 
 
 def test_decide_meta_on_the_live_engine(standin, served):

@@ -367,6 +367,20 @@ def describe_cache(cache: object) -> list[str]:
     return lines
 
 
+def build_letterless_tokenizer(folder: str | Path) -> str:
+    """A word-level tokenizer with no uppercase letters at all, saved to a folder: none of blink's labels verify."""
+    from tokenizers import models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate("<>|_ abcdefghijklmnopqrstuvwxyz\n{}\":,.")}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="_"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="_")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
 def check_labels(tokenizer: Qwen3_5Tokenizer, prompt: str | None = None) -> str:
     """Assert prompt+label tokenizes to prompt ids + one token decoding to label, for all 702 labels."""
     if prompt is None:

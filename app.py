@@ -1,0 +1,800 @@
+"""blink Space: a Gradio Blocks page and an API over blink.py.
+
+The page: evidence, a question editor, temperature and (when several models are served) a model picker; results as
+bars over every option. Bundled presets (examples/) render at once from the recording (replay.json); anything edited
+runs the live model. Programs call the named endpoints /decide, /decide_batch and /info with gradio_client.
+
+Sections: settings · inputs · running requests · rendering · the page · the API · launch.
+"""
+
+from __future__ import annotations
+
+try:  # ZeroGPU: `spaces` must be imported before anything initialises CUDA
+    import spaces
+except ImportError:  # off a Space, on a machine without the package
+    spaces = None
+
+import concurrent.futures
+import contextvars
+import html
+import json
+import logging
+import os
+import threading
+from collections.abc import Collection
+
+import gradio as gr
+
+import blink
+
+log = logging.getLogger("blink.app")
+
+# ==================================================================================================================
+# Settings
+# ==================================================================================================================
+
+CONCURRENCY = int(os.environ.get("BLINK_CONCURRENCY", "16"))  # events in flight at once: the Batcher gathers them
+QUEUE_SIZE = int(os.environ.get("BLINK_QUEUE_SIZE", "64"))  # events waiting in Gradio's queue (ZeroGPU default: 1)
+BATCH_WINDOW_S = float(os.environ.get("BLINK_BATCH_WINDOW_MS", "25")) / 1000  # how long a batch waits for company
+BATCH_MAX_REQUESTS = int(os.environ.get("BLINK_BATCH_MAX_REQUESTS", "32"))  # requests packed into one GPU call
+BATCH_MAX_QUEUED = int(os.environ.get("BLINK_BATCH_MAX_QUEUED", "256"))  # requests waiting for the model
+MAX_BATCH_CALL = blink.Batcher.MAX_REQUESTS  # requests one /decide_batch call may carry
+
+PRESETS: dict[str, dict] = {ex["name"]: ex for ex in map(blink.load_example, blink.example_files())}
+
+
+def recording_info(model: str | None = None) -> dict | None:
+    """The header of the recording a model's presets are served from, or None when it has none of its own."""
+    mid = model or blink.MODEL_ID
+    path = blink.replay_path(mid)
+    if not os.path.exists(path):
+        return None
+    data = blink.load_recording(path)
+    if data["model"] != mid:
+        log.warning("%s was recorded by %s, not by the served model %s: its presets run live", path, data["model"],
+                    mid)
+        return None
+    return {"model": data["model"], "hardware": data.get("hardware", ""), "recorded_at": data.get("recorded_at", ""),
+            "examples": len(data["requests"])}
+
+
+RECORDINGS: dict[str, dict | None] = {}  # each served model's recording header, read at start
+
+# ==================================================================================================================
+# Inputs: what a person or a program sends, checked and parsed, with the field named on every mistake
+# ==================================================================================================================
+
+
+def parse_state(state):
+    """Evidence as blink reads it: JSON-looking text becomes JSON, other text stays text, objects pass through."""
+    if isinstance(state, (dict, list)):
+        return state
+    if not isinstance(state, str):
+        raise blink.BlinkError("state must be text or JSON", ["body", "state"])
+    if not state.strip():
+        raise blink.BlinkError("state is empty: give the evidence as text or JSON", ["body", "state"])
+    return blink.as_state(state)
+
+
+def json_text(value: str, field: str):
+    """A field given as JSON text, parsed; a BlinkError naming the field when it does not parse."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise blink.BlinkError(f"{field} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
+                               ["body", field]) from None
+    except RecursionError:
+        raise blink.BlinkError(f"{field} nests deeper than {blink.MAX_JSON_DEPTH} levels", ["body", field]) from None
+    except ValueError as exc:  # e.g. an integer with more digits than Python converts
+        raise blink.BlinkError(f"{field} cannot be read: {exc}", ["body", field]) from None
+
+
+def parse_questions(questions) -> dict:
+    """The questions object, from JSON text or an object, validated before any model work."""
+    if isinstance(questions, str):
+        if not questions.strip():
+            raise blink.BlinkError("questions is empty: give a JSON object of named questions", ["body", "questions"])
+        questions = json_text(questions, "questions")
+    blink.validate(questions)
+    return questions
+
+
+def parse_model(model) -> str | None:
+    """A served model id, or None for the default ('' means the default too)."""
+    if model is None or (isinstance(model, str) and not model.strip()):
+        return None
+    if not isinstance(model, str) or model not in blink.models():
+        raise blink.BlinkError(f"unknown model {model!r}; this deployment serves {', '.join(blink.models())}",
+                               ["body", "model"])
+    return model
+
+
+def parse_prefer(prefer) -> str:
+    """'live' (run the model) or 'saved' (a bundled example may come from its recording)."""
+    if prefer not in ("live", "saved"):
+        raise blink.BlinkError(f"prefer must be 'live' or 'saved' (got {prefer!r})", ["body", "prefer"])
+    return prefer
+
+
+def field_name(loc: list) -> str:
+    """A request location as a dotted field name: ['body', 'questions', 'q1', 'type'] -> 'questions.q1.type'."""
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts)
+
+
+def error_text(exc: Exception) -> str:
+    """The message a caller sees for a refused request, naming the field when there is one."""
+    field = field_name(getattr(exc, "loc", []))
+    return f"{exc} (field: {field})" if field else str(exc)
+
+
+def image_uris(path: str | None) -> list[str]:
+    """The uploaded image as a data URI for blink's vision path (an empty list when none was given)."""
+    return [blink.image_data_uri(path)] if path else []
+
+
+def parse_images(images) -> list[str]:
+    """The API's images: a list of data URIs (an empty list or None for none)."""
+    if images is None:
+        return []
+    if not isinstance(images, list):
+        raise blink.ImageError("images must be a list of data URIs", ["body", "images"])
+    return images
+
+
+# ==================================================================================================================
+# Running requests
+# ==================================================================================================================
+
+# Engines keep a little per-call state (which source answered, the recording hit): the instant answers (recordings,
+# mock) run one at a time here, and everything that runs the model goes through one Batcher per model, whose single
+# worker packs concurrent requests into the same forward passes.
+_DIRECT_LOCK = threading.Lock()
+_BATCHERS: dict[str | None, blink.Batcher] = {}
+_BATCHERS_LOCK = threading.Lock()
+
+
+def batcher(model: str | None) -> blink.Batcher:
+    """The cross-request batcher of one served model, started on first use."""
+    with _BATCHERS_LOCK:
+        if model not in _BATCHERS:
+            _BATCHERS[model] = blink.Batcher(BATCH_WINDOW_S, BATCH_MAX_REQUESTS, model=model,
+                                             max_queued=BATCH_MAX_QUEUED)
+        return _BATCHERS[model]
+
+
+def runs_live(eng) -> bool:
+    """True when the engine runs a model (torch, or hybrid with its live half)."""
+    return eng.name in ("torch", "hybrid")
+
+
+def recorded(eng, state, questions: dict) -> bool:
+    """True when the engine holds a recording of exactly this request."""
+    replay = eng if eng.name == "replay" else getattr(eng, "replay", None)
+    return replay is not None and replay.has(state, questions)
+
+
+def run(state, questions: dict, temperature: float, model: str | None, prefer: str, images: list) -> dict:
+    """One request through the right path: recording or mock at once, the live model through the Batcher."""
+    eng = blink.engine(model)
+    with_images = blink.holds_images(state, images)
+    if not runs_live(eng) or (prefer == "saved" and not with_images and recorded(eng, state, questions)):
+        with _DIRECT_LOCK:
+            return blink.decide(state, questions, temperature, prefer=prefer, model=model, images=images)
+    return batcher(model).submit(state, questions, temperature, images=images)
+
+
+def run_many(items: list, temperature: float, model: str | None) -> list:
+    """Several parsed requests (or the error parsing each raised), each run on its own thread so the Batcher packs
+    them together; one result or exception per item, in order."""
+    def one(item):
+        if isinstance(item, Exception):
+            return item
+        try:
+            return run(item[0], item[1], temperature, model, "live", [])
+        except Exception as exc:  # noqa: BLE001 - this request's own error, reported in its place
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
+        futures = [pool.submit(contextvars.copy_context().run, one, item) for item in items]
+        return [f.result() for f in futures]
+
+
+# ==================================================================================================================
+# Rendering: results as people read them
+# ==================================================================================================================
+
+
+def esc(value) -> str:
+    """Text made safe for HTML."""
+    return html.escape(str(value), quote=True)
+
+
+def pct(p: float) -> str:
+    """A probability as a percentage with sensible precision."""
+    if p >= 0.995:
+        return f"{p * 100:.1f}%"
+    return f"{p * 100:.1f}%" if p >= 0.001 else f"{p * 100:.2g}%"
+
+
+def bars(rows: list[tuple[str, str, float]], chosen: Collection[str | None], scale: float | None = None,
+         ticks: bool = False) -> str:
+    """One bar per option, in request order: every option is shown, however many there are. Widths are relative to
+    the largest bar, or to `scale` when given; `ticks` adds a checkbox per row, ticked for the chosen keys."""
+    top = scale or max((p for _, _, p in rows), default=1.0) or 1.0
+    out = []
+    for key, label, p in rows:
+        on = key in chosen
+        cls = "bk-row bk-chosen" if on else "bk-row"
+        tick = (f'<span class="bk-tick" role="checkbox" aria-checked="{str(on).lower()}">{"✓" if on else ""}</span>'
+                if ticks else "")
+        out.append(
+            f'<div class="{cls}" data-option="{esc(key)}" title="{esc(label)}: {pct(p)}">'
+            f'<span class="bk-label">{tick}{esc(label)}</span>'
+            f'<span class="bk-track"><span class="bk-fill" style="width:{100 * p / top:.2f}%"></span></span>'
+            f'<span class="bk-pct">{pct(p)}</span></div>')
+    return f'<div class="bk-bars{" bk-checklist" if ticks else ""}">{"".join(out)}</div>'
+
+
+def option_labels(q: dict, qkey: str) -> list[tuple[str, str]]:
+    """(option key, what the bar is labelled) in request order."""
+    items = blink.question_options(q, qkey)
+    if q["type"] == "score":
+        return [(k, f"{k} · {blink.text(q['criteria'][int(k)])}") for k, _ in items]
+    if q["type"] == "noul":
+        return [("yes", "yes"), ("no", "no")]
+    return [(k, k if k == d else f"{k} — {d[len(k) + 2:]}" if d.startswith(f"{k}: ") else d) for k, d in items]
+
+
+def option_rows(q: dict, qkey: str, ans: dict) -> list[tuple[str, str, float]]:
+    """(option key, bar label, probability) for every option, in request order."""
+    return [(k, lab, ans["probabilities"][k]) for k, lab in option_labels(q, qkey)]
+
+
+def pick_html(value: str | None) -> str:
+    """The answer's pick, highlighted; an abstained answer has none."""
+    return '<b class="bk-answer bk-nopick">no pick</b>' if value is None else f'<b class="bk-answer">{esc(value)}</b>'
+
+
+def mass_badge(ans: dict) -> str:
+    """The on-label badge: how much of the model's own next-token distribution fell on the offered labels."""
+    mass = ans.get("label_mass")
+    what = "share of the model's next-token distribution (T = 1) on the offered labels"
+    if mass is None:
+        return f'<span class="bk-badge bk-mass bk-mass-na" title="{what}: not recorded">on-label n/a</span>'
+    cls = "bk-badge bk-mass bk-mass-low" if mass < 0.5 else "bk-badge bk-mass"
+    return f'<span class="{cls}" title="{what}: {mass:.4f}">on-label {pct(mass)}</span>'
+
+
+def abstain_chip(ans: dict) -> str:
+    """The Abstained chip (nothing when the answer did not abstain)."""
+    if not ans.get("abstained"):
+        return ""
+    return f'<span class="bk-badge bk-abstain" title="{esc(ans.get("reason", ""))}">Abstained</span>'
+
+
+def card_head(qkey: str, q: dict, ans: dict, summary: str) -> str:
+    """The title row of one question's card: name, type, the on-label badge, any abstention (and why), summary."""
+    instructions = blink.text(q.get("instructions")).strip()
+    reason = f'<div class="bk-reason">{esc(ans.get("reason", ""))}</div>' if ans.get("abstained") else ""
+    return (f'<div class="bk-head"><span class="bk-key">{esc(qkey)}</span>'
+            f'<span class="bk-type bk-{q["type"]}">{"multi" if ans.get("multi") else q["type"]}</span>'
+            f'{mass_badge(ans)}{abstain_chip(ans)}<span class="bk-summary">{summary}</span></div>'
+            + reason + (f'<div class="bk-instr">{esc(instructions)}</div>' if instructions else ""))
+
+
+def rotation_line(ans: dict) -> str:
+    """For a permuted choice: order sensitivity, the rotation count and each rotation's own pick."""
+    if "rotations" not in ans:
+        return ""
+    agree = len(set(ans["rotation_choices"])) == 1
+    picks = "".join(f'<span class="bk-rot">{esc(c)}</span>' for c in ans["rotation_choices"])
+    return (f'<div class="bk-rotations{"" if agree else " bk-rot-split"}" data-rotations="{ans["rotations"]}">'
+            f'order sensitivity <b>{ans["order_sensitivity"]:.2f}</b> · {ans["rotations"]} rotation(s): {picks}'
+            f'{"" if agree else " · the rotations disagree"}</div>')
+
+
+def choice_card(qkey: str, q: dict, ans: dict) -> str:
+    """A choice: the chosen option, its confidence, and bars over every option (a checklist for multi)."""
+    if ans.get("multi"):
+        return multi_card(qkey, q, ans)
+    summary = f'{pick_html(ans["choice"])} · confidence {ans["confidence"]:.2f}'
+    return card_head(qkey, q, ans, summary) + rotation_line(ans) + bars(option_rows(q, qkey, ans), [ans["choice"]])
+
+
+def multi_card(qkey: str, q: dict, ans: dict) -> str:
+    """A multi-label choice: a checklist with an absolute p(yes) bar per option, ticked for those above 0.5."""
+    chosen = ans["choices"]
+    count = (pick_html(None) if chosen is None
+             else f'<b class="bk-answer">{len(chosen)}</b> of {len(ans["probabilities"])} apply')
+    summary = f'{count} · confidence {ans["confidence"]:.2f}'
+    return card_head(qkey, q, ans, summary) + bars(option_rows(q, qkey, ans), chosen or [], scale=1.0, ticks=True)
+
+
+def noul_card(qkey: str, q: dict, ans: dict) -> str:
+    """A yes/no question: p(yes) as a meter."""
+    p = ans["probabilities"]["yes"]  # the same as ans["noul"], which an abstained answer leaves null
+    lean = pick_html(None) if ans["noul"] is None else f'leans {"yes" if p >= 0.5 else "no"}'
+    summary = f'p(yes) = <b class="bk-answer">{p:.3f}</b> · {lean}'
+    meter = (f'<div class="bk-meter" role="meter" aria-valuemin="0" aria-valuemax="1" aria-valuenow="{p:.4f}">'
+             f'<span class="bk-meter-fill" style="width:{100 * p:.2f}%"></span>'
+             f'<span class="bk-meter-mid"></span></div>'
+             f'<div class="bk-meter-scale"><span>no</span><span>0.5</span><span>yes</span></div>')
+    return card_head(qkey, q, ans, summary) + meter
+
+
+def score_card(qkey: str, q: dict, ans: dict) -> str:
+    """A score: the expected value on the level scale, the distribution over levels, the legend in the bars."""
+    top = len(q["criteria"]) - 1
+    if ans["score"] is None:
+        summary, scale = f'{pick_html(None)} on 0–{top} · confidence {ans["confidence"]:.2f}', ""
+    else:
+        summary = (f'expected <b class="bk-answer">{ans["score"]:.2f}</b> of 0–{top} · most likely level '
+                   f'{esc(ans["choice"])} ({ans["confidence"]:.2f} confidence)')
+        scale = (f'<div class="bk-scale"><span class="bk-scale-marker" style="left:{100 * ans["score"] / top:.2f}%"'
+                 f' title="expected score {ans["score"]:.2f}"></span></div>')
+    return card_head(qkey, q, ans, summary) + scale + bars(option_rows(q, qkey, ans), [ans["choice"]])
+
+
+_CARDS = {"choice": choice_card, "noul": noul_card, "score": score_card}
+
+
+def render_answers(questions: dict, result: dict) -> str:
+    """Every question's card, in request order (an abstained answer's card is greyed)."""
+    cards = []
+    for k, q in questions.items():
+        ans = result["answers"][k]
+        cls = "bk-card bk-abstained" if ans.get("abstained") else "bk-card"
+        cards.append(f'<div class="{cls}" data-question="{esc(k)}">{_CARDS[q["type"]](k, q, ans)}</div>')
+    return f'<div class="bk-results">{"".join(cards)}</div>'
+
+
+def source_name(source: str) -> str:
+    """Where a temperature came from, in a word or two: request, default, or the calibration file's name."""
+    kind, _, path = source.partition(":")
+    return f"calibration {os.path.basename(path)}" if kind == "calibration" and path else source
+
+
+def listed(names: list[str], at_most: int = 3) -> str:
+    """A few names, the rest counted: 'a, b, c +2'."""
+    more = f" +{len(names) - at_most}" if len(names) > at_most else ""
+    return ", ".join(names[:at_most]) + more
+
+
+def temperature_text(meta: dict) -> str:
+    """The applied temperature and its source; per-question values grouped compactly when questions differ."""
+    temps, sources = meta["temperature"], meta.get("temperature_source", "")
+    keys = list(temps) if isinstance(temps, dict) else list(sources) if isinstance(sources, dict) else []
+    if not keys:
+        return f"T = {temps:g}" + (f" ({esc(source_name(sources))})" if sources else "")
+    groups: dict[tuple[float, str], list[str]] = {}
+    for k in keys:
+        t = temps[k] if isinstance(temps, dict) else temps
+        s = sources.get(k, "") if isinstance(sources, dict) else sources
+        groups.setdefault((t, s), []).append(k)
+    full = "; ".join(f"{t:g} ({s}) for {', '.join(names)}" for (t, s), names in groups.items())
+    short = "; ".join(f"{t:g} ({source_name(s)}) for {listed(names)}" for (t, s), names in groups.items())
+    return f'<span class="bk-temps" title="{esc(full)}">T = {esc(short)}</span>'
+
+
+def render_meta(meta: dict) -> str:
+    """Where the numbers came from: engine, model, tokens, latency; the recording; a fabricated-numbers notice."""
+    parts = [f'<b>{esc(meta["engine"])}</b>', esc(meta["model"]), f'{meta["input_tokens"]:,} input tokens',
+             "0 generated"]
+    if meta["engine"] == "replay":
+        rec = RECORDINGS.get(meta["model"]) or {}
+        when = f' {esc(rec["recorded_at"][:10])}' if rec.get("recorded_at") else ""
+        parts.append(f'{meta["latency_ms"]:,.0f} ms when recorded')
+        line = (f'<div class="bk-source bk-replay">Recorded{when} on {esc(meta.get("recorded_on", "unknown hardware"))}'
+                f' — served from the recording, no model call.</div>')
+    elif meta["engine"] == "torch":
+        parts.append(f'{meta["latency_ms"]:,.0f} ms ({meta.get("model_ms", 0):,.0f} ms model)')
+        if meta.get("batched_requests", 1) > 1:
+            parts.append(f'batched with {meta["batched_requests"] - 1} other request(s)')
+        line = '<div class="bk-source bk-live">Live: the model ran on this input.</div>'
+    else:
+        parts.append(f'{meta["latency_ms"]:,.0f} ms')
+        line = ""
+    notice = ""
+    if meta.get("fabricated"):
+        notice = f'<div class="bk-notice bk-fabricated" role="alert">⚠ {esc(meta["notice"])}</div>'
+    parts.append(temperature_text(meta))
+    return f'{notice}{line}<div class="bk-meta">{" · ".join(parts)}</div>'
+
+
+def render_error(exc: Exception) -> str:
+    """A refused request shown in the page (a recording miss reads as advice, anything else as a mistake)."""
+    if isinstance(exc, blink.ReplayMiss):
+        return f'<div class="bk-notice bk-miss" role="status">{esc(exc)}</div>'
+    return f'<div class="bk-notice bk-error" role="alert"><b>Cannot run this request.</b> {esc(error_text(exc))}</div>'
+
+
+def deployment_line() -> str:
+    """What this deployment serves, shown under the title."""
+    mid = blink.MODEL_ID
+    kind = blink.engine_kind(mid)
+    rec = RECORDINGS.get(mid)
+    if rec:
+        saved = f'presets served from a recording made on {esc(rec["hardware"])} ({esc(rec["recorded_at"][:10])})'
+    else:
+        saved = "no recording for this model: presets run live"
+    extra = f' · {len(blink.models())} models served' if len(blink.models()) > 1 else ""
+    fabricated = ' · <b class="bk-warn">mock engine: numbers are fabricated</b>' if kind == "mock" else ""
+    return (f'<div class="bk-deploy">Model <code>{esc(mid)}</code> · engine <code>{esc(kind)}</code> · '
+            f'{saved}{extra}{fabricated}</div>')
+
+
+CSS = """
+.bk-deploy { font-size: 0.9em; opacity: 0.85; }
+.bk-results { display: flex; flex-direction: column; gap: 12px; }
+.bk-card { border: 1px solid var(--border-color-primary); border-radius: 10px; padding: 12px 14px;
+           background: var(--block-background-fill); }
+.bk-head { display: flex; align-items: baseline; gap: 8px; flex-wrap: wrap; }
+.bk-key { font-weight: 700; font-family: var(--font-mono); }
+.bk-type { font-size: 0.75em; padding: 1px 8px; border-radius: 999px; color: #fff; }
+.bk-choice { background: #4f46e5; } .bk-noul { background: #0d9488; } .bk-score { background: #d97706; }
+.bk-summary { margin-left: auto; }
+.bk-answer { color: var(--color-accent); }
+.bk-instr { font-size: 0.88em; opacity: 0.8; margin: 4px 0 8px; }
+.bk-bars { display: flex; flex-direction: column; gap: 3px; }
+.bk-row { display: grid; grid-template-columns: minmax(90px, 38%) 1fr 58px; align-items: center; gap: 8px;
+          font-size: 0.86em; }
+.bk-label { overflow: hidden; text-overflow: ellipsis; white-space: nowrap; }
+.bk-track { height: 14px; border-radius: 4px; background: var(--background-fill-secondary); overflow: hidden; }
+.bk-fill { display: block; height: 100%; border-radius: 4px; background: #a5b4fc; min-width: 1px; }
+.bk-chosen .bk-fill { background: var(--color-accent); }
+.bk-chosen .bk-label { font-weight: 700; }
+.bk-pct { text-align: right; font-variant-numeric: tabular-nums; }
+.bk-meter { position: relative; height: 22px; border-radius: 11px; overflow: hidden; margin-top: 8px;
+            background: linear-gradient(90deg, #fecaca, #fef3c7 50%, #bbf7d0); }
+.bk-meter-fill { position: absolute; inset: 0 auto 0 0; background: rgba(13, 148, 136, 0.55); }
+.bk-meter-mid { position: absolute; left: 50%; top: 0; bottom: 0; width: 2px; background: rgba(0, 0, 0, 0.35); }
+.bk-meter-scale { display: flex; justify-content: space-between; font-size: 0.75em; opacity: 0.7; }
+.bk-scale { position: relative; height: 8px; margin: 10px 4px 10px; border-radius: 4px;
+            background: linear-gradient(90deg, #e0e7ff, #fde68a, #fca5a5); }
+.bk-scale-marker { position: absolute; top: -5px; width: 4px; height: 18px; margin-left: -2px; border-radius: 2px;
+                   background: var(--body-text-color); }
+.bk-badge { font-size: 0.75em; padding: 1px 8px; border-radius: 999px; border: 1px solid #86efac;
+            background: #dcfce7; color: #14532d; white-space: nowrap; }
+.bk-mass-low { background: #fef3c7; color: #78350f; border-color: #f59e0b; }
+.bk-mass-na { background: var(--background-fill-secondary); color: inherit; border-color: var(--border-color-primary);
+              opacity: 0.75; }
+.bk-abstain { background: #e5e7eb; color: #374151; border-color: #9ca3af; font-weight: 700; }
+.bk-reason { font-size: 0.85em; color: #6b7280; margin-top: 4px; }
+.bk-answer.bk-nopick { color: #6b7280; }
+.bk-abstained .bk-bars, .bk-abstained .bk-meter, .bk-abstained .bk-meter-scale { filter: grayscale(1); opacity: 0.45; }
+.bk-rotations { font-size: 0.85em; margin: 2px 0 8px; }
+.bk-rot { font-family: var(--font-mono); padding: 0 6px; margin-left: 3px; border-radius: 4px;
+          background: var(--background-fill-secondary); }
+.bk-rot-split { color: #b45309; }
+.bk-tick { display: inline-flex; align-items: center; justify-content: center; width: 13px; height: 13px;
+           margin-right: 6px; vertical-align: -2px; border: 1.5px solid #9ca3af; border-radius: 3px; font-size: 0.8em; }
+.bk-chosen .bk-tick { background: var(--color-accent); border-color: var(--color-accent); color: #fff; }
+.bk-checklist .bk-track { position: relative; }
+.bk-checklist .bk-track::after { content: ""; position: absolute; left: 50%; top: 0; bottom: 0; width: 1px;
+                                 background: rgba(0, 0, 0, 0.35); }
+.bk-notice { border-radius: 8px; padding: 10px 12px; margin-bottom: 8px; }
+.bk-error { background: #fee2e2; color: #7f1d1d; border: 1px solid #fca5a5; }
+.bk-miss { background: #e0f2fe; color: #0c4a6e; border: 1px solid #7dd3fc; }
+.bk-fabricated { background: #fef3c7; color: #78350f; border: 2px solid #f59e0b; font-weight: 700; }
+.bk-warn { color: #b45309; }
+.bk-source { font-size: 0.9em; margin-bottom: 2px; }
+.bk-meta { font-size: 0.85em; opacity: 0.8; }
+.bk-hint { font-size: 0.85em; opacity: 0.75; }
+"""
+
+# ==================================================================================================================
+# The page
+# ==================================================================================================================
+
+QUESTION_FORM_HELP = (
+    "One option per line. **choice**: an option per line, or `key: description`. **score**: the levels, lowest "
+    "first (2 to 10). **noul**: optional `yes: …` and `no: …` lines describing each side. Rotations, multi and the "
+    "abstain thresholds are optional: 0 and unticked leave a plain question.")
+
+
+def state_text(state) -> str:
+    """Evidence as the editor shows it: text as it is, JSON indented (parsed back to the same value)."""
+    return blink.text(state)
+
+
+def questions_text(questions: dict) -> str:
+    """Questions as the editor shows them, in request order."""
+    return json.dumps(questions, ensure_ascii=False, indent=2)
+
+
+def ui_result(state, questions, temperature, model, image=None) -> tuple[str, str, str]:
+    """(meta html, answers html, answer JSON) for the page; a refused request shows its message in place."""
+    try:
+        st, qs = parse_state(state), parse_questions(questions)
+        t, mid = blink.check_temperature(temperature), parse_model(model)
+        result = run(st, qs, t, mid, "saved", image_uris(image))
+    except (blink.BlinkError, blink.BlinkBusy) as exc:
+        body = {"error": str(exc), "loc": getattr(exc, "loc", [])}
+        return render_error(exc), "", json.dumps(body, ensure_ascii=False, indent=2)
+    except Exception as exc:  # noqa: BLE001 - shown as a message, never as a traceback
+        log.exception("request failed")
+        return render_error(RuntimeError(f"the model failed on this request ({type(exc).__name__})")), "", "{}"
+    hint = ""
+    if isinstance(st, str) and st.strip().startswith(("{", "[")):
+        hint = '<div class="bk-hint">The evidence looks like JSON but does not parse, so it was read as text.</div>'
+    return (hint + render_meta(result["meta"]), render_answers(qs, result),
+            json.dumps(result, ensure_ascii=False, indent=2))
+
+
+def ui_decide(state, questions, temperature, model, image, progress=gr.Progress()):  # noqa: B008 - Gradio idiom
+    """The Decide button: recorded presets come back at once, anything edited runs the live model."""
+    progress(0, desc="Running the model…")
+    return ui_result(state, questions, temperature, model, image)
+
+
+def ui_preset(name: str, temperature, model):
+    """Load a preset into the editors and show its answers (from the recording when there is one)."""
+    ex = PRESETS.get(name)
+    if ex is None:
+        return (gr.update(), gr.update(), "", render_error(blink.BlinkError(f"no preset named {name!r}")), "", "{}")
+    st, qs = state_text(ex["state"]), questions_text(ex["questions"])
+    meta, answers, raw = ui_result(st, qs, temperature, model)
+    return st, qs, f'*{ex.get("description", "")}*', meta, answers, raw
+
+
+def question_extras(permute, multi, min_label_mass, min_confidence) -> dict:
+    """The form's opt-in fields of a question, only those that were set: an empty number or 0 is off (the page
+    sends an empty number as 0, and a threshold of 0 never abstains). blink.validate judges the rest."""
+    extras: dict = {}
+    if permute:
+        extras["permute"] = int(permute) if isinstance(permute, float) and permute.is_integer() else permute
+    if multi:
+        extras["multi"] = True
+    thresholds = {"min_label_mass": min_label_mass, "min_confidence": min_confidence}
+    if any(thresholds.values()):
+        extras["abstain"] = {k: v for k, v in thresholds.items() if v}
+    return extras
+
+
+def build_question(questions, name: str, qtype: str, instructions: str, options: str, permute=None,
+                   multi: bool = False, min_label_mass=None, min_confidence=None) -> str:
+    """The questions JSON with one question added from the form (permute, multi and abstain only when set)."""
+    name = (name or "").strip()
+    try:
+        current = {} if (questions or "").strip() in ("", "{}") else parse_questions(questions)
+    except blink.BlinkError as exc:
+        raise gr.Error(esc(f"fix the questions JSON first: {exc}"), print_exception=False) from None
+    if not name:
+        raise gr.Error("give the new question a name", print_exception=False)
+    if name in current:
+        raise gr.Error(esc(f"a question named {name!r} already exists"), print_exception=False)
+    lines = [line.strip() for line in (options or "").splitlines() if line.strip()]
+    q: dict = {"type": qtype, "instructions": (instructions or "").strip()}
+    if qtype == "choice":
+        if len(lines) < 2:
+            raise gr.Error("a choice needs at least two options, one per line", print_exception=False)
+        pairs = [line.split(":", 1) for line in lines]
+        q["criteria"] = ({k.strip(): v.strip() for k, v in pairs} if all(len(p) == 2 for p in pairs) else lines)
+    elif qtype == "score":
+        q["criteria"] = lines
+    else:
+        sides = dict(line.split(":", 1) for line in lines if ":" in line)
+        described = {"true": sides.get("yes", "").strip(), "false": sides.get("no", "").strip()}
+        if any(described.values()):
+            q["criteria"] = {k: v for k, v in described.items() if v}
+    q.update(question_extras(permute, multi, min_label_mass, min_confidence))
+    try:
+        blink.validate({name: q})
+    except blink.BlinkError as exc:
+        raise gr.Error(esc(str(exc)), print_exception=False) from None
+    current[name] = q
+    return questions_text(current)
+
+
+def choice_only_controls(qtype: str) -> tuple:
+    """permute and multi apply to choice questions only: shown (and kept) for a choice, hidden and cleared else."""
+    if qtype == "choice":
+        return gr.update(visible=True), gr.update(visible=True)
+    return gr.update(visible=False, value=0), gr.update(visible=False, value=False)
+
+
+def opening_view(name: str | None) -> tuple[str, str, str, str, str, str]:
+    """What the page opens on: the first preset in the editors, answered when that costs no model call."""
+    if name is None:
+        return "", "{}", "", "", "", "{}"
+    ex = PRESETS[name]
+    st, qs = state_text(ex["state"]), questions_text(ex["questions"])
+    note = f'*{ex.get("description", "")}*'
+    eng = blink.engine()
+    if runs_live(eng) and not recorded(eng, ex["state"], ex["questions"]):
+        return st, qs, note, '<div class="bk-hint">Press <b>Decide</b> to run the live model.</div>', "", "{}"
+    return (st, qs, note, *ui_result(st, qs, blink.TEMPERATURE, None))
+
+
+def build_page() -> None:
+    """The UI, inside the current Blocks."""
+    first = next(iter(PRESETS), None)
+    st0, qs0, note0, meta0, answers0, raw0 = opening_view(first)
+    gr.Markdown("# blink — typed decisions in one forward pass\n"
+                "Ask a model typed questions about some evidence — pick one of many options (`choice`), the "
+                "probability of yes (`noul`), or a level on a scale (`score`). Every answer is read from the "
+                "next-token distribution over the option labels: no text is generated.")
+    gr.HTML(deployment_line())
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=5):
+            preset = gr.Dropdown(list(PRESETS), value=first, label="Preset", elem_id="preset")
+            preset_note = gr.Markdown(note0)
+            with gr.Row():
+                evidence = gr.Textbox(st0, label="Evidence (text or JSON)", lines=10, max_lines=24, elem_id="evidence",
+                                      scale=3)
+                image = gr.Image(label="Image (read by vision models)", type="filepath", format="png",
+                                 sources=["upload", "clipboard"], elem_id="image", scale=2)
+            questions = gr.Code(qs0, label="Questions (JSON)", language="json", lines=10, max_lines=22, wrap_lines=True,
+                                elem_id="questions")
+            with gr.Accordion("Add a question", open=False):
+                with gr.Row():
+                    q_name = gr.Textbox(label="Name", placeholder="e.g. urgent", scale=2)
+                    q_type = gr.Radio(["choice", "noul", "score"], value="choice", label="Type", scale=3)
+                q_instr = gr.Textbox(label="Instructions", placeholder="What should the model decide?")
+                q_opts = gr.Textbox(label="Options", lines=4, placeholder="billing\naccess\nbug")
+                with gr.Row():
+                    q_permute = gr.Number(0, label="Rotations (permute)", precision=0, minimum=0,
+                                          info="choice: average over this many option orders (0 = off)",
+                                          elem_id="q-permute")
+                    q_multi = gr.Checkbox(False, label="Which of these apply (multi)",
+                                          info="choice: p(yes) per option", elem_id="q-multi")
+                with gr.Row():
+                    q_min_mass = gr.Number(0, label="Abstain below label mass", minimum=0, maximum=1, step=0.05,
+                                           info="0 to 1 (0 = off)", elem_id="q-min-mass")
+                    q_min_conf = gr.Number(0, label="Abstain below confidence", minimum=0, maximum=1, step=0.05,
+                                           info="0 to 1 (0 = off)", elem_id="q-min-conf")
+                gr.Markdown(QUESTION_FORM_HELP, elem_classes="bk-hint")
+                add = gr.Button("Add to questions", size="sm", elem_id="q-add")
+            with gr.Row():
+                temperature = gr.Slider(0.05, 5.0, value=blink.TEMPERATURE, step=0.05, label="Temperature",
+                                        elem_id="temperature")
+                model = gr.Dropdown(blink.models(), value=blink.MODEL_ID, label="Model",
+                                    visible=len(blink.models()) > 1, elem_id="model")
+            run_btn = gr.Button("Decide", variant="primary", elem_id="decide")
+            gr.Markdown("An unedited preset is answered from its recording at once; any edit runs the live model.",
+                        elem_classes="bk-hint")
+        with gr.Column(scale=6):
+            meta = gr.HTML(meta0, elem_id="meta")
+            answers = gr.HTML(answers0, elem_id="answers")
+            with gr.Accordion("Answer JSON", open=False):
+                raw = gr.Code(raw0, language="json", interactive=False, max_lines=40, elem_id="raw")
+    outputs = [meta, answers, raw]
+    preset.change(ui_preset, [preset, temperature, model], [evidence, questions, preset_note, *outputs],
+                  api_visibility="private", show_progress="minimal")
+    run_btn.click(ui_decide, [evidence, questions, temperature, model, image], outputs, api_visibility="private")
+    q_type.change(choice_only_controls, q_type, [q_permute, q_multi], api_visibility="private",
+                  concurrency_limit=None, show_progress="hidden")
+    add.click(build_question, [questions, q_name, q_type, q_instr, q_opts, q_permute, q_multi, q_min_mass, q_min_conf],
+              questions, api_visibility="private", concurrency_limit=None)
+
+
+# ==================================================================================================================
+# The API
+# ==================================================================================================================
+
+
+def _refuse(exc: Exception) -> gr.Error:
+    """A refused request as the gr.Error a client receives (its message survives a ZeroGPU worker)."""
+    title = "Busy" if isinstance(exc, blink.BlinkBusy) else "Bad request"
+    return gr.Error(error_text(exc), title=title, print_exception=False)
+
+
+def decide(state: str | dict | list, questions: str | dict, temperature: float = blink.TEMPERATURE,
+           model: str = "", prefer: str = "live", images: list | None = None) -> dict:
+    """Answer typed questions about the evidence. state: text or JSON; questions: {name: {type, instructions,
+    criteria}} as an object or JSON text; temperature > 0; model: '' for the default; prefer: 'live' runs the model,
+    'saved' lets a bundled example come from its recording; images: data URIs read by a vision model.
+    Returns {answers, meta}."""
+    try:
+        st, qs = parse_state(state), parse_questions(questions)
+        t, mid, how = blink.check_temperature(temperature), parse_model(model), parse_prefer(prefer)
+        return run(st, qs, t, mid, how, parse_images(images))
+    except (blink.BlinkError, blink.BlinkBusy) as exc:
+        raise _refuse(exc) from None
+    except Exception as exc:  # noqa: BLE001 - a message, never a traceback
+        log.exception("request failed")
+        raise gr.Error(f"the model failed on this request ({type(exc).__name__})", print_exception=False) from None
+
+
+def parse_batch(requests) -> list:
+    """The request list of /decide_batch: each item parsed to (state, questions), or the error it raised (located
+    in that request, as /decide would locate it)."""
+    if isinstance(requests, str):
+        requests = json_text(requests, "requests")
+    if not isinstance(requests, list) or not requests:
+        raise blink.BlinkError("requests must be a non-empty list of {state, questions} objects", ["body", "requests"])
+    if len(requests) > MAX_BATCH_CALL:
+        raise blink.BlinkError(f"requests: {len(requests)} requests; one call takes 1-{MAX_BATCH_CALL}",
+                               ["body", "requests"])
+    items = []
+    for item in requests:
+        try:
+            if not isinstance(item, dict) or "state" not in item or "questions" not in item:
+                raise blink.BlinkError("each request must be an object with state and questions", [])
+            items.append((parse_state(item["state"]), parse_questions(item["questions"])))
+        except blink.BlinkError as exc:
+            items.append(exc)
+    return items
+
+
+def in_batch(exc: blink.BlinkError, i: int) -> blink.BlinkError:
+    """Request i's refusal located inside the batch: ['body', 'state'] -> ['body', 'requests', i, 'state']."""
+    return blink.BlinkError(str(exc), ["body", "requests", i, *exc.loc[1:]])
+
+
+def decide_batch(requests: list | str, temperature: float = blink.TEMPERATURE, model: str = "") -> list:
+    """Answer several requests in one call, packed into shared forward passes. requests: a list of
+    {state, questions}. Returns one item per request, in order: {answers, meta}, or {error, loc} for a request
+    that was refused (the others are still answered)."""
+    try:
+        t, mid = blink.check_temperature(temperature), parse_model(model)
+        items = parse_batch(requests)
+        results = run_many(items, t, mid)
+    except blink.BlinkError as exc:
+        raise _refuse(exc) from None
+    except Exception as exc:  # noqa: BLE001 - a message, never a traceback
+        log.exception("batch failed")
+        raise gr.Error(f"the model failed on this batch ({type(exc).__name__})", print_exception=False) from None
+    out = []
+    for i, res in enumerate(results):
+        if isinstance(res, blink.BlinkError):
+            res = in_batch(res, i)
+        if isinstance(res, (blink.BlinkError, blink.BlinkBusy)):
+            out.append({"error": error_text(res), "loc": getattr(res, "loc", [])})
+        elif isinstance(res, Exception):
+            log.error("batch item failed: %r", res)
+            out.append({"error": f"the model failed on this request ({type(res).__name__})", "loc": []})
+        else:
+            out.append(res)
+    return out
+
+
+def info() -> dict:
+    """What this deployment serves: models, engines, recordings and the bundled presets."""
+    return {"models": blink.models(), "default_model": blink.MODEL_ID,
+            "engines": {m: blink.engine_kind(m) for m in blink.models()}, "recordings": RECORDINGS,
+            "presets": [{"name": n, "description": ex.get("description", ""), "state": ex["state"],
+                         "questions": ex["questions"]} for n, ex in PRESETS.items()]}
+
+
+# ==================================================================================================================
+# Launch
+# ==================================================================================================================
+
+
+def build_demo() -> gr.Blocks:
+    """The Blocks app: the page, the named API endpoints, and a queue that lets concurrent requests batch."""
+    with gr.Blocks(title="blink — typed decisions") as demo:
+        build_page()
+        gr.api(decide, api_name="decide")
+        gr.api(decide_batch, api_name="decide_batch")
+        gr.api(info, api_name="info", concurrency_limit=None)
+    # Gradio's default lets one event run at a time (and on ZeroGPU queues only one): the Batcher needs company.
+    demo.queue(default_concurrency_limit=CONCURRENCY, max_size=QUEUE_SIZE)
+    return demo
+
+
+def start() -> gr.Blocks:
+    """Read the recordings and build every served model now (on ZeroGPU the weights are placed on the device at
+    start), then the page. A deployment that cannot serve (a corrupt or foreign recording, a model whose labels do
+    not verify) stops here with one line naming the problem, not a traceback."""
+    for mid in blink.models():
+        try:
+            RECORDINGS[mid] = recording_info(mid)
+            blink.engine(mid)
+        except blink.BlinkError as exc:
+            raise SystemExit(f"blink: cannot serve {mid}: {exc}") from None
+    return build_demo()
+
+
+demo = start()
+
+
+def launch(**kwargs):
+    """Start the server with the page's theme and styles (Gradio 6 takes them at launch)."""
+    return demo.launch(theme=gr.themes.Soft(), css=CSS, **kwargs)
+
+
+if __name__ == "__main__":
+    launch()

@@ -1,0 +1,89 @@
+"""Faults at the app level: a deployment that cannot serve refuses to start with one line naming the problem; a dead
+batching worker gives its caller a clear error at once and the next caller is served."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import tiny_models
+from gradio_client.exceptions import AppError
+
+import blink
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_deployment_that_cannot_serve_refuses_to_start(tmp_path):
+    recording = blink.load_recording(blink.REPLAY_PATH)
+    corrupt, foreign, malformed = tmp_path / "corrupt.json", tmp_path / "foreign.json", tmp_path / "malformed.json"
+    corrupt.write_text('{"model": "x", "requests": {')
+    foreign.write_text(json.dumps({**recording, "model": "someone/else"}))
+    key = next(iter(recording["requests"]))
+    entry = {**recording["requests"][key], "logits": {"q": ["not a number"]}}
+    malformed.write_text(json.dumps({**recording, "requests": {**recording["requests"], key: entry}}))
+    labels = tiny_models.build_letterless_tokenizer(tmp_path / "no-letters")
+    cases = [  # (environment, what the one line must say)
+        ({"BLINK_ENGINE": "replay", "BLINK_REPLAY": str(corrupt)}, f"recording {corrupt} cannot be read"),
+        ({"BLINK_ENGINE": "replay", "BLINK_REPLAY": str(foreign)},
+         f"recording {foreign} was made by someone/else, not by the served model {blink.MODEL_ID}"),
+        ({"BLINK_REPLAY": str(malformed)}, f"recording {malformed} has a malformed entry {key!r}"),
+        ({"BLINK_ENGINE": "torch", "BLINK_MODEL": labels}, "verified single-token labels; A..Z must all verify"),
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
+    procs = [subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**env, "GRADIO_ANALYTICS_ENABLED": "False", **extra})
+             for extra, _ in cases]  # all at once: each spends its time importing Gradio
+    for proc, (extra, message) in zip(procs, cases):
+        try:
+            out, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"app.py with {extra} did not stop: it should refuse to start")
+        assert proc.returncode == 1, (extra, out[-2000:], err[-2000:])
+        assert "Traceback" not in err, err[-3000:]
+        line = err.strip().splitlines()[-1]
+        served = extra.get("BLINK_MODEL", blink.MODEL_ID)
+        assert line.startswith(f"blink: cannot serve {served}: ") and message in line, line
+
+
+def test_a_foreign_recording_is_not_served_and_says_so(launched, tmp_path, monkeypatch, caplog):
+    app, _ = launched
+    other = tmp_path / "replay.json"
+    other.write_text(json.dumps({**blink.load_recording(blink.REPLAY_PATH), "model": "someone/else"}))
+    monkeypatch.setattr(blink, "replay_path", lambda model_id=None: str(other))
+    with caplog.at_level(logging.WARNING, logger="blink.app"):
+        assert app.recording_info() is None
+    assert f"{other} was recorded by someone/else, not by the served model {blink.MODEL_ID}" in caplog.text
+
+
+def test_a_dead_batching_worker_is_a_clear_error_and_the_next_caller_is_served(launched, client, monkeypatch):
+    app, _ = launched
+
+    class Crash(BaseException):
+        """Something that kills the worker thread outright."""
+
+    real = blink.decide_many
+    crashes = [Crash()]
+
+    def dying(requests, temperature=None, model=None):
+        if crashes:
+            raise crashes.pop()
+        return real(requests, temperature, model)
+
+    question = {"urgent": {"type": "noul", "instructions": "Is this urgent?"}}
+    batcher = app.batcher(None)
+    restarts = batcher.restarts
+    monkeypatch.setattr(blink, "decide_many", dying)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the dying thread's report is expected
+    with pytest.raises(AppError) as err:
+        client.submit("The server room is flooding.", question, api_name="/decide").result(timeout=60)
+    assert "the model failed on this request (RuntimeError)" in err.value.message
+    got = client.submit("The server room is flooding.", question, api_name="/decide").result(timeout=60)
+    assert got["meta"]["engine"] == "torch" and 0.0 <= got["answers"]["urgent"]["noul"] <= 1.0
+    assert batcher.restarts == restarts + 1 and batcher.alive()

@@ -1,0 +1,403 @@
+"""Label mass, abstention, order-robust permute, multi-label choice and calibration: formulas by hand, then the
+real stand-in model (one session engine, few short prompts)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import blink
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STATE = "The kettle arrived with a cracked lid and the customer asks for their money back."
+INTENT = {"type": "choice", "instructions": "What does the customer want?",
+          "criteria": {"refund": "their money back", "replacement": "a new item", "advice": "usage advice"}}
+TAGS = {"type": "choice", "instructions": "Which problems are reported?",
+        "criteria": {"damaged": "the item is damaged", "late": "the delivery was late"}, "multi": True}
+UPSET = {"type": "noul", "instructions": "Is the customer upset?"}
+
+
+def rot(q: dict, shift: int) -> dict:
+    """The same choice question with its options listed rotated by `shift`."""
+    items = list(q["criteria"].items())
+    return {**q, "criteria": dict(items[shift:] + items[:shift])}
+
+
+def mass_of(p_labels: list[float], other: float) -> tuple[list[float], float]:
+    """Label logits and the vocabulary log-sum-exp of a distribution with these label masses plus `other` elsewhere."""
+    return [math.log(p) for p in p_labels], math.log(sum(p_labels) + other)
+
+
+# --- formulas by hand ---------------------------------------------------------------------------------------------
+
+
+def test_label_mass_is_the_share_of_the_whole_vocabulary_on_the_labels():
+    logits, lse = mass_of([0.2, 0.1], 0.7)
+    assert blink.label_mass(logits, lse) == pytest.approx(0.3)
+    assert blink.label_mass([2.0, 0.0], math.log(math.e ** 2 + 1 + 3 * math.e)) == pytest.approx(
+        (math.e ** 2 + 1) / (math.e ** 2 + 1 + 3 * math.e))
+    assert blink.label_mass(logits, None) is None
+    both = blink.Readout([logits, mass_of([0.5, 0.4], 0.1)[0]], [lse, mass_of([0.5, 0.4], 0.1)[1]])
+    assert blink.readout_mass(both) == pytest.approx((0.3 + 0.9) / 2)
+    assert blink.readout_mass(blink.Readout([logits, logits], [lse, None])) is None
+
+
+def test_label_mass_does_not_depend_on_the_temperature():
+    logits, lse = mass_of([0.6, 0.1], 0.3)
+    q = {"type": "choice", "criteria": ["x", "y"]}
+    hot = blink.answer_question(q, "q", blink.Readout([logits], [lse]), 5.0)
+    cold = blink.answer_question(q, "q", blink.Readout([logits], [lse]), 0.2)
+    assert hot["label_mass"] == cold["label_mass"] == pytest.approx(0.7)
+    assert hot["probabilities"]["x"] < cold["probabilities"]["x"]
+
+
+def test_rotations_are_evenly_spaced_and_lettered_in_shown_order():
+    assert blink.rotation_shifts(3, 3) == [0, 1, 2]
+    assert blink.rotation_shifts(4, 2) == [0, 2]
+    assert blink.rotation_shifts(5, 2) == [0, 2]
+    q = {"type": "choice", "criteria": ["a", "b", "c", "d"], "permute": 2}
+    rows = blink.prompt_rows(q, "q")
+    assert [[k for k, _ in shown] for _, shown in rows] == [["a", "b", "c", "d"], ["c", "d", "a", "b"]]
+    plain = {"type": "choice", "criteria": ["a", "b", "c", "d"]}
+    assert blink.prompt_rows(plain, "q") == [(plain, blink.question_options(plain, "q"))]
+    shown_q, shown = rows[1]
+    message = json.loads(blink.user_message("s", shown_q, ["A", "B", "C", "D"], shown))
+    assert [(o["letter"], o["description"]) for o in message["options"]] == [("A", "c"), ("B", "d"), ("C", "a"),
+                                                                             ("D", "b")]
+
+
+def test_position_bias_averages_out_and_is_measured():
+    q = {"type": "choice", "criteria": ["a", "b", "c"], "permute": 3}
+    biased = [math.log(0.6), math.log(0.3), math.log(0.1)]  # always favours whatever is shown first
+    out = blink.answer_question(q, "q", blink.Readout([biased] * 3, [None] * 3), 1.0)
+    assert out["probabilities"] == pytest.approx({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3})
+    assert out["rotation_choices"] == ["a", "b", "c"] and out["rotations"] == 3
+    tv = 0.5 * (abs(0.6 - 1 / 3) + abs(0.3 - 1 / 3) + abs(0.1 - 1 / 3))
+    assert out["order_sensitivity"] == pytest.approx(tv)
+    assert out["choice"] == "a"  # an exact tie goes to the earlier option
+    # a model that reads the options: b wins wherever b is shown (rotation 0 shows a b c, 1 shows b c a, 2 c a b)
+    rows = [[0.0, 2.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 2.0]]
+    steady = blink.answer_question(q, "q", blink.Readout(rows, [None] * 3), 1.0)
+    assert steady["choice"] == "b" and steady["rotation_choices"] == ["b", "b", "b"]
+    assert steady["order_sensitivity"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_multi_reads_an_independent_yes_per_option():
+    rows = [[math.log(0.8), math.log(0.2)], [math.log(0.3), math.log(0.7)]]
+    out = blink.answer_question(TAGS, "tags", blink.Readout(rows, [None, None]), 1.0)
+    assert out["multi"] is True and out["probabilities"] == pytest.approx({"damaged": 0.8, "late": 0.3})
+    assert out["choices"] == ["damaged"] and out["confidence"] == pytest.approx(0.4)  # min(|2p - 1|)
+    shown_q, shown = blink.prompt_rows(TAGS, "tags")[1]
+    assert shown == [("yes", "Yes"), ("no", "No")]
+    assert shown_q["instructions"] == "Which problems are reported?\nDoes this option apply: late: the delivery was late"
+
+
+@pytest.mark.parametrize("q, rows, lse, fields, reason", [
+    ({**INTENT, "abstain": {"min_label_mass": 0.5}}, [[math.log(0.2), math.log(0.05), math.log(0.05)]],
+     [0.0], {"choice": None}, "label mass 0.3000 is below min_label_mass 0.5"),
+    ({**INTENT, "abstain": {"min_confidence": 0.6}}, [[math.log(0.5), math.log(0.3), math.log(0.2)]],
+     [0.0], {"choice": None}, "confidence 0.2500 is below min_confidence 0.6"),
+    ({**UPSET, "abstain": {"min_confidence": 0.3}}, [[math.log(0.6), math.log(0.4)]],
+     [0.0], {"noul": None}, "confidence 0.2000 is below min_confidence 0.3"),
+    ({"type": "score", "criteria": ["lo", "hi"], "abstain": {"min_label_mass": 0.1}}, [[0.0, 0.0]],
+     [None], {"score": None, "choice": None}, "label mass is unknown"),
+    ({**TAGS, "abstain": {"min_confidence": 0.5}}, [[math.log(0.9), math.log(0.1)], [math.log(0.6), math.log(0.4)]],
+     [0.0, 0.0], {"choices": None}, "confidence 0.2000 is below min_confidence 0.5"),
+])
+def test_abstention_replaces_the_pick_with_the_reason(q, rows, lse, fields, reason):
+    out = blink.answer_question(q, "q", blink.Readout(rows, lse), 1.0)
+    assert out["abstained"] is True and reason in out["reason"]
+    assert {k: out[k] for k in fields} == fields
+    assert sum(out["probabilities"].values()) > 0.99 or q.get("multi")  # the distribution stays for the reader
+
+
+def test_an_answer_that_meets_its_thresholds_says_so_and_plain_ones_are_unchanged():
+    rows = [[math.log(0.7), math.log(0.2), math.log(0.1)]]
+    q = {**INTENT, "abstain": {"min_label_mass": 0.5, "min_confidence": 0.3}}
+    out = blink.answer_question(q, "q", blink.Readout(rows, [0.0]), 1.0)
+    assert out["abstained"] is False and out["choice"] == "refund" and "reason" not in out
+    plain = blink.answer_question(INTENT, "q", blink.Readout(rows, [0.0]), 1.0)
+    assert list(plain) == ["type", "choice", "probabilities", "confidence", "label_mass"]
+
+
+@pytest.mark.parametrize("extra, loc, message", [
+    ({"permute": 0}, ["permute"], "permute must be a whole number of rotations from 1 to its 3 options"),
+    ({"permute": 4}, ["permute"], "from 1 to its 3 options (got 4)"),
+    ({"permute": True}, ["permute"], "permute must be a whole number"),
+    ({"permute": 2.0}, ["permute"], "permute must be a whole number"),
+    ({"multi": "yes"}, ["multi"], "multi must be true or false"),
+    ({"multi": True, "permute": 2}, ["multi"], "multi and permute cannot be combined"),
+    ({"abstain": 0.5}, ["abstain"], "abstain must be an object"),
+    ({"abstain": {}}, ["abstain"], "abstain must be an object"),
+    ({"abstain": {"min_mass": 0.5}}, ["abstain", "min_mass"], "abstain.min_mass is not a threshold"),
+    ({"abstain": {"min_confidence": 1.5}}, ["abstain", "min_confidence"], "must be a number from 0 to 1"),
+    ({"abstain": {"min_label_mass": "high"}}, ["abstain", "min_label_mass"], "must be a number from 0 to 1"),
+])
+def test_every_new_field_is_validated_with_its_location(extra, loc, message):
+    with pytest.raises(blink.BlinkError) as caught:
+        blink.validate({"intent": {**INTENT, **extra}})
+    assert message in str(caught.value) and "question 'intent'" in str(caught.value)
+    assert caught.value.loc == ["body", "questions", "intent", *loc]
+
+
+@pytest.mark.parametrize("q, field", [(UPSET, "permute"), ({"type": "score", "criteria": ["a", "b"]}, "multi")])
+def test_permute_and_multi_are_for_choice_questions(q, field):
+    with pytest.raises(blink.BlinkError, match=f"{field} applies to choice questions only") as caught:
+        blink.validate({"q": {**q, field: 2 if field == "permute" else True}})
+    assert caught.value.loc == ["body", "questions", "q", field]
+
+
+def test_prompt_count_is_capped(monkeypatch):
+    monkeypatch.setattr(blink, "MAX_PROMPTS", 5)
+    blink.validate({"a": {**INTENT, "permute": 3}, "b": TAGS})
+    with pytest.raises(blink.BlinkError, match="6 prompts to run") as caught:
+        blink.validate({"a": {**INTENT, "permute": 3}, "b": TAGS, "c": UPSET})
+    assert caught.value.loc == ["body", "questions"]
+
+
+def test_nll_ece_and_the_fitted_temperature_by_hand():
+    obs = [([math.log(3.0), 0.0], 0), ([0.0, math.log(3.0)], 0)]  # p(correct) = 3/4, then 1/4
+    assert blink.nll(obs, 1.0) == pytest.approx(-(math.log(0.75) + math.log(0.25)) / 2)
+    assert blink.ece(obs, 1.0) == pytest.approx(0.25)  # both in the 0.7-0.8 bin: confidence 0.75, accuracy 0.5
+    # three of four right with the same logit gap 2: the likelihood peaks where sigmoid(2 / T) = 3/4
+    gap = [([2.0, 0.0], 0)] * 3 + [([2.0, 0.0], 1)]
+    fitted = blink.fit_temperature(gap, 1.0)
+    assert fitted == pytest.approx(2 / math.log(3.0), rel=1e-6)
+    assert blink.nll(gap, fitted) < blink.nll(gap, 1.0)
+    assert blink.ece(gap, fitted) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("q, group", [
+    (INTENT, "choice:3-4"), (UPSET, "noul:2"), (TAGS, "noul:2"),
+    ({"type": "score", "criteria": list("abcde")}, "score:5-8"),
+    ({"type": "choice", "criteria": [str(i) for i in range(17)]}, "choice:17-255"),
+    ({"type": "choice", "criteria": ["only"]}, "choice:1"),
+])
+def test_calibration_groups(q, group):
+    assert blink.calibration_group(q, "q") == group
+
+
+# --- engines without a model --------------------------------------------------------------------------------------
+
+
+def test_mock_fabricates_a_label_mass_and_says_so(served):
+    served(blink.MockEngine("org/mock"))
+    out = blink.decide(STATE, {"intent": {**INTENT, "permute": 3}, "tags": TAGS})
+    assert out["meta"]["fabricated"] is True and "fabricated" in out["meta"]["notice"]
+    for answer in out["answers"].values():
+        assert 0.55 <= answer["label_mass"] <= 0.95
+    assert out["answers"]["intent"]["rotations"] == 3 and set(out["answers"]["tags"]["probabilities"]) == {
+        "damaged", "late"}
+
+
+def write_calibration(path, model_id: str, temperatures: dict) -> None:
+    """A calibration file in the layout `blink.py calibrate` writes."""
+    path.write_text(json.dumps({"format": blink.CALIBRATION_FORMAT,
+                                "models": {model_id: {"temperatures": temperatures}}}))
+
+
+def test_temperature_comes_from_request_calibration_or_default(tmp_path, served, monkeypatch):
+    path = tmp_path / "calibration.json"
+    monkeypatch.setattr(blink, "CALIBRATION_PATH", str(path))
+    served(blink.MockEngine("org/mock"))
+    qs = {"intent": INTENT, "upset": UPSET}
+    meta = blink.decide(STATE, qs)["meta"]
+    assert meta["temperature"] == 1.0 and meta["temperature_source"] == "default"
+    write_calibration(path, "org/other", {"choice:3-4": 2.0})  # another model's fit is never applied
+    assert blink.decide(STATE, qs)["meta"]["temperature_source"] == "default"
+    write_calibration(path, "org/mock", {"choice:3-4": 2.0})
+    out = blink.decide(STATE, qs)
+    assert out["meta"]["temperature"] == {"intent": 2.0, "upset": 1.0}
+    assert out["meta"]["temperature_source"] == {"intent": f"calibration:{path}", "upset": "default"}
+    raw, _ = blink.engine().logits(STATE, qs)
+    assert out["answers"]["intent"]["probabilities"]["refund"] == pytest.approx(
+        blink.softmax(raw["intent"].logits[0], 2.0)[0])
+    write_calibration(path, "org/mock", {"choice:3-4": 2.0, "noul:2": 2.0})
+    assert blink.decide(STATE, qs)["meta"]["temperature"] == 2.0
+    asked = blink.decide(STATE, qs, temperature=0.5)["meta"]
+    assert asked["temperature"] == 0.5 and asked["temperature_source"] == "request"
+    many = blink.decide_many([(STATE, qs)])[0]["meta"]
+    assert many["temperature"] == 2.0 and many["temperature_source"] == f"calibration:{path}"
+    path.write_text(json.dumps({"models": {"org/mock": {"temperatures": {"noul:2": -1}}}}))
+    with pytest.raises(blink.BlinkError, match=f"calibration {path}: model 'org/mock' needs temperatures"):
+        blink.decide(STATE, qs)
+
+
+def recording(path, model: str, state, questions: dict, entry: dict) -> None:
+    """A recording file holding one request."""
+    path.write_text(json.dumps({"model": model, "hardware": "test CPU", "requests": {
+        blink.request_key(state, questions): {**entry, "input_tokens": 40, "latency_ms": 5.0}}}))
+
+
+def test_old_recordings_give_no_label_mass_and_new_ones_replay_every_prompt(tmp_path, served):
+    path = tmp_path / "replay.json"
+    qs = {"upset": {**UPSET, "abstain": {"min_label_mass": 0.2}}}
+    recording(path, "org/a", STATE, qs, {"logits": {"upset": [1.0, 0.0]}})
+    served(blink.ReplayEngine(str(path), model_id="org/a"))
+    old = blink.decide(STATE, qs)["answers"]["upset"]
+    assert old["label_mass"] is None and old["abstained"] is True and "unknown" in old["reason"]
+    qs = {"intent": {**INTENT, "permute": 3}}
+    rows = [[math.log(0.6), math.log(0.3), math.log(0.1)]] * 3
+    recording(path, "org/a", STATE, qs, {"logits": {"intent": rows}, "lse": {"intent": [math.log(2.0)] * 3}})
+    served(blink.ReplayEngine(str(path), model_id="org/a"))
+    new = blink.decide(STATE, qs)["answers"]["intent"]
+    assert new["label_mass"] == pytest.approx(0.5) and new["order_sensitivity"] > 0.2
+    recording(path, "org/a", STATE, qs, {"logits": {"intent": rows[:2]}})
+    served(blink.ReplayEngine(str(path), model_id="org/a"))
+    with pytest.raises(blink.ReplayMiss, match="does not match its options"):
+        blink.decide(STATE, qs)
+    recording(path, "org/a", STATE, qs, {"logits": {"intent": rows}, "lse": {"intent": [0.0]}})
+    with pytest.raises(blink.BlinkError, match="malformed entry"):
+        blink.ReplayEngine(str(path))
+
+
+# --- the real stand-in model --------------------------------------------------------------------------------------
+
+LIVE_QS = {
+    "intent": {**INTENT, "permute": 3},
+    "tags": TAGS,
+    # the multi question's two prompts, asked as plain noul questions: they must read exactly the same
+    "as_noul_damaged": {"type": "noul", "instructions": blink.multi_criterion(TAGS, "damaged: the item is damaged")},
+    "as_noul_late": {"type": "noul", "instructions": blink.multi_criterion(TAGS, "late: the delivery was late")},
+    "upset": UPSET,
+}
+
+
+@pytest.fixture(scope="module")
+def live(standin):
+    """One request with permute, multi and plain questions through the stand-in, counting forward calls."""
+    calls = []
+    forward = blink._forward
+
+    def counted(key, seqs, cands):
+        calls.append(len(seqs))
+        return forward(key, seqs, cands)
+
+    blink._forward = counted
+    try:
+        raw, n_tokens = standin.logits(STATE, LIVE_QS)
+    finally:
+        blink._forward = forward
+    return {"raw": raw, "n_tokens": n_tokens, "calls": calls, "prompts": standin.render(STATE, LIVE_QS)}
+
+
+def test_every_prompt_runs_in_the_same_forward(live):
+    assert live["calls"] == [3 + 2 + 1 + 1 + 1]
+    assert [len(r.logits) for r in live["raw"].values()] == [3, 2, 1, 1, 1]
+    assert live["n_tokens"] == sum(len(p.ids) for p in live["prompts"])
+
+
+def test_label_mass_matches_the_full_model_distribution(live, standin):
+    rows = {}
+    for p in live["prompts"]:
+        rows.setdefault(p.qkey, []).append(p)
+    # one prompt of each kind, each run alone through the model's own full forward: a rotation, a multi option, a noul
+    for qkey, row in (("intent", 1), ("tags", 1), ("upset", 0)):
+        p = rows[qkey][row]
+        with torch.no_grad():
+            logp = standin.model(input_ids=torch.tensor([p.ids])).logits[0, -1].float().log_softmax(-1)
+        want = logp[p.cand].exp().sum().item()
+        readout = live["raw"][qkey]
+        assert blink.label_mass(readout.logits[row], readout.lse[row]) == pytest.approx(want, abs=1e-4)
+
+
+def test_multi_prompts_are_the_noul_rendering(live, standin):
+    raw = live["raw"]
+    for row, twin in enumerate(["as_noul_damaged", "as_noul_late"]):
+        assert raw["tags"].logits[row] == pytest.approx(raw[twin].logits[0], abs=1e-5)
+        assert raw["tags"].lse[row] == pytest.approx(raw[twin].lse[0], abs=1e-5)
+    answers = blink.assemble(LIVE_QS, raw, {q: 1.0 for q in LIVE_QS})
+    assert answers["tags"]["probabilities"]["late"] == pytest.approx(answers["as_noul_late"]["noul"], abs=1e-6)
+
+
+def test_options_keep_the_trained_rendering(standin):
+    plain = standin.render(STATE, {"intent": INTENT})[0]
+    opted = standin.render(STATE, {"intent": {**INTENT, "abstain": {"min_confidence": 0.2}, "multi": False}})[0]
+    rotations = standin.render(STATE, {"intent": {**INTENT, "permute": 3}})
+    assert opted.ids == plain.ids == rotations[0].ids
+    assert rotations[1].ids == standin.render(STATE, {"intent": rot(INTENT, 1)})[0].ids
+    assert rotations[1].keys == ["replacement", "advice", "refund"]
+
+
+def test_batched_readout_and_shared_prefix_carry_the_same_label_mass(live, standin, monkeypatch):
+    monkeypatch.setattr(standin, "readout", "batched")
+    monkeypatch.setattr(standin, "prefix_cache", True)
+    monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", 8)
+    qs = {"intent": LIVE_QS["intent"]}
+    assert blink._prefix_len_used([p.ids for p in standin.render(STATE, qs)], True) > 8
+    raw, _ = standin.logits(STATE, qs)
+    for row in range(3):
+        assert raw["intent"].lse[row] == pytest.approx(live["raw"]["intent"].lse[row], abs=1e-4)
+        assert raw["intent"].logits[row] == pytest.approx(live["raw"]["intent"].logits[row], abs=1e-4)
+
+
+def test_a_recording_replays_every_prompt_and_the_label_mass(live, tmp_path, served):
+    path = tmp_path / "replay.json"
+    recording(path, blink.STANDIN_MODEL, STATE, LIVE_QS, blink.recording_entry(live["raw"]))
+    served(blink.ReplayEngine(str(path), model_id=blink.STANDIN_MODEL))
+    replayed = blink.decide(STATE, LIVE_QS)["answers"]
+    assert replayed == blink.assemble(LIVE_QS, live["raw"], {q: 1.0 for q in LIVE_QS})
+    assert all(a["label_mass"] is not None for a in replayed.values())
+
+
+def test_rotating_the_options_flips_the_plain_choice_but_not_the_robust_one(standin, served):
+    served(standin)
+    q = {"type": "choice", "instructions": "Which department should handle this ticket?",
+         "criteria": {"billing": "payments and invoices", "shipping": "deliveries and parcels",
+                      "tech": "software and login problems"}}
+    requests = [(STATE, {"q": rot(q, s)}) for s in range(3)] + [(STATE, {"q": {**rot(q, s), "permute": 3}})
+                                                                for s in range(3)]
+    results = blink.decide_many(requests)
+    plain = [r["answers"]["q"] for r in results[:3]]
+    robust = [r["answers"]["q"] for r in results[3:]]
+    plain_flips = len({a["choice"] for a in plain}) > 1
+    robust_flips = len({a["choice"] for a in robust}) > 1
+    print(f"stand-in, 3 rotations: plain picks {[a['choice'] for a in plain]} (flips: {plain_flips}); "
+          f"robust picks {[a['choice'] for a in robust]} (flips: {robust_flips}); "
+          f"order sensitivity {robust[0]['order_sensitivity']:.3f}")
+    assert not robust_flips
+    for a in robust:  # all three rotations averaged, whatever order the request listed them in
+        assert a["probabilities"] == pytest.approx(robust[0]["probabilities"], abs=1e-6)
+    # the plain requests are exactly the three rotations: their mean is the robust distribution
+    mean = {k: sum(a["probabilities"][k] for a in plain) / 3 for k in q["criteria"]}
+    assert robust[0]["probabilities"] == pytest.approx(mean, abs=1e-6)
+    assert sorted(robust[0]["rotation_choices"]) == sorted(a["choice"] for a in plain)
+    assert all(0 < a["label_mass"] < 1 for a in plain + robust)
+
+
+def test_calibrate_fits_the_stand_in_and_decide_applies_it(standin, served, tmp_path, monkeypatch, capsys):
+    served(standin)
+    out = tmp_path / "calibration.json"
+    monkeypatch.setattr(blink, "CALIBRATION_PATH", str(out))
+    data = os.path.join(ROOT, "tests", "data", "calibration.jsonl")
+    assert blink.main(["calibrate", data]) == 0
+    printed = capsys.readouterr().out
+    assert "NLL before" in printed and "ECE after" in printed and str(out) in printed
+    entry = json.loads(out.read_text())["models"][blink.STANDIN_MODEL]
+    assert set(entry["temperatures"]) == {"choice:3-4", "noul:2"}
+    for group, fit in entry["fit"].items():
+        assert fit["prompts"] == 12 and fit["nll_after"] <= fit["nll_before"]
+        assert f"{group:<12} {fit['prompts']:>7} {fit['temperature']:>11.4f}" in printed
+    meta = blink.decide(STATE, {"intent": INTENT})["meta"]
+    assert meta["temperature"] == entry["temperatures"]["choice:3-4"]
+    assert meta["temperature_source"] == f"calibration:{out}"
+    assert blink.decide(STATE, {"intent": INTENT}, temperature=1.0)["meta"]["temperature_source"] == "request"
+
+
+def test_calibration_data_errors_name_the_line_and_field(tmp_path, served):
+    served(blink.MockEngine(blink.STANDIN_MODEL))
+    bad = tmp_path / "data.jsonl"
+    bad.write_text(json.dumps({"state": "s", "questions": {"q": UPSET}, "labels": {"q": "maybe"}}) + "\n")
+    with pytest.raises(blink.BlinkError, match="line 1: labels.q is 'maybe', not one of") as caught:
+        blink.read_labelled(str(bad))
+    assert caught.value.loc == ["line 1", "labels", "q"]
+    bad.write_text("\n" + json.dumps({"state": "s", "questions": {"t": TAGS}, "labels": {"t": "late"}}))
+    with pytest.raises(blink.BlinkError, match="line 2: question 't' is multi"):
+        blink.read_labelled(str(bad))
+    good = os.path.join(ROOT, "tests", "data", "calibration.jsonl")
+    with pytest.raises(blink.BlinkError, match="the mock engine's are fabricated"):
+        blink.calibrate(good)
