@@ -1090,13 +1090,18 @@ def _entry_ok(hit) -> bool:
                                          for qkey, v in lse.items())
 
 
-def load_recording(path: str) -> dict:
-    """A recording file, checked for the layout `record` writes; a corrupt one is refused with a message."""
+def read_json_file(path: str, what: str):
+    """A JSON file blink reads at start (a recording, a calibration), or a BlinkError naming it."""
     try:
         with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BlinkError(f"recording {path} cannot be read: {exc}") from None
+            return json.load(fh)
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError covers bad JSON and undecodable bytes
+        raise BlinkError(f"{what} {path} cannot be read: {exc}") from None
+
+
+def load_recording(path: str) -> dict:
+    """A recording file, checked for the layout `record` writes; a corrupt one is refused with a message."""
+    data = read_json_file(path, "recording")
     if not isinstance(data, dict) or not isinstance(data.get("model"), str) or not isinstance(
             data.get("requests"), dict):
         raise BlinkError(f"recording {path} is not a blink recording (needs model and requests)")
@@ -2332,11 +2337,7 @@ def calibration_group(q: dict, qkey: str = "?") -> str:
 
 def load_calibration(path: str) -> dict:
     """A calibration file, checked; a corrupt one is refused with a message naming it."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BlinkError(f"calibration {path} cannot be read: {exc}") from None
+    data = read_json_file(path, "calibration")
     if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
         raise BlinkError(f"calibration {path} is not a blink calibration (needs models)")
     for model_id, entry in data["models"].items():
