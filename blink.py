@@ -1117,10 +1117,28 @@ def recording_entry(raw: dict[str, Readout]) -> dict:
             "lse": {qkey: r.lse for qkey, r in raw.items()}}
 
 
+class PerThread:
+    """An engine attribute each thread sees its own value of, so concurrent calls on one engine keep their own
+    meta (the model time, the tokens, which recording answered); unset it reads None."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def _store(self, obj) -> threading.local:
+        return obj.__dict__.setdefault("_per_thread", threading.local())
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(self._store(obj), self.name, None)
+
+    def __set__(self, obj, value) -> None:
+        setattr(self._store(obj), self.name, value)
+
+
 class ReplayEngine:
     """Label logits the real model recorded for the bundled examples. Temperature and answers still run live."""
 
     name = "replay"
+    last = PerThread()  # the recording entry of this thread's latest call
 
     def __init__(self, path: str = REPLAY_PATH, temperature: float = TEMPERATURE, model_id: str | None = None):
         data = load_recording(path)
@@ -1131,7 +1149,6 @@ class ReplayEngine:
         self.hardware = data.get("hardware", "")
         self.temperature = float(temperature)
         self.cache = data["requests"]
-        self.last: dict | None = None
 
     def has(self, state, questions: dict) -> bool:
         """True when this exact request was recorded."""
@@ -1410,6 +1427,8 @@ class TorchEngine:
     """Prefill-only readout over the offered labels, all questions of a request in one GPU call."""
 
     name = "torch"
+    last_model_ms = PerThread()  # forward time of this thread's latest call
+    last_prefill_tokens = PerThread()  # tokens it computed
 
     def __init__(self, model_id: str = MODEL_ID, revision: str | None = None, temperature: float = TEMPERATURE,
                  token_budget: int = TOKEN_BUDGET, prefix_cache: bool = PREFIX_CACHE, readout: str = READOUT,
@@ -1627,14 +1646,14 @@ class HybridEngine:
     """Recorded outputs for the bundled examples (instant, no GPU), the live model for everything else."""
 
     name = "hybrid"
+    last_source = PerThread()  # "replay" or "torch": what answered this thread's latest call
+    last = PerThread()
 
     def __init__(self, replay: ReplayEngine | None, live: TorchEngine):
         self.replay, self.live = replay, live
         self.model_id = live.model_id
         self.temperature = live.temperature
         self.hardware = replay.hardware if replay is not None else ""
-        self.last_source: str | None = None
-        self.last: dict | None = None
 
     def logits(self, state, questions: dict, bias: dict | None = None,
                prefer: str = "live") -> tuple[dict[str, Readout], int]:
