@@ -173,7 +173,8 @@ def per_option_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
             spans.append((0, inp.shape[1]))
         _sync(device)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    extra = {"choice_acc_norm": _pick(keys, norms), "choice_token_mean": _pick(keys, means), "spans": spans}
+    extra = {"choice_acc_norm": _pick(keys, norms), "choice_token_mean": _pick(keys, means), "spans": spans,
+             "sum_logprobs": sums}
     return Run(wall, cpu, sum(n for _, n in spans), {qkey: _pick(keys, sums)}, mem.peak_mb, {}, extra)
 
 

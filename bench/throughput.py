@@ -59,14 +59,17 @@ def drive(call: Callable[[int, int], dict], clients: int, per_client: int) -> di
     threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
     for t in threads:
         t.start()
+    load0 = os.getloadavg()[0]
     start.wait()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     done = len(latencies)
     return {"clients": clients, "requests": clients * per_client, "completed": done, "errors": errors[:5],
-            "wall_s": round(wall, 3), "requests_per_s": round(done / wall, 3) if done else 0.0,
+            "wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "load_avg_1min": [round(load0, 2),
+                                                                               round(os.getloadavg()[0], 2)],
+            "requests_per_s": round(done / wall, 3) if done else 0.0,
             "p50_ms": round(1000 * percentile(latencies, 50), 1) if done else None,
             "p99_ms": round(1000 * percentile(latencies, 99), 1) if done else None,
             "mean_batched_requests": round(statistics.mean(batched), 2) if batched else None}
@@ -88,15 +91,18 @@ def serial_run(engine: blink.TorchEngine, requests: list, clients: int, per_clie
     """The reference without a Batcher: the same requests one after another through blink.decide."""
     install(engine)
     engine.prefix_cache = prefix
-    t0 = time.perf_counter()
+    blink.decide(*requests[0])  # warm, as the Batcher runs are
+    load0 = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
     latencies = []
     for state, questions in requests[: clients * per_client]:
         t1 = time.perf_counter()
         blink.decide(state, questions)
         latencies.append(time.perf_counter() - t1)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"target": "decide, one at a time", "window_ms": None, "prefix_cache": prefix, "clients": 1,
             "requests": len(latencies), "completed": len(latencies), "errors": [], "wall_s": round(wall, 3),
+            "cpu_s": round(cpu, 3), "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
             "requests_per_s": round(len(latencies) / wall, 3), "p50_ms": round(1000 * percentile(latencies, 50), 1),
             "p99_ms": round(1000 * percentile(latencies, 99), 1), "mean_batched_requests": 1.0}
 

@@ -1,0 +1,73 @@
+"""The benchmark's peers compute what they claim, on the tiny Qwen3.5 model (no timing here: bench/ measures)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+
+import arms  # noqa: E402
+import limits  # noqa: E402
+import run  # noqa: E402
+import throughput  # noqa: E402
+import workloads  # noqa: E402
+
+STATE = "Ticket #1: the customer's router stopped working after an update and they asked for a replacement."
+QUESTION = {"type": "choice", "instructions": "Which team should handle ticket #1?",
+            "criteria": ["billing", "shipping", "technical support", "account security"]}
+
+
+def test_encode_pair_splits_as_lm_evaluation_harness(tiny_qwen):
+    tok = tiny_qwen.tok
+    ctx, cont = arms.encode_pair(tok, "the answer is ", "yes")
+    assert ctx == tok("the answer is", add_special_tokens=False)["input_ids"]  # the trailing space moved over
+    assert ctx + cont == tok("the answer is yes", add_special_tokens=False)["input_ids"]
+
+
+def test_per_option_scores_are_continuation_log_likelihoods(tiny_qwen):
+    # Cross-check against the model's own shifted cross-entropy over the continuation tokens.
+    run_ = arms.per_option_one(tiny_qwen, STATE, "q", QUESTION)
+    context, _ = arms.prompt_text(tiny_qwen, STATE, "q", QUESTION)
+    scores = []
+    with torch.no_grad():
+        for option in QUESTION["criteria"]:
+            ctx, cont = arms.encode_pair(tiny_qwen.tok, context, option)
+            labels = torch.tensor([[-100] * len(ctx) + cont])
+            loss = tiny_qwen.model(input_ids=torch.tensor([ctx + cont]), labels=labels).loss
+            scores.append(-float(loss) * len(cont))
+    assert max(abs(a - b) for a, b in zip(run_.extra["sum_logprobs"], scores)) < 1e-3
+    assert run_.choices == {"q": QUESTION["criteria"][max(range(4), key=lambda i: (scores[i], -i))]}
+    assert run_.prefill_tokens == sum(n for _, n in run_.extra["spans"])
+
+
+def test_unbatched_reads_the_same_label_logits_as_blink(tiny_qwen):
+    questions = {"q": QUESTION, "r": {**QUESTION, "instructions": "Which team owns routers?"}}
+    blink_run = arms.blink_request(tiny_qwen, STATE, questions, prefix=False)
+    for qkey, q in questions.items():
+        by_hand = arms.unbatched_one(tiny_qwen, STATE, qkey, q)
+        assert arms.label_logit_gap(by_hand.rows, {qkey: blink_run.rows[qkey]}) < 1e-4
+        assert by_hand.choices[qkey] == blink_run.choices[qkey]
+
+
+@pytest.mark.parametrize(("reply", "label"), [("B) shipping", "B"), ("The answer is C.", "C"),
+                                              ("I think D", "D"), ("no letter here", None), ("AB", None)])
+def test_generated_reply_is_parsed_to_an_offered_label(reply, label):
+    assert arms.parse_label(reply, ["A", "B", "C", "D"]) == label
+
+
+def test_attention_flops_count_every_key_of_every_computed_token(tiny_qwen):
+    layers, width = limits.attention_shape(tiny_qwen.model.config)
+    assert layers == 2  # the tiny model's two full-attention layers; its linear layers have no quadratic term
+    spans = [(0, 5), (5, 3)]  # a 5-token prefix, then a 3-token tail against it
+    keys = sum(range(1, 6)) + sum(range(6, 9))
+    assert limits.attention_flops(tiny_qwen.model.config, spans) == 4 * layers * width * keys
+
+
+def test_subsample_and_percentile_rules():
+    assert run.ladder(64, 2100, 24000) == 8 and run.ladder(64, 330, 24000) == 64 and run.ladder(8, 9000, 1) == 1
+    assert throughput.percentile([1, 2, 3, 4], 50) == 2.5 and throughput.percentile([7], 99) == 7
+    assert list(workloads.questions(8, 4, 3)) == list(workloads.questions(64, 4, 3))[:8]  # nested question sets
