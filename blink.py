@@ -2095,8 +2095,6 @@ def decide(state, questions: dict, temperature: float | None = None, bias: dict 
         raw, n_tokens = eng.logits(state, questions, bias, prefer=prefer)
     else:
         raw, n_tokens = eng.logits(state, questions, bias)
-        if isinstance(eng, ReplayEngine):
-            eng.last_source = "replay"
     answers = assemble(questions, raw, temps)
     meta = _meta(eng, temps, sources, n_tokens, round((time.perf_counter() - t0) * 1000, 1))
     return {"answers": answers, "meta": {**meta, **image_meta}}
