@@ -1090,13 +1090,18 @@ def _entry_ok(hit) -> bool:
                                          for qkey, v in lse.items())
 
 
-def load_recording(path: str) -> dict:
-    """A recording file, checked for the layout `record` writes; a corrupt one is refused with a message."""
+def read_json_file(path: str, what: str):
+    """A JSON file blink reads at start (a recording, a calibration), or a BlinkError naming it."""
     try:
         with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BlinkError(f"recording {path} cannot be read: {exc}") from None
+            return json.load(fh)
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError covers bad JSON and undecodable bytes
+        raise BlinkError(f"{what} {path} cannot be read: {exc}") from None
+
+
+def load_recording(path: str) -> dict:
+    """A recording file, checked for the layout `record` writes; a corrupt one is refused with a message."""
+    data = read_json_file(path, "recording")
     if not isinstance(data, dict) or not isinstance(data.get("model"), str) or not isinstance(
             data.get("requests"), dict):
         raise BlinkError(f"recording {path} is not a blink recording (needs model and requests)")
@@ -1112,10 +1117,28 @@ def recording_entry(raw: dict[str, Readout]) -> dict:
             "lse": {qkey: r.lse for qkey, r in raw.items()}}
 
 
+class PerThread:
+    """An engine attribute each thread sees its own value of, so concurrent calls on one engine keep their own
+    meta (the model time, the tokens, which recording answered); unset it reads None."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def _store(self, obj) -> threading.local:
+        return obj.__dict__.setdefault("_per_thread", threading.local())
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else getattr(self._store(obj), self.name, None)
+
+    def __set__(self, obj, value) -> None:
+        setattr(self._store(obj), self.name, value)
+
+
 class ReplayEngine:
     """Label logits the real model recorded for the bundled examples. Temperature and answers still run live."""
 
     name = "replay"
+    last = PerThread()  # the recording entry of this thread's latest call
 
     def __init__(self, path: str = REPLAY_PATH, temperature: float = TEMPERATURE, model_id: str | None = None):
         data = load_recording(path)
@@ -1126,7 +1149,6 @@ class ReplayEngine:
         self.hardware = data.get("hardware", "")
         self.temperature = float(temperature)
         self.cache = data["requests"]
-        self.last: dict | None = None
 
     def has(self, state, questions: dict) -> bool:
         """True when this exact request was recorded."""
@@ -1405,6 +1427,8 @@ class TorchEngine:
     """Prefill-only readout over the offered labels, all questions of a request in one GPU call."""
 
     name = "torch"
+    last_model_ms = PerThread()  # forward time of this thread's latest call
+    last_prefill_tokens = PerThread()  # tokens it computed
 
     def __init__(self, model_id: str = MODEL_ID, revision: str | None = None, temperature: float = TEMPERATURE,
                  token_budget: int = TOKEN_BUDGET, prefix_cache: bool = PREFIX_CACHE, readout: str = READOUT,
@@ -1622,14 +1646,14 @@ class HybridEngine:
     """Recorded outputs for the bundled examples (instant, no GPU), the live model for everything else."""
 
     name = "hybrid"
+    last_source = PerThread()  # "replay" or "torch": what answered this thread's latest call
+    last = PerThread()
 
     def __init__(self, replay: ReplayEngine | None, live: TorchEngine):
         self.replay, self.live = replay, live
         self.model_id = live.model_id
         self.temperature = live.temperature
         self.hardware = replay.hardware if replay is not None else ""
-        self.last_source: str | None = None
-        self.last: dict | None = None
 
     def logits(self, state, questions: dict, bias: dict | None = None,
                prefer: str = "live") -> tuple[dict[str, Readout], int]:
@@ -2071,8 +2095,6 @@ def decide(state, questions: dict, temperature: float | None = None, bias: dict 
         raw, n_tokens = eng.logits(state, questions, bias, prefer=prefer)
     else:
         raw, n_tokens = eng.logits(state, questions, bias)
-        if isinstance(eng, ReplayEngine):
-            eng.last_source = "replay"
     answers = assemble(questions, raw, temps)
     meta = _meta(eng, temps, sources, n_tokens, round((time.perf_counter() - t0) * 1000, 1))
     return {"answers": answers, "meta": {**meta, **image_meta}}
@@ -2332,11 +2354,7 @@ def calibration_group(q: dict, qkey: str = "?") -> str:
 
 def load_calibration(path: str) -> dict:
     """A calibration file, checked; a corrupt one is refused with a message naming it."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BlinkError(f"calibration {path} cannot be read: {exc}") from None
+    data = read_json_file(path, "calibration")
     if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
         raise BlinkError(f"calibration {path} is not a blink calibration (needs models)")
     for model_id, entry in data["models"].items():

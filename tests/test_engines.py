@@ -173,3 +173,30 @@ def test_gpu_decorator_is_plain_off_zero_gpu_and_sized_to_the_work(monkeypatch):
     assert blink._gpu_seconds(0, [[1] * 100], [[1]]) == 11
     assert blink._gpu_seconds(0, [[1] * 100_000] * 2, [[1]] * 2) == 50
     assert blink._gpu_seconds(0, [[1] * 131_072] * 512, [[1]] * 512) == blink.GPU_DURATION
+
+
+def test_engine_call_meta_is_kept_per_thread(standin, served):
+    import threading
+
+    standin.last_model_ms = 1.0
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append(standin.last_model_ms))
+    worker.start()
+    worker.join()
+    assert seen == [None] and standin.last_model_ms == 1.0
+    served(standin)
+    states = ["short note", "a much longer note " * 40]
+    results: dict = {}
+
+    def call(i: int) -> None:
+        for _ in range(3):
+            results.setdefault(i, []).append(blink.decide(states[i], QS)["meta"])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for metas in results.values():  # each caller's meta counts its own tokens, never the other caller's
+        assert all(m["prefill_tokens"] == m["input_tokens"] for m in metas)
+    assert results[0][0]["input_tokens"] != results[1][0]["input_tokens"]
