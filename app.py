@@ -146,9 +146,9 @@ def parse_images(images) -> list[str]:
 # Running requests
 # ==================================================================================================================
 
-# Engines keep a little per-call state (which source answered, the recording hit): the instant answers (recordings,
-# mock) run one at a time here, and everything that runs the model goes through one Batcher per model, whose single
-# worker packs concurrent requests into the same forward passes.
+# The instant answers (recordings, mock) run one at a time here; everything that runs the model goes through one
+# Batcher per model, whose single worker packs concurrent requests into the same forward passes. (The engines keep
+# each call's meta per thread, so this lock only keeps the instant answers in order; it is not needed for correctness.)
 _DIRECT_LOCK = threading.Lock()
 _BATCHERS: dict[str | None, blink.Batcher] = {}
 _BATCHERS_LOCK = threading.Lock()
