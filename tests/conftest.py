@@ -17,25 +17,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import blink  # noqa: E402
 
 
+DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
+
+
 @pytest.fixture(scope="session")
 def standin() -> blink.TorchEngine:
-    """The embedded stand-in (SmolLM2-135M-Instruct), loaded once by the real torch engine."""
-    return blink.TorchEngine(blink.STANDIN_MODEL)
+    """The embedded stand-in (SmolLM2-135M-Instruct), loaded once by the real torch engine at default settings."""
+    return blink.TorchEngine(blink.STANDIN_MODEL, settings=DEFAULTS)
 
 
 @pytest.fixture()
-def served(monkeypatch):
-    """Let a test install engines for blink.decide() without leaking them into other tests."""
-    monkeypatch.setattr(blink, "_ENGINE", None)
-    monkeypatch.setattr(blink, "_ENGINES", {})
-
-    def install(eng, model_id: str | None = None) -> None:
-        model_id = model_id or eng.model_id
-        monkeypatch.setattr(blink, "MODEL_ID", model_id)
-        monkeypatch.setattr(blink, "MODEL_SPECS", [(model_id, None)])
-        monkeypatch.setattr(blink, "_ENGINE", eng)
-
-    return install
+def served():
+    """A deployment that serves one ready engine as its only model: served(engine) -> blink.Deployment."""
+    return blink.Deployment.serving
 
 
 @pytest.fixture(scope="session")
@@ -49,17 +43,13 @@ def tiny_qwen_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen(tiny_qwen_dir) -> blink.TorchEngine:
     """The tiny Qwen3.5 text model loaded by the real torch engine."""
-    return blink.TorchEngine(tiny_qwen_dir)
+    return blink.TorchEngine(tiny_qwen_dir, settings=DEFAULTS)
 
 
 @pytest.fixture(scope="module")
-def mock_served():
-    """The mock engine as the served engine for a whole module (fast, fabricated numbers)."""
-    saved = (blink._ENGINE, blink.MODEL_ID, blink.MODEL_SPECS)
-    blink._ENGINE = blink.MockEngine("org/mock")
-    blink.MODEL_ID, blink.MODEL_SPECS = "org/mock", [("org/mock", None)]
-    yield blink._ENGINE
-    blink._ENGINE, blink.MODEL_ID, blink.MODEL_SPECS = saved
+def mock_served() -> blink.Deployment:
+    """A deployment serving the mock engine (fast, fabricated numbers)."""
+    return blink.Deployment.serving(blink.MockEngine("org/mock"))
 
 
 @pytest.fixture(scope="session")
@@ -81,14 +71,14 @@ def client(launched):
 
 
 @contextmanager
-def serving(engine):
-    """Serve the default model with another engine for the duration (a mock, or a replay-only host)."""
-    before = blink._ENGINE
-    blink._ENGINE = engine
+def serving(app, engine):
+    """Serve the launched app's default model with another engine for the duration (a mock, a replay-only host,
+    another loaded model)."""
+    before = app.DEPLOYMENT.install(engine, app.DEPLOYMENT.default_model)
     try:
         yield engine
     finally:
-        blink._ENGINE = before
+        app.DEPLOYMENT.install(before, app.DEPLOYMENT.default_model)
 
 
 def free_port() -> int:
