@@ -443,7 +443,8 @@ def build_question(questions, name: str, qtype: str, instructions: str, options:
     name = (name or "").strip()
     try:
         current = {} if (questions or "").strip() in ("", "{}") else parse_questions(questions)
-        blink.parse_questions(current)
+        if current:
+            blink.parse_questions(current)
     except blink.BlinkError as exc:
         raise gr.Error(esc(f"fix the questions JSON first: {exc}"), print_exception=False) from None
     if not name:

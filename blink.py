@@ -142,8 +142,9 @@ def env_number(env: Mapping[str, str], name: str, default, lo: float, hi: float 
     raw, whole = env.get(name, "").strip(), isinstance(default, int)
     if not raw:
         return default
-    bounds = (f"above {lo:g}" if above else f"from {lo:g}" if hi is not None else f"of at least {lo:g}") + (
-        "" if hi is None else f" and at most {hi:g}" if above else f" to {hi:g}")
+    lo_text, hi_text = (f"{v:d}" if whole else f"{v:g}" for v in (lo, hi if hi is not None else lo))
+    bounds = (f"above {lo_text}" if above else f"from {lo_text}" if hi is not None else f"of at least {lo_text}") + (
+        "" if hi is None else f" and at most {hi_text}" if above else f" to {hi_text}")
     try:
         value = int(raw) if whole else float(raw)
     except ValueError:
@@ -350,7 +351,7 @@ def json_text(value: str, field_name: str):
 
 def as_state(state):
     """Evidence as blink reads it: text that parses as JSON is JSON, other text stays text, objects pass through.
-    JSON that only fails for being too deep or holding an over-long integer is refused, not read as text."""
+    JSON-looking text that nests deeper than the parser follows, or holds an over-long integer, is refused."""
     if not isinstance(state, str) or not state.strip().startswith(("{", "[")):
         return state
     try:
@@ -375,9 +376,10 @@ def _where(loc: list) -> str:
     return ".".join(map(str, loc[1:]))
 
 
-def check_json(value, loc: list, budget: int, max_depth: int) -> int:
+def check_json(value, loc: list, budget: int, max_depth: int, limit: int | None = None) -> int:
     """Walk a JSON-like value without recursion: refuse non-JSON types, deep nesting and over-long integers, return
-    its text length (strings and keys), stopping as soon as it passes `budget` characters."""
+    its text length (strings and keys), stopping as soon as it passes `budget` characters (what is left of the
+    request's `limit`, which the refusal names)."""
     chars, pending = 0, [(value, loc, 0)]
     while pending:
         item, where, depth = pending.pop()
@@ -400,7 +402,7 @@ def check_json(value, loc: list, budget: int, max_depth: int) -> int:
         elif item is not None and not isinstance(item, (bool, int, float)):
             raise BlinkError(f"{_where(where)} must be text or JSON (got {type(item).__name__})", where)
         if chars > budget:
-            raise BlinkError(f"the request holds over {budget} characters of text", ["body"])
+            raise BlinkError(f"the request holds over {limit or budget} characters of text", ["body"])
     return chars
 
 
@@ -678,7 +680,7 @@ def parse_request(state, questions, *, images=None, temperature=None, prefer: st
     settings = settings or env_settings()
     budget, depth = settings.max_request_chars, settings.max_json_depth
     used = check_json(state, ["body", "state"], budget, depth)
-    check_json(questions, ["body", "questions"], budget - used, depth)
+    check_json(questions, ["body", "questions"], budget - used, depth, budget)
     parsed = parse_questions(questions)
     if temperature is not None:
         temperature = check_temperature(temperature)
@@ -1001,6 +1003,7 @@ def _listed_uri(uri, i: int, count: int) -> None:
 def inspect_images(state, images=(), limits: ImageLimits = ImageLimits()) -> ImageSubmission | None:
     """Locate and count a request's images (inside the state, and the listed data URIs) without decoding any
     base64 or pixel; None when it has none."""
+    images = () if images is None else images
     if not images and not contains_image_uri(state):
         return None
     if not isinstance(images, (list, tuple)):
@@ -2394,11 +2397,8 @@ class Deployment:
         kind = self.engine_kind(model_id)
         if kind == "mock":
             return MockEngine(model_id, self.settings)
-        if kind == "replay":
-            rec = self.recording(model_id)
-            if rec is None:
-                raise BlinkError(f"no recording made by {model_id} at {self.settings.replay_path_for(model_id)}")
-            return ReplayEngine(rec, model_id, self.settings)
+        if kind == "replay":  # a recording another model made is refused, naming its maker
+            return ReplayEngine(self.settings.replay_path_for(model_id), model_id, self.settings)
         live = TorchEngine(model_id, self.settings.revision(model_id), self.settings, **self._vision_options(model_id))
         if kind == "hybrid":
             rec = self.recording(model_id)
@@ -2644,7 +2644,8 @@ class Batcher:
             futures.append(fut)
         while not all(f.done() for f in futures):
             concurrent.futures.wait(futures, timeout=1.0)
-            self._ensure_worker()
+            if not all(f.done() for f in futures):
+                self._ensure_worker()
         return [f.exception() or f.result() for f in futures]
 
     def submit(self, job: Job) -> Forward:

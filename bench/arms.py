@@ -12,7 +12,8 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -87,9 +88,31 @@ def _pick(keys: list[str], scores: list[float]) -> str:
 def prompt_text(engine: blink.TorchEngine, state, qkey: str, q: dict) -> tuple[str, list[str]]:
     """The exact prompt blink renders for one question (its single prompt: no permute or multi), and its option
     keys in shown order."""
-    (shown_q, shown), = blink.prompt_rows(q, qkey)
-    user = blink.user_message(state, shown_q, engine.labels[: len(shown)], shown)
-    return blink.wrap(engine.tok, user), [k for k, _ in shown]
+    (row,) = blink.parse_question(qkey, q).rows
+    user = blink.user_message(state, row, engine.labels[: len(row.shown)])
+    return blink.wrap(engine.tok, user), [o.key for o in row.shown]
+
+
+def request(engine: blink.TorchEngine, state, questions: dict) -> blink.Request:
+    """A request parsed under the engine's own settings."""
+    return blink.parse_request(state, questions, settings=engine.settings)
+
+
+def render_ids(engine: blink.TorchEngine, state, questions: dict) -> list[list[int]]:
+    """The token ids of every prompt blink renders for a request."""
+    return [p.ids for p in engine.render(request(engine, state, questions))]
+
+
+@contextmanager
+def prefix_cache(engine: blink.TorchEngine, on: bool):
+    """The engine with the shared-prefix prefill on or off (BLINK_PREFIX_CACHE) for the duration: one loaded model
+    serves both arms, so its settings are swapped rather than the weights loaded twice."""
+    before = engine.settings
+    engine.settings = replace(before, prefix_cache=on)
+    try:
+        yield engine
+    finally:
+        engine.settings = before
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -100,18 +123,19 @@ def prompt_text(engine: blink.TorchEngine, state, qkey: str, q: dict) -> tuple[s
 def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: bool) -> Run:
     """One blink request (all its questions), plain or with the shared prefix encoded once."""
     device = engine.model.lm_head.weight.device
-    engine.prefix_cache = prefix
-    with PeakMemory(device) as mem:
+    with prefix_cache(engine, prefix), PeakMemory(device) as mem:
         t0, c0 = time.perf_counter(), time.process_time()
-        raw, _ = engine.logits(state, questions)
+        req = request(engine, state, questions)
+        res = engine.forward(req)
         _sync(device)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    answers = blink.assemble(questions, raw, {k: engine.temperature for k in questions})
-    seqs = [p.ids for p in engine.render(state, questions)]
-    shared = [n for _, n in blink._prefix_groups(seqs, prefix) if n]
-    rows = {k: r.logits[0] for k, r in raw.items()}  # one prompt per question: no permute or multi here
-    return Run(wall, cpu, engine.last_prefill_tokens, {k: a["choice"] for k, a in answers.items()}, mem.peak_mb,
-               rows, {"shared_prefix_tokens": shared[0] if shared else 0, "model_ms": engine.last_model_ms})
+        settings = engine.settings
+    answers = blink.assemble(req, res.readouts, {k: settings.temperature for k in questions})
+    seqs = [p.ids for p in engine.render(req)]
+    shared = [n for _, n in blink._prefix_groups(seqs, settings) if n]
+    rows = {k: r.logits[0] for k, r in res.readouts.items()}  # one prompt per question: no permute or multi here
+    return Run(wall, cpu, res.prefill_tokens, {k: a["choice"] for k, a in answers.items()}, mem.peak_mb,
+               rows, {"shared_prefix_tokens": shared[0] if shared else 0, "model_ms": res.model_ms})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,13 +179,13 @@ def per_option_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
     divided by the continuation's characters (lm-eval `acc_norm`) and averaged per token (SGLang `select`'s
     default, token_length_normalized)."""
     model, tok, device = engine.model, engine.tok, engine.model.lm_head.weight.device
-    (_, items), = blink.prompt_rows(q, qkey)
-    keys = [k for k, _ in items]
+    (row,) = blink.parse_question(qkey, q).rows
+    keys = [o.key for o in row.shown]
     sums, norms, means, spans = [], [], [], []
     with PeakMemory(device) as mem, torch.no_grad():
         t0, c0 = time.perf_counter(), time.process_time()
         context, _ = prompt_text(engine, state, qkey, q)
-        for _, display in items:
+        for display in (o.text for o in row.shown):
             ctx, cont = encode_pair(tok, context, display)
             inp = torch.tensor([(ctx + cont)[:-1]], device=device)
             logprobs = torch.log_softmax(model(input_ids=inp).logits[0].float(), dim=-1)

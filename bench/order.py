@@ -96,11 +96,15 @@ def arm_requests(questions: list, permute) -> list[tuple[str, dict]]:
 
 def run_arm(eng: blink.TorchEngine, questions: list, permute) -> dict:
     """Decide every rotation of every question in one packed call; picks, flips, accuracy, cost."""
-    requests = arm_requests(questions, permute)
     t0 = time.perf_counter()
-    results = eng.logits_rendered([eng.render(state, qs) for state, qs in requests])
+    requests = [blink.parse_request(state, qs, settings=eng.settings)
+                for state, qs in arm_requests(questions, permute)]
+    results = eng.run([eng.prepare(request) for request in requests])  # every job packed into the same forwards
     wall_ms = (time.perf_counter() - t0) * 1000
-    answers = [blink.assemble(qs, raw, {"q": 1.0})["q"] for (_, qs), (raw, _) in zip(requests, results)]
+    failed = next((r for r in results if isinstance(r, Exception)), None)
+    if failed is not None:
+        raise failed
+    answers = [blink.assemble(request, res.readouts, {"q": 1.0})["q"] for request, res in zip(requests, results)]
     per_question, k = [], 0
     for state, ask, criteria, correct in questions:
         mine = answers[k:k + len(criteria)]
@@ -114,8 +118,8 @@ def run_arm(eng: blink.TorchEngine, questions: list, permute) -> dict:
                                                    if permute is not None else None)})
     n_picks = sum(len(q["picks"]) for q in per_question)
     return {"permute": permute, "requests": len(requests),
-            "prompts": sum(len(r.logits) for raw, _ in results for r in raw.values()),
-            "model_ms": eng.last_model_ms, "wall_ms": round(wall_ms, 1),
+            "prompts": sum(len(r.logits) for res in results for r in res.readouts.values()),
+            "model_ms": results[-1].model_ms, "wall_ms": round(wall_ms, 1),
             "flip_rate": sum(q["flips"] for q in per_question) / len(per_question),
             "disagreement": sum(q["disagree_with_listed_order"] for q in per_question) / len(per_question),
             "accuracy": sum(p == q["correct"] for q in per_question for p in q["picks"]) / n_picks,

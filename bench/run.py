@@ -18,6 +18,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -74,10 +75,10 @@ def ladder(n_questions: int, per_question: float, budget: int) -> int:
     return max(fitting) if fitting else 1
 
 
-def spans_of(seqs: list[list[int]], prefix: bool) -> list[tuple[int, int]]:
+def spans_of(seqs: list[list[int]], settings: blink.Settings, prefix: bool) -> list[tuple[int, int]]:
     """(cached, new) token spans blink computes for these prompts, by its own prefix grouping."""
     spans = []
-    for rows, shared in blink._prefix_groups(seqs, prefix):
+    for rows, shared in blink._prefix_groups(seqs, replace(settings, prefix_cache=prefix)):
         if shared:
             spans.append((0, shared))
         spans += [(shared, len(seqs[i]) - shared) for i in rows]
@@ -123,12 +124,12 @@ class Bench:
         key = ("blink_prefix" if prefix else "blink_plain", doc_target, n_opt, len(qs))
         run = self.measure(key, lambda: arms.blink_request(self.engine, doc, qs, prefix))
         scale = n_total / len(qs)
-        seqs = [p.ids for p in self.engine.render(doc, qs)]
+        seqs = arms.render_ids(self.engine, doc, qs)
         row = {"measured_questions": len(qs), "extrapolated": scale != 1, "wall_s": round(run.wall_s * scale, 4),
                "wall_s_measured": round(run.wall_s, 4), "cpu_s": round(run.cpu_s * scale, 4),
                "prefill_tokens": round(run.prefill_tokens * scale),
                "peak_mb": round(run.peak_mb, 1), "shared_prefix_tokens": run.extra["shared_prefix_tokens"],
-               **self.flops(run.prefill_tokens, spans_of(seqs, prefix), run.wall_s)}
+               **self.flops(run.prefill_tokens, spans_of(seqs, self.engine.settings, prefix), run.wall_s)}
         return row, run
 
     def peer_arm(self, name: str, doc_target: int, n_opt: int, qs: dict, n_measure: int) -> tuple[dict, dict]:
@@ -156,7 +157,7 @@ class Bench:
         load0 = os.getloadavg()[0]
         doc = self.doc(doc_target)
         qs = workloads.questions(n_q, n_opt, workloads.ticket_count(doc))
-        lengths = [len(p.ids) for p in self.engine.render(doc, qs)]
+        lengths = [len(ids) for ids in arms.render_ids(self.engine, doc, qs)]
         per_q = sum(lengths) / len(lengths)
         cfg = self.cfg
         out = {"doc_tokens_target": doc_target, "doc_tokens": len(self.engine.tok(doc)["input_ids"]),
@@ -360,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = CONFIGS[mode]
     started = time.perf_counter()
 
-    engine = blink.TorchEngine(args.model, prefix_cache=False, token_budget=args.token_budget or blink.TOKEN_BUDGET)
-    if args.prefix_kv_tokens:
-        blink.PREFIX_KV_TOKENS = args.prefix_kv_tokens
+    env = blink.env_settings()  # BLINK_* variables and the hardware; the options below win over them
+    settings = replace(env, prefix_cache=False, token_budget=args.token_budget or env.token_budget,
+                       prefix_kv_tokens=args.prefix_kv_tokens or env.prefix_kv_tokens)
+    engine = blink.TorchEngine(args.model, settings=settings)
     device = engine.model.lm_head.weight.device
     threads = limits.choose_threads(engine.model, device, args.threads)
     matmul_start = limits.matmul_flops(device)
@@ -400,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": __import__("transformers").__version__, "threads": threads,
         "matmul_gflops": round(matmul / 1e9, 2),
         "matmul_gflops_start_end": [round(matmul_start / 1e9, 2), round(matmul_end / 1e9, 2)],
-        "settings": {"token_budget": engine.token_budget, "prefix_min_tokens": blink.PREFIX_MIN_TOKENS,
-                     "prefix_kv_tokens": blink.PREFIX_KV_TOKENS, "readout": engine.readout, **cfg},
+        "settings": {"token_budget": settings.token_budget, "prefix_min_tokens": settings.prefix_min_tokens,
+                     "prefix_kv_tokens": settings.prefix_kv_tokens, "readout": settings.readout, **cfg},
         "cells": cells, "throughput": rows, "targets": targets(cells),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (time.perf_counter() - started))),
         "duration_s": round(time.perf_counter() - started, 1),

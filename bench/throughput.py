@@ -10,17 +10,20 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Callable
 
+import arms
 import blink
 
 
-def install(engine: blink.TorchEngine) -> None:
-    """Make the loaded engine the one blink.decide / decide_many / Batcher serve."""
-    blink.MODEL_ID = engine.model_id
-    blink.MODEL_SPECS = [(engine.model_id, engine.revision)]
-    blink._ENGINE = engine
-    blink._ENGINES = {}
+def serving(engine: blink.TorchEngine, window_ms: float = 0.0, max_requests: int = 1,
+            max_queued: int | None = None) -> blink.Deployment:
+    """A deployment whose only model is the loaded engine, its Batcher gathering up to `max_requests` requests
+    within `window_ms` (BLINK_BATCH_WINDOW_MS, BLINK_BATCH_MAX_REQUESTS, BLINK_BATCH_MAX_QUEUED)."""
+    settings = replace(engine.settings, batch_window_ms=window_ms, batch_max_requests=max_requests,
+                       batch_max_queued=max_queued or engine.settings.batch_max_queued)
+    return blink.Deployment.serving(engine, settings)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -78,28 +81,26 @@ def drive(call: Callable[[int, int], dict], clients: int, per_client: int) -> di
 def batcher_run(engine: blink.TorchEngine, requests: list, window_ms: float, clients: int, per_client: int,
                 prefix: bool) -> dict:
     """Clients submitting through one Batcher with the given window; request (c, r) is requests[c * per_client + r]."""
-    install(engine)
-    engine.prefix_cache = prefix
-    batcher = blink.Batcher(window_ms / 1000, max_requests=min(blink.Batcher.MAX_REQUESTS, max(1, clients)),
-                            max_queued=max(64, clients))
-    batcher.submit(*requests[0])  # the worker is up and warm before the clock starts
-    row = drive(lambda c, r: batcher.submit(*requests[c * per_client + r]), clients, per_client)
+    dep = serving(engine, window_ms, min(blink.Batcher.MAX_REQUESTS, max(1, clients)), max(64, clients))
+    with arms.prefix_cache(engine, prefix):
+        dep.submit(dep.request(*requests[0]))  # the worker is up and warm before the clock starts
+        row = drive(lambda c, r: dep.submit(dep.request(*requests[c * per_client + r])), clients, per_client)
     return {"target": "Batcher", "window_ms": window_ms, "prefix_cache": prefix, **row}
 
 
 def serial_run(engine: blink.TorchEngine, requests: list, clients: int, per_client: int, prefix: bool) -> dict:
-    """The reference without a Batcher: the same requests one after another through blink.decide."""
-    install(engine)
-    engine.prefix_cache = prefix
-    blink.decide(*requests[0])  # warm, as the Batcher runs are
-    load0 = os.getloadavg()[0]
-    t0, c0 = time.perf_counter(), time.process_time()
-    latencies = []
-    for state, questions in requests[: clients * per_client]:
-        t1 = time.perf_counter()
-        blink.decide(state, questions)
-        latencies.append(time.perf_counter() - t1)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    """The reference without a Batcher: the same requests one after another through decide."""
+    dep = serving(engine)
+    with arms.prefix_cache(engine, prefix):
+        dep.decide(*requests[0])  # warm, as the Batcher runs are
+        load0 = os.getloadavg()[0]
+        t0, c0 = time.perf_counter(), time.process_time()
+        latencies = []
+        for state, questions in requests[: clients * per_client]:
+            t1 = time.perf_counter()
+            dep.decide(state, questions)
+            latencies.append(time.perf_counter() - t1)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"target": "decide, one at a time", "window_ms": None, "prefix_cache": prefix, "clients": 1,
             "requests": len(latencies), "completed": len(latencies), "errors": [], "wall_s": round(wall, 3),
             "cpu_s": round(cpu, 3), "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
@@ -121,33 +122,38 @@ def app_runs(engine: blink.TorchEngine, requests: list, windows_ms: list[float],
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if importlib.util.find_spec("gradio_client") is None or not os.path.exists(os.path.join(root, "app.py")):
         return [{"target": "app", "skipped": "app.py or gradio_client is not available"}]
-    install(engine)
-    engine.prefix_cache = False
     rows = []
-    for window in windows_ms:
-        os.environ["BLINK_BATCH_WINDOW_MS"] = str(window)
-        sys.modules.pop("app", None)
-        try:
-            import app  # noqa: PLC0415 - imported per window: the app reads its batch window at import
-            from gradio_client import Client
-        except Exception as exc:  # noqa: BLE001 - report why the app arm could not run
-            return rows + [{"target": "app", "skipped": f"import app failed: {type(exc).__name__}: {exc}"}]
-        port = _free_port()
-        app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-        try:
-            url = f"http://127.0.0.1:{port}/"
-            conns = [Client(url, verbose=False) for _ in range(clients)]
-
-            def call(c: int, r: int) -> dict:
-                state, questions = requests[c * per_client + r]
-                return conns[c].predict(state, json.dumps(questions), api_name="/decide")
-
+    with arms.prefix_cache(engine, False):
+        for window in windows_ms:
+            sys.modules.pop("app", None)
             try:
-                call(0, 0)  # the app answers at all, and is warm, before the clock starts
-            except Exception as exc:  # noqa: BLE001 - the app's own failure, reported instead of the row
-                return rows + [{"target": "app", "skipped": f"/decide failed: {type(exc).__name__}: {exc}"}]
-            rows.append({"target": "app /decide (gradio_client)", "window_ms": window, "prefix_cache": False,
-                         **drive(call, clients, per_client)})
-        finally:
-            app.demo.close()
+                # app.py serves this process's deployment and builds its models at import: the loaded engine answers
+                # for its default model, so nothing is loaded twice
+                process = blink.deployment()
+                process.install(engine, process.default_model)
+                import app  # noqa: PLC0415 - imported per window: a fresh page and queue for each launch
+                from gradio_client import Client
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - report why the app arm could not run
+                return rows + [{"target": "app", "skipped": f"import app failed: {type(exc).__name__}: {exc}"}]
+            # this launch's deployment: the loaded engine as the only model, its Batcher with this window
+            app.DEPLOYMENT = serving(engine, window, engine.settings.batch_max_requests,
+                                     engine.settings.batch_max_queued)
+            port = _free_port()
+            app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+            try:
+                url = f"http://127.0.0.1:{port}/"
+                conns = [Client(url, verbose=False) for _ in range(clients)]
+
+                def call(c: int, r: int) -> dict:
+                    state, questions = requests[c * per_client + r]
+                    return conns[c].predict(state, json.dumps(questions), api_name="/decide")
+
+                try:
+                    call(0, 0)  # the app answers at all, and is warm, before the clock starts
+                except Exception as exc:  # noqa: BLE001 - the app's own failure, reported instead of the row
+                    return rows + [{"target": "app", "skipped": f"/decide failed: {type(exc).__name__}: {exc}"}]
+                rows.append({"target": "app /decide (gradio_client)", "window_ms": window, "prefix_cache": False,
+                             **drive(call, clients, per_client)})
+            finally:
+                app.demo.close()
     return rows

@@ -3,8 +3,10 @@ every kind of bad input, all through the real gradio_client."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import pathlib
 import re
 
 import pytest
@@ -21,6 +23,23 @@ INCIDENT = "Incident review (multi-label, order-robust, abstain)"
 def preset(app, name: str) -> dict:
     """A bundled example by its name."""
     return app.PRESETS[name]
+
+
+def recording(app) -> blink.Recording:
+    """The launched app's recording (replay.json), read from its file."""
+    return blink.Recording.load(app.SETTINGS.replay_path)
+
+
+def recorded_answers(app, state, questions: dict, temperature: float = 1.0) -> dict:
+    """The answers the recording's label logits give at one temperature, assembled in process."""
+    request = blink.parse_request(state, questions)
+    readouts = blink.ReplayEngine(app.SETTINGS.replay_path).forward(request).readouts
+    return blink.assemble(request, readouts, dict.fromkeys(questions, temperature))
+
+
+def n_options(qkey: str, q: dict) -> int:
+    """How many options a question offers."""
+    return len(blink.parse_question(qkey, q).options)
 
 
 def assert_distribution(answer: dict, n_options: int) -> None:
@@ -44,19 +63,22 @@ def test_presets_cover_types_states_and_sizes(launched):
     assert types == {"choice", "noul", "score"}
     assert any(isinstance(ex["state"], dict) for ex in examples)
     assert any(isinstance(ex["state"], str) for ex in examples)
-    assert any(len(blink.question_options(q, k)) >= 26 for ex in examples for k, q in ex["questions"].items())
+    assert any(n_options(k, q) >= 26 for ex in examples for k, q in ex["questions"].items())
     assert any(len(ex["questions"]) >= 6 and len(blink.text(ex["state"])) >= 2000 for ex in examples)
 
 
 def test_recording_covers_every_preset_and_names_its_maker(launched):
     app, _ = launched
-    data = blink.load_recording(blink.REPLAY_PATH)
-    assert data["model"] == blink.MODEL_ID
-    assert data["hardware"] and data["recorded_at"]
-    text_presets = [ex for ex in app.PRESETS.values() if not blink.holds_images(ex["state"])]
+    rec = recording(app)
+    assert rec.model == app.DEPLOYMENT.default_model
+    assert rec.hardware and rec.recorded_at
+    assert app.DEPLOYMENT.recording().header() == rec.header()
+    text_presets = [ex for ex in app.PRESETS.values()
+                    if not app.DEPLOYMENT.request(ex["state"], ex["questions"]).holds_images()]
     assert len(text_presets) >= 6
     for ex in text_presets:  # an image preset needs a vision model: the text-only stand-in cannot record it
-        assert blink.request_key(ex["state"], ex["questions"]) in data["requests"], ex["name"]
+        assert blink.request_key(ex["state"], ex["questions"]) in rec.requests, ex["name"]
+        assert rec.has(app.DEPLOYMENT.request(ex["state"], ex["questions"])), ex["name"]
 
 
 def test_editor_text_gives_back_the_recorded_request(launched):
@@ -68,14 +90,18 @@ def test_editor_text_gives_back_the_recorded_request(launched):
         assert blink.request_key(state, questions) == blink.request_key(ex["state"], ex["questions"]), ex["name"]
 
 
-def test_recording_is_not_used_for_another_model(launched, tmp_path, monkeypatch):
+def test_recording_is_not_used_for_another_model(launched, tmp_path):
+    """A deployment of the app's settings whose recording was made by another model has no recording: its
+    presets run live (torch, not hybrid)."""
     app, _ = launched
     other = tmp_path / "replay.json"
-    data = blink.load_recording(blink.REPLAY_PATH)
+    data = json.loads(pathlib.Path(app.SETTINGS.replay_path).read_text())
     other.write_text(json.dumps({**data, "model": "someone/else"}))
-    monkeypatch.setattr(blink, "replay_path", lambda model_id=None: str(other))
-    assert app.recording_info() is None
-    assert blink._matching_replay(blink.MODEL_ID) is None
+    dep = blink.Deployment(dataclasses.replace(app.SETTINGS, replay_path=str(other)))
+    assert dep.recording() is None
+    assert dep.recording(app.DEPLOYMENT.default_model) is None
+    assert dep.engine_kind() == "torch"
+    assert app.DEPLOYMENT.recording() is not None  # the served deployment keeps its own
 
 
 def test_preset_comes_from_the_recording(launched, client):
@@ -84,12 +110,10 @@ def test_preset_comes_from_the_recording(launched, client):
     got = client.predict(app.state_text(ex["state"]), app.questions_text(ex["questions"]), 1.0, "", "saved",
                          api_name="/decide")
     assert got["meta"]["engine"] == "replay"
-    assert got["meta"]["recorded_on"] == blink.load_recording(blink.REPLAY_PATH)["hardware"]
-    recorded, _ = blink.ReplayEngine(blink.REPLAY_PATH).logits(ex["state"], ex["questions"])
-    ones = {qkey: 1.0 for qkey in ex["questions"]}
-    assert got["answers"] == json.loads(json.dumps(blink.assemble(ex["questions"], recorded, ones)))
+    assert got["meta"]["recorded_on"] == recording(app).hardware
+    assert got["answers"] == json.loads(json.dumps(recorded_answers(app, ex["state"], ex["questions"])))
     for qkey, q in ex["questions"].items():
-        assert_distribution(got["answers"][qkey], len(blink.question_options(q, qkey)))
+        assert_distribution(got["answers"][qkey], n_options(qkey, q))
 
 
 def test_feature_preset_comes_from_the_recording_with_label_mass(launched, client):
@@ -98,14 +122,13 @@ def test_feature_preset_comes_from_the_recording_with_label_mass(launched, clien
     app, _ = launched
     ex = preset(app, INCIDENT)
     qs = ex["questions"]
-    entry = blink.load_recording(blink.REPLAY_PATH)["requests"][blink.request_key(ex["state"], qs)]
-    assert {qkey: len(v) for qkey, v in entry["lse"].items()} == {qkey: len(blink.prompt_rows(q, qkey))
+    entry = recording(app).requests[blink.request_key(ex["state"], qs)]
+    assert {qkey: len(v) for qkey, v in entry["lse"].items()} == {qkey: len(blink.parse_question(qkey, q).rows)
                                                                     for qkey, q in qs.items()}
     got = client.predict(app.state_text(ex["state"]), app.questions_text(qs), 1.0, "", "saved", api_name="/decide")
     assert got["meta"]["engine"] == "replay"
     assert (got["meta"]["temperature"], got["meta"]["temperature_source"]) == (1.0, "request")
-    recorded, _ = blink.ReplayEngine(blink.REPLAY_PATH).logits(ex["state"], qs)
-    assert got["answers"] == json.loads(json.dumps(blink.assemble(qs, recorded, dict.fromkeys(qs, 1.0))))
+    assert got["answers"] == json.loads(json.dumps(recorded_answers(app, ex["state"], qs)))
     for answer in got["answers"].values():
         assert answer["label_mass"] is not None and 0.0 < answer["label_mass"] <= 1.0
     multi = got["answers"]["contributing_factors"]
@@ -145,8 +168,9 @@ def test_edited_request_runs_live(launched, client):
     edited = ex["state"].replace("Returning it.", "Still, I am keeping it.")
     got = client.predict(edited, json.dumps(ex["questions"]), 1.0, "", "saved", api_name="/decide")
     meta = got["meta"]
-    assert meta["engine"] == "torch" and meta["model"] == blink.MODEL_ID
+    assert meta["engine"] == "torch" and meta["model"] == app.DEPLOYMENT.default_model
     assert meta["generated_tokens"] == 0 and meta["input_tokens"] > 0 and meta["model_ms"] > 0
+    assert meta["batched_requests"] >= 1  # a live answer always says how many requests shared its forwards
     assert "fabricated" not in meta
     assert list(got["answers"]) == list(ex["questions"])
     sentiment = got["answers"]["sentiment"]
@@ -162,7 +186,8 @@ def test_abstained_answers_keep_their_distribution(launched, client):
     qs = {"urgent": {"type": "noul", "instructions": "Is this urgent?", "abstain": {"min_label_mass": 1.0}},
           "size": {"type": "score", "criteria": ["small", "medium", "large"], "abstain": {"min_confidence": 1.0}},
           "team": {"type": "choice", "criteria": ["billing", "access"], "abstain": {"min_confidence": 0.0}}}
-    got = client.predict("Card charged twice, please refund.", qs, api_name="/decide")["answers"]
+    state = "Card charged twice, please refund."
+    got = client.predict(state, qs, api_name="/decide")["answers"]
     urgent, size, team = got["urgent"], got["size"], got["team"]
     assert urgent["abstained"] is True and urgent["noul"] is None and "below min_label_mass 1" in urgent["reason"]
     assert size["abstained"] is True and size["score"] is None and size["choice"] is None
@@ -170,7 +195,7 @@ def test_abstained_answers_keep_their_distribution(launched, client):
     assert_distribution(urgent, 2)
     assert_distribution(size, 3)
     assert team["abstained"] is False and team["choice"] in ("billing", "access") and "reason" not in team
-    html = app.render_answers(qs, {"answers": got})
+    html = app.render_answers(app.DEPLOYMENT.request(state, qs), {"answers": got})
     assert html.count('class="bk-card bk-abstained"') == 2 and html.count(">Abstained</span>") == 2
     assert html.count('class="bk-reason"') == 2 and html.count(">no pick</b>") == 2
 
@@ -181,7 +206,8 @@ def test_multi_and_permute_answers(launched, client):
     qs = {"issues": {"type": "choice", "multi": True, "instructions": "Which problems does the customer report?",
                      "criteria": ["double charge", "cannot log in", "slow delivery"]},
           "team": {"type": "choice", "permute": 2, "criteria": ["billing", "access", "shipping"]}}
-    got = client.predict("I was charged twice and now my login fails.", qs, api_name="/decide")["answers"]
+    state = "I was charged twice and now my login fails."
+    got = client.predict(state, qs, api_name="/decide")["answers"]
     issues, team = got["issues"], got["team"]
     p = issues["probabilities"]
     assert issues["multi"] is True and list(p) == qs["issues"]["criteria"] and all(0 < v < 1 for v in p.values())
@@ -191,7 +217,7 @@ def test_multi_and_permute_answers(launched, client):
     assert 0.0 <= team["order_sensitivity"] <= 1.0
     assert_distribution(team, 3)
     assert all(0.0 < a["label_mass"] <= 1.0 for a in got.values())
-    html = app.render_answers(qs, {"answers": got})
+    html = app.render_answers(app.DEPLOYMENT.request(state, qs), {"answers": got})
     assert html.count('role="checkbox"') == 3 and html.count('aria-checked="true"') == len(issues["choices"])
     assert 'data-rotations="2"' in html and html.count('class="bk-rot"') == 2
 
@@ -228,9 +254,11 @@ def test_batch_endpoint_answers_each_request_in_place(launched, client):
 def test_info_lists_models_and_presets(launched, client):
     app, _ = launched
     got = client.predict(api_name="/info")
-    assert got["default_model"] == blink.MODEL_ID and got["models"] == blink.models()
+    default = app.DEPLOYMENT.default_model
+    assert got["default_model"] == default and got["models"] == app.DEPLOYMENT.models() == [default]
     assert [p["name"] for p in got["presets"]] == list(app.PRESETS)
-    assert got["recordings"][blink.MODEL_ID]["model"] == blink.MODEL_ID
+    assert got["recordings"][default]["model"] == default
+    assert got["recordings"][default] == recording(app).header()
 
 
 def test_only_the_api_endpoints_are_public(client):
@@ -245,12 +273,16 @@ def test_only_the_api_endpoints_are_public(client):
 OK_Q = {"q": {"type": "noul"}}
 BAD_DECIDE = [
     (("", OK_Q), "state is empty", "state"),
+    (("[" * 5000, OK_Q), "state nests too deep to read", "state"),  # JSON-looking, too deep: refused, not text
+    (('{"n": ' + "1" * 5000 + "}", OK_Q), "state cannot be read", "state"),  # an integer Python will not convert
     (("x", "{not json"), "questions is not valid JSON", "questions"),
     (("x", ""), "questions is empty", "questions"),
     (("x", "[1, 2]"), "questions must be a non-empty object", "questions"),
     (("x", {}), "questions must be a non-empty object", "questions"),
     (("x", {"q": "yes?"}), "must be an object with type and criteria", "questions.q"),
     (("x", {"q": {"type": "rank"}}), "type must be one of choice, noul, score", "questions.q.type"),
+    (("x", {"q": {"type": ["noul"]}}), "type must be one of choice, noul, score", "questions.q.type"),
+    (("x", {"q": {"type": {"noul": 1}}}), "type must be one of choice, noul, score", "questions.q.type"),
     (("x", {"q": {"type": "choice"}}), "a choice needs criteria", "questions.q.criteria"),
     (("x", {"q": {"type": "choice", "criteria": [str(i) for i in range(256)]}}), "256 options; supported 1-255",
      "questions.q.criteria"),
@@ -302,21 +334,24 @@ def test_bad_batch_items_are_reported_in_place(client):
 
 def test_mock_numbers_are_labelled_fabricated(launched, client):
     app, _ = launched
-    with serving(blink.MockEngine(blink.MODEL_ID)):
+    with serving(app, blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)):
         got = client.predict("The invoice is overdue.", OK_Q, api_name="/decide")
         page = app.ui_result("The invoice is overdue.", json.dumps(OK_Q), 1.0, None)
     assert got["meta"]["engine"] == "mock" and got["meta"]["fabricated"] is True
     assert "fabricated" in got["meta"]["notice"]
     assert 'class="bk-notice bk-fabricated"' in page[0] and "fabricated" in page[0]
-    with serving(blink.MockEngine(blink.MODEL_ID)):
+    with serving(app, blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)):
         broken = app.ui_result('{"ticket": 1,', json.dumps(OK_Q), 1.0, None)
     assert "does not parse, so it was read as text" in broken[0]
+    deep = app.ui_result("[" * 5000, json.dumps(OK_Q), 1.0, None)  # too deep to read: refused, not read as text
+    assert 'class="bk-notice bk-error"' in deep[0] and "(field: state)" in deep[0] and "read as text" not in deep[0]
 
 
 def test_replay_only_host_explains_a_miss(launched, client):
     app, _ = launched
     ex = preset(app, TICKET)
-    with serving(blink.ReplayEngine(blink.REPLAY_PATH, model_id=blink.MODEL_ID)):
+    with serving(app, blink.ReplayEngine(app.SETTINGS.replay_path, model_id=app.DEPLOYMENT.default_model,
+                                         settings=app.SETTINGS)):
         hit = client.predict(ex["state"], ex["questions"], api_name="/decide")
         with pytest.raises(AppError, match="only has saved runs for the built-in examples"):
             client.predict("an edited ticket", ex["questions"], api_name="/decide")
@@ -372,7 +407,7 @@ def test_form_writes_the_opt_in_fields_only_when_set(launched):
     assert got["team"]["abstain"] == {"min_label_mass": 0.5} and "multi" not in got["team"]
     assert got["urgent"]["abstain"] == {"min_label_mass": 0.25, "min_confidence": 0.5}
     assert set(got["plain"]) == set(got["zeros"]) == {"type", "instructions", "criteria"}
-    blink.validate(got)
+    blink.parse_questions(got)
 
 
 @pytest.mark.parametrize("extras,message", [
@@ -401,17 +436,15 @@ def test_permute_and_multi_controls_follow_the_type(launched):
 
 def test_rendering_shows_every_option(launched):
     app, _ = launched
-    q = {"pick": {"type": "choice", "criteria": [f"label {i}" for i in range(40)]}}
+    q = blink.parse_request("x", {"pick": {"type": "choice", "criteria": [f"label {i}" for i in range(40)]}})
     probs = [1.0 / 40] * 40
     result = {"answers": blink.assemble(q, {"pick": blink.Readout([[math.log(p) for p in probs]], [None])},
                                         {"pick": 1.0})}
     html = app.render_answers(q, result)
     assert html.count('class="bk-row') == 40
-    assert "<script" not in app.render_answers({"<script>": {"type": "noul"}},
-                                               {"answers": blink.assemble({"<script>": {"type": "noul"}},
-                                                                          {"<script>": blink.Readout([[0.0, 0.0]],
-                                                                                                     [None])},
-                                                                          {"<script>": 1.0})})
+    hostile = blink.parse_request("x", {"<script>": {"type": "noul"}})
+    assert "<script" not in app.render_answers(hostile, {"answers": blink.assemble(
+        hostile, {"<script>": blink.Readout([[0.0, 0.0]], [None])}, {"<script>": 1.0})})
 
 
 MOCK_QS = {
@@ -429,9 +462,10 @@ def test_rendering_of_multi_abstained_and_permuted_answers(launched):
     """Cards for the mock engine's (fabricated) multi, permuted and abstained answers: badges, chips, checklist."""
     app, _ = launched
     state = "The parcel came two weeks late and the box was crushed; I want my money back."
-    raw, _ = blink.MockEngine("org/mock").logits(state, MOCK_QS)
-    answers = blink.assemble(MOCK_QS, raw, dict.fromkeys(MOCK_QS, 1.0))
-    html = app.render_answers(MOCK_QS, {"answers": answers})
+    request = blink.parse_request(state, MOCK_QS)
+    raw = blink.MockEngine("org/mock").forward(request).readouts
+    answers = blink.assemble(request, raw, dict.fromkeys(MOCK_QS, 1.0))
+    html = app.render_answers(request, {"answers": answers})
     cards = {re.search(r'data-question="(\w+)"', part).group(1): part for part in html.split('<div class="bk-card')[1:]}
     assert list(cards) == list(MOCK_QS)
     for qkey, answer in answers.items():
@@ -451,7 +485,7 @@ def test_rendering_of_multi_abstained_and_permuted_answers(launched):
 
 def test_on_label_badge_warns_below_half_and_says_when_unknown(launched):
     app, _ = launched
-    q = {"q": {"type": "choice", "criteria": ["x", "y"]}}
+    q = blink.parse_request("x", {"q": {"type": "choice", "criteria": ["x", "y"]}})
     row = [1.0, 0.0]
 
     def badge(mass):
@@ -465,17 +499,18 @@ def test_on_label_badge_warns_below_half_and_says_when_unknown(launched):
     assert badge(None) == ("bk-badge bk-mass bk-mass-na", "on-label n/a")
 
 
-def test_meta_line_names_the_temperature_source(launched, tmp_path, monkeypatch):
+def test_meta_line_names_the_temperature_source(launched, tmp_path):
     app, _ = launched
+    model = app.DEPLOYMENT.default_model
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps({"format": blink.CALIBRATION_FORMAT,
-                                "models": {blink.MODEL_ID: {"temperatures": {"choice:3-4": 2.0}}}}))
-    monkeypatch.setattr(blink, "CALIBRATION_PATH", str(path))
+                                "models": {model: {"temperatures": {"choice:3-4": 2.0}}}}))
+    settings = dataclasses.replace(app.SETTINGS, calibration_path=str(path))
     qs = {"intent": MOCK_QS["intent"], "upset": {"type": "noul"}, "tags": MOCK_QS["tags"], "more": {"type": "noul"},
           "again": {"type": "noul"}, "last": {"type": "noul"}}
-    with serving(blink.MockEngine(blink.MODEL_ID)):
-        mixed = blink.decide("x", qs)["meta"]
-        asked = blink.decide("x", qs, temperature=0.5)["meta"]
+    dep = blink.Deployment.serving(blink.MockEngine(model, settings), settings)
+    mixed = dep.decide("x", qs)["meta"]
+    asked = dep.decide("x", qs, temperature=0.5)["meta"]
     assert mixed["temperature"] == {"intent": 2.0, **dict.fromkeys(list(qs)[1:], 1.0)}
     line = app.render_meta(mixed)
     assert "T = 2 (calibration calibration.json) for intent; 1 (default) for upset, tags, more +2" in line
@@ -495,9 +530,13 @@ def test_spaces_comes_before_torch_and_weights_load_at_import():
     import subprocess
     import sys
 
-    probe = ("import sys, app, blink; m = list(sys.modules); "
-             "print(m.index('spaces') < m.index('torch'), blink._ENGINE is not None, "
-             "type(blink._live(blink._ENGINE).model).__name__)")
+    # after the import no engine may be built any more: engine() must hand back the one built at import
+    probe = ("import sys, app, blink; m = list(sys.modules)\n"
+             "def late(*args, **kwargs):\n    raise AssertionError('the engine was not built at import')\n"
+             "blink.TorchEngine.__init__ = late\n"
+             "eng = app.DEPLOYMENT.engine(); live = getattr(eng, 'live', eng)\n"
+             "print(m.index('spaces') < m.index('torch'), isinstance(live, blink.TorchEngine), "
+             "type(live.model).__name__)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300,
                          check=False, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
@@ -505,8 +544,11 @@ def test_spaces_comes_before_torch_and_weights_load_at_import():
     assert out.stdout.split()[-3:] == ["True", "True", "LlamaForCausalLM"]
 
 
-def test_gpu_reservation_fits_the_work():
-    small = blink._gpu_seconds(0, [[1] * 200] * 4, [[1, 2]] * 4)
-    large = blink._gpu_seconds(0, [[1] * 100_000] * 8, [[1, 2]] * 8)
+def test_gpu_reservation_fits_the_work(launched):
+    app, _ = launched
+    eng = app.DEPLOYMENT.engine()
+    key = getattr(eng, "live", eng).key  # the served live model, whose settings cap the reservation
+    small = blink._gpu_seconds(key, [[1] * 200] * 4, [[1, 2]] * 4)
+    large = blink._gpu_seconds(key, [[1] * 100_000] * 8, [[1, 2]] * 8)
     assert small == blink.GPU_RESERVE_BASE_S + 1
-    assert small < large == blink.GPU_DURATION
+    assert small < large == app.SETTINGS.gpu_duration

@@ -3,9 +3,11 @@ batching worker gives its caller a clear error at once and the next caller is se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import pathlib
 import subprocess
 import sys
 import threading
@@ -20,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_deployment_that_cannot_serve_refuses_to_start(tmp_path):
-    recording = blink.load_recording(blink.REPLAY_PATH)
+    recording = json.loads(pathlib.Path(blink.Settings().replay_path).read_text())  # the bundled replay.json
     corrupt, foreign, malformed = tmp_path / "corrupt.json", tmp_path / "foreign.json", tmp_path / "malformed.json"
     corrupt.write_text('{"model": "x", "requests": {')
     foreign.write_text(json.dumps({**recording, "model": "someone/else"}))
@@ -28,14 +30,15 @@ def test_a_deployment_that_cannot_serve_refuses_to_start(tmp_path):
     entry = {**recording["requests"][key], "logits": {"q": ["not a number"]}}
     malformed.write_text(json.dumps({**recording, "requests": {**recording["requests"], key: entry}}))
     labels = tiny_models.build_letterless_tokenizer(tmp_path / "no-letters")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
+    default = blink.Settings.from_env(env).default_model  # the model app.py serves with no BLINK_MODEL set
     cases = [  # (environment, what the one line must say)
         ({"BLINK_ENGINE": "replay", "BLINK_REPLAY": str(corrupt)}, f"recording {corrupt} cannot be read"),
         ({"BLINK_ENGINE": "replay", "BLINK_REPLAY": str(foreign)},
-         f"recording {foreign} was made by someone/else, not by the served model {blink.MODEL_ID}"),
+         f"recording {foreign} was made by someone/else, not by the served model {default}"),
         ({"BLINK_REPLAY": str(malformed)}, f"recording {malformed} has a malformed entry {key!r}"),
         ({"BLINK_ENGINE": "torch", "BLINK_MODEL": labels}, "verified single-token labels; A..Z must all verify"),
     ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
     procs = [subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env={**env, "GRADIO_ANALYTICS_ENABLED": "False", **extra})
              for extra, _ in cases]  # all at once: each spends its time importing Gradio
@@ -48,18 +51,22 @@ def test_a_deployment_that_cannot_serve_refuses_to_start(tmp_path):
         assert proc.returncode == 1, (extra, out[-2000:], err[-2000:])
         assert "Traceback" not in err, err[-3000:]
         line = err.strip().splitlines()[-1]
-        served = extra.get("BLINK_MODEL", blink.MODEL_ID)
+        served = extra.get("BLINK_MODEL", default)
         assert line.startswith(f"blink: cannot serve {served}: ") and message in line, line
 
 
-def test_a_foreign_recording_is_not_served_and_says_so(launched, tmp_path, monkeypatch, caplog):
+def test_a_foreign_recording_is_not_served_and_says_so(launched, tmp_path, caplog):
+    """The app's deployment, given a recording another model made, has none (its presets run live) and logs why."""
     app, _ = launched
     other = tmp_path / "replay.json"
-    other.write_text(json.dumps({**blink.load_recording(blink.REPLAY_PATH), "model": "someone/else"}))
-    monkeypatch.setattr(blink, "replay_path", lambda model_id=None: str(other))
-    with caplog.at_level(logging.WARNING, logger="blink.app"):
-        assert app.recording_info() is None
-    assert f"{other} was recorded by someone/else, not by the served model {blink.MODEL_ID}" in caplog.text
+    other.write_text(json.dumps({**json.loads(pathlib.Path(app.SETTINGS.replay_path).read_text()),
+                                 "model": "someone/else"}))
+    dep = blink.Deployment(dataclasses.replace(app.SETTINGS, replay_path=str(other)))
+    with caplog.at_level(logging.WARNING, logger="blink"):
+        assert dep.recording() is None
+    model = app.DEPLOYMENT.default_model
+    assert f"{other} was recorded by someone/else, not by the served model {model}" in caplog.text
+    assert dep.engine_kind() == "torch"  # the stand-in runs its presets live
 
 
 def test_a_dead_batching_worker_is_a_clear_error_and_the_next_caller_is_served(launched, client, monkeypatch):
@@ -68,18 +75,18 @@ def test_a_dead_batching_worker_is_a_clear_error_and_the_next_caller_is_served(l
     class Crash(BaseException):
         """Something that kills the worker thread outright."""
 
-    real = blink.decide_many
+    question = {"urgent": {"type": "noul", "instructions": "Is this urgent?"}}
+    batcher = app.DEPLOYMENT.batcher()  # the default model's Batcher, the one /decide queues live requests on
+    real = batcher.run
     crashes = [Crash()]
 
-    def dying(requests, temperature=None, model=None):
+    def dying(jobs):
         if crashes:
             raise crashes.pop()
-        return real(requests, temperature, model)
+        return real(jobs)
 
-    question = {"urgent": {"type": "noul", "instructions": "Is this urgent?"}}
-    batcher = app.batcher(None)
     restarts = batcher.restarts
-    monkeypatch.setattr(blink, "decide_many", dying)
+    monkeypatch.setattr(batcher, "run", dying)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the dying thread's report is expected
     with pytest.raises(AppError) as err:
         client.submit("The server room is flooding.", question, api_name="/decide").result(timeout=60)

@@ -29,6 +29,7 @@ from test_fuzz import TRICKY, plausible
 import blink
 
 Q = {"q": {"type": "noul"}}
+SERVED = blink.deployment().default_model  # the model the launched app serves (app.DEPLOYMENT is this deployment)
 CRASH_MARKS = ("has not enabled verbose error reporting", "the model failed on this", "Traceback")
 PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
@@ -76,7 +77,7 @@ def mostly(plain: st.SearchStrategy, odd: st.SearchStrategy) -> st.SearchStrateg
     return st.one_of(plain, odd, plain, plain)
 
 
-MODEL = mostly(st.just(""), st.one_of(st.sampled_from([None, "nobody/nothing", blink.MODEL_ID, 3, ["x"]]), TEXT))
+MODEL = mostly(st.just(""), st.one_of(st.sampled_from([None, "nobody/nothing", SERVED, 3, ["x"]]), TEXT))
 PREFER = mostly(st.just("live"), st.sampled_from(["saved", "LIVE", "", None, 1, ["live"]]))
 IMAGES = mostly(st.none(), st.one_of(st.just([]), st.lists(DATA_URI, min_size=1, max_size=3), JSON,
                                      st.lists(TEXT, min_size=1, max_size=2),
@@ -112,13 +113,13 @@ def check_answer(app, got: dict, state, questions, temperature) -> None:
     assert list(got["answers"]) == list(qs)
     for qkey, q in qs.items():
         probs = got["answers"][qkey]["probabilities"]
-        assert list(probs) == [k for k, _ in blink.question_options(q, qkey)]
+        assert list(probs) == blink.parse_question(qkey, q).keys
         assert all(isinstance(p, float) and math.isfinite(p) for p in probs.values())
         if not q.get("multi"):  # a multi-label choice gives each option its own p(yes)
             assert math.isclose(sum(probs.values()), 1.0, abs_tol=1e-9)
     assert got["meta"]["generated_tokens"] == 0
     if got["meta"]["engine"] == "mock":
-        want = blink.decide(st_, qs, blink.check_temperature(temperature))["answers"]
+        want = app.DEPLOYMENT.decide(st_, qs, blink.check_temperature(temperature))["answers"]
         assert json.loads(json.dumps(want)) == got["answers"]
 
 
@@ -138,8 +139,10 @@ def check_batch(app, got, requests, temperature) -> None:
 @pytest.fixture()
 def mock_app(launched, client):
     """The launched app serving the mock engine for the default model, and a client."""
-    with serving(blink.MockEngine(blink.MODEL_ID)):
-        yield launched[0], client
+    app = launched[0]
+    assert app.DEPLOYMENT.default_model == SERVED
+    with serving(app, blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)):
+        yield app, client
 
 
 def run_decide(app, client, counts: Counter, args: tuple) -> None:
@@ -151,7 +154,7 @@ def run_decide(app, client, counts: Counter, args: tuple) -> None:
         counts[f"field {check_refusal(exc)}"] += 1
         counts["refused"] += 1
         return
-    served = model is None or (isinstance(model, str) and (not model.strip() or model == blink.MODEL_ID))
+    served = model is None or (isinstance(model, str) and (not model.strip() or model == app.DEPLOYMENT.default_model))
     assert served and prefer in ("live", "saved") and images in (None, [])
     check_answer(app, got, state, questions, temperature)
     counts["answered"] += 1
@@ -180,7 +183,7 @@ def test_decide_api_on_arbitrary_input(mock_app):
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(state=STATE, questions=QUESTIONS, temperature=PLAIN_TEMPERATURE, model=MODEL, prefer=PREFER,
            images=IMAGES)
-    @case_of(state="x" * (blink.MAX_REQUEST_CHARS + 1))
+    @case_of(state="x" * (app.SETTINGS.max_request_chars + 1))
     @case_of(questions={f"q{i}": {"type": "noul"} for i in range(513)})
     @case_of(questions={"q": {"type": "choice", "criteria": [f"o{i}" for i in range(256)]}})
     @case_of(questions={"q": {"type": "choice", "criteria": []}})

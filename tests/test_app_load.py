@@ -16,18 +16,16 @@ from gradio_client.exceptions import AppError
 from gradio_client.utils import QueueError
 from test_load import N_CALLERS, assert_same_answers, load_line, request, run_callers
 
-import blink
 
-
-def answered_alone(i: int) -> dict:
-    """Caller i's request decided on its own, in process, by the engine the app serves."""
-    return blink.decide(*request(i))["answers"]
+def answered_alone(app, i: int) -> dict:
+    """Caller i's request decided on its own, in process, by the engine the launched app serves."""
+    return app.DEPLOYMENT.decide(*request(i))["answers"]
 
 
 def test_32_callers_each_get_their_own_answer(launched, tiny_qwen):
-    _, url = launched
+    app, url = launched
     clients = [Client(url, verbose=False) for _ in range(N_CALLERS)]  # each caller its own connection and session
-    with serving(tiny_qwen):
+    with serving(app, tiny_qwen):
         results, errors, latencies = run_callers(
             lambda i: clients[i].submit(*request(i), api_name="/decide").result(timeout=300), timeout_s=320)
         print(load_line("/decide under load", results, errors, latencies))
@@ -35,12 +33,14 @@ def test_32_callers_each_get_their_own_answer(launched, tiny_qwen):
         assert all(r["meta"]["engine"] == "torch" for r in results.values())
         assert max(r["meta"]["batched_requests"] for r in results.values()) > 1  # requests really shared forwards
         for i in range(N_CALLERS):
-            assert_same_answers(results[i]["answers"], answered_alone(i), tolerance=1e-5)
+            assert_same_answers(results[i]["answers"], answered_alone(app, i), tolerance=1e-5)
 
 
 def test_a_full_queue_says_busy_and_never_answers_wrongly(launched, crowded_app):
     """12 callers at once against a queue of 2 events, 4 running, a Batcher holding one waiting request and a slow
-    forward: each gets its own answer, the Batcher's busy error, or Gradio's queue-full error."""
+    forward: each gets its own answer, the Batcher's busy error, or Gradio's queue-full error. The crowded app
+    serves the stand-in as the launched app does, so the launched app's answers are the reference."""
+    app, _ = launched
     url, _ = crowded_app
     client = Client(url, verbose=False)
     n = 12
@@ -60,6 +60,6 @@ def test_a_full_queue_says_busy_and_never_answers_wrongly(launched, crowded_app)
           f"{len(outcomes['queue full'])} told the queue is full")
     assert outcomes["answer"] and outcomes["busy"] and outcomes["queue full"]
     for i, got in outcomes["answer"]:
-        assert_same_answers(got["answers"], answered_alone(i))
+        assert_same_answers(got["answers"], answered_alone(app, i))
     again = client.predict(*request(0), api_name="/decide")  # the crowd gone, a caller is served again
-    assert_same_answers(again["answers"], answered_alone(0))
+    assert_same_answers(again["answers"], answered_alone(app, 0))

@@ -15,9 +15,9 @@ STATES = ["Paid in full on Monday, thanks!", "Still waiting for the refund. This
           {"order": 17, "status": "unpaid", "note": "customer is delighted with the product"}]
 
 
-def answers_alone(state) -> dict:
+def answers_alone(dep: blink.Deployment, state) -> dict:
     """The answers decide() gives for one request on its own."""
-    return blink.decide(state, QS)["answers"]
+    return dep.decide(state, QS)["answers"]
 
 
 def close(a: dict, b: dict) -> bool:
@@ -27,56 +27,61 @@ def close(a: dict, b: dict) -> bool:
 
 
 @pytest.fixture()
-def live(standin, served):
-    served(standin)
-    return standin
+def live(standin, served) -> blink.Deployment:
+    """A deployment serving the loaded stand-in."""
+    return served(standin)
+
+
+@pytest.fixture(scope="module")
+def short_context() -> blink.TorchEngine:
+    """The stand-in loaded again with a per-question limit of 400 tokens (BLINK_MAX_INPUT_TOKENS=400)."""
+    return blink.TorchEngine(blink.STANDIN_MODEL, settings=blink.Settings(max_input_tokens=400))
 
 
 def test_decide_many_packs_and_keeps_each_request_its_own(live):
     bad = {"q": {"type": "score", "criteria": ["one"]}}
-    out = blink.decide_many([(STATES[0], QS), ("x", bad), (STATES[1], QS), (STATES[2], QS)])
+    out = live.decide_many([(STATES[0], QS), ("x", bad), (STATES[1], QS), (STATES[2], QS)])
     assert isinstance(out[1], blink.BlinkError) and "2 to 10 levels" in str(out[1])
     for i, state in ((0, STATES[0]), (2, STATES[1]), (3, STATES[2])):
         assert out[i]["meta"]["batched_requests"] == 3
-        assert close(out[i]["answers"], answers_alone(state))
+        assert close(out[i]["answers"], answers_alone(live, state))
 
 
-def test_render_error_stays_with_its_request(live, monkeypatch):
-    monkeypatch.setattr(blink, "MAX_INPUT_TOKENS", 400)
+def test_render_error_stays_with_its_request(live, short_context, served):
     long_state = "word " * 500
-    out = blink.decide_many([(long_state, QS), (STATES[0], QS)])
+    out = served(short_context).decide_many([(long_state, QS), (STATES[0], QS)])
     assert isinstance(out[0], blink.BlinkError) and "over the maximum context length" in str(out[0])
-    assert close(out[1]["answers"], answers_alone(STATES[0]))
+    assert close(out[1]["answers"], answers_alone(live, STATES[0]))
 
 
 def test_packed_failure_falls_back_to_one_request_at_a_time(live, monkeypatch):
-    real = blink.TorchEngine.logits_rendered
+    real = blink.TorchEngine._run_text
     calls = []
 
-    def flaky(self, works):
-        calls.append(len(works))
-        if len(works) > 1:
+    def flaky(self, jobs):
+        calls.append(len(jobs))
+        if len(jobs) > 1:
             raise RuntimeError("CUDA out of memory (simulated)")
-        return real(self, works)
+        return real(self, jobs)
 
-    monkeypatch.setattr(blink.TorchEngine, "logits_rendered", flaky)
-    out = blink.decide_many([(s, QS) for s in STATES])
+    monkeypatch.setattr(blink.TorchEngine, "_run_text", flaky)
+    out = live.decide_many([(s, QS) for s in STATES])
     assert calls == [3, 1, 1, 1]
     for state, res in zip(STATES, out):
-        assert close(res["answers"], answers_alone(state))
+        assert close(res["answers"], answers_alone(live, state))
 
 
 def test_decide_many_refuses_a_bad_temperature(live):
     with pytest.raises(blink.BlinkError, match="temperature"):
-        blink.decide_many([(STATES[0], QS)], temperature=float("nan"))
+        live.decide_many([(STATES[0], QS)], temperature=float("nan"))
 
 
-def test_batcher_groups_concurrent_requests(live):
-    batcher = blink.Batcher(window_s=0.3, max_requests=8)
+def test_batcher_groups_concurrent_requests(live, standin, served):
+    dep = served(standin, blink.Settings(batch_window_ms=300, batch_max_requests=8))
     results: dict = {}
 
     def call(i: int) -> None:
-        results[i] = batcher.submit(STATES[i], QS)
+        results[i] = dep.submit(dep.request(STATES[i], QS))
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
     for t in threads:
@@ -85,66 +90,83 @@ def test_batcher_groups_concurrent_requests(live):
         t.join(timeout=60)
     assert max(r["meta"]["batched_requests"] for r in results.values()) > 1
     for i, state in enumerate(STATES):
-        assert close(results[i]["answers"], answers_alone(state))
+        assert close(results[i]["answers"], answers_alone(live, state))
 
 
 def test_batcher_refuses_bad_input_before_queueing(live):
-    batcher = blink.Batcher(window_s=0.01)
+    batcher = live.batcher()
     with pytest.raises(blink.BlinkError, match="questions must be a non-empty object"):
-        batcher.submit("x", {})
-    assert batcher.q.qsize() == 0
+        live.submit(live.request("x", {}))
+    with pytest.raises(blink.ImageError, match="this model reads text only"):  # refused by the engine's prepare
+        live.submit(live.request("x", QS, images=["data:image/png;base64,AAAA"]))
+    assert batcher.q.qsize() == 0 and live.batcher() is batcher
     with pytest.raises(ValueError, match="batch window"):
-        blink.Batcher(window_s=2.0)
+        blink.Batcher(blink.run_jobs, window_s=2.0)
     with pytest.raises(ValueError, match="max_requests"):
-        blink.Batcher(window_s=0.1, max_requests=0)
+        blink.Batcher(blink.run_jobs, window_s=0.1, max_requests=0)
+    with pytest.raises(ValueError, match="max_queued"):
+        blink.Batcher(blink.run_jobs, window_s=0.1, max_queued=0)
 
 
-def test_batcher_queue_full_says_busy(live, monkeypatch):
-    release = threading.Event()
+def test_batcher_queue_full_says_busy(live):
+    release, entered = threading.Event(), threading.Event()
+    eng = live.engine()
 
-    def slow(requests, temperature=None, model=None):
+    def slow(jobs):
+        entered.set()
         release.wait(10)
-        return [{"answers": {}, "meta": {}} for _ in requests]
+        return [blink.Forward({}, 0, "test", blink.LIVE) for _ in jobs]
 
-    monkeypatch.setattr(blink, "decide_many", slow)
-    batcher = blink.Batcher(window_s=0.0, max_requests=1, max_queued=1)
-    first = threading.Thread(target=batcher.submit, args=("a", QS))
+    batcher = blink.Batcher(slow, window_s=0.0, max_requests=1, max_queued=1)
+    jobs = [eng.prepare(live.request(s, QS)) for s in "abc"]
+    first = threading.Thread(target=batcher.submit, args=(jobs[0],))
     first.start()
-    deadline = time.monotonic() + 5
-    while batcher.q.qsize() and time.monotonic() < deadline:  # the worker has taken the first request
-        time.sleep(0.01)
-    second = threading.Thread(target=batcher.submit, args=("b", QS))
+    assert entered.wait(5)  # the worker has taken the first request and holds it
+    second = threading.Thread(target=batcher.submit, args=(jobs[1],))
     second.start()
+    deadline = time.monotonic() + 5
     while not batcher.q.qsize() and time.monotonic() < deadline:  # the second one waits in the queue
         time.sleep(0.01)
     with pytest.raises(blink.BlinkBusy, match="busy: 1 requests are already waiting; retry shortly"):
-        batcher.submit("c", QS)
+        batcher.submit(jobs[2])
     release.set()
     first.join(5)
     second.join(5)
     assert not first.is_alive() and not second.is_alive()
+    # submit_all answers the job that found room and keeps the refusal in the refused job's place
+    release.clear()
+    entered.clear()
+    first = threading.Thread(target=batcher.submit, args=(jobs[0],))
+    first.start()
+    assert entered.wait(5)
+    threading.Timer(0.5, release.set).start()
+    waiting, refused = batcher.submit_all([jobs[1], jobs[2]])
+    assert isinstance(waiting, blink.Forward) and isinstance(refused, blink.BlinkBusy)
+    first.join(5)
+    assert not first.is_alive()
 
 
 def test_dead_worker_fails_its_callers_then_restarts(live, monkeypatch):
     class Crash(BaseException):
         """Something that kills the worker thread outright."""
 
-    real = blink.decide_many
     state = {"crash": True}
 
-    def dying(requests, temperature=None, model=None):
+    def dying(jobs):
         if state["crash"]:
             state["crash"] = False
             raise Crash()
-        return real(requests, temperature, model)
+        return blink.run_jobs(jobs)
 
-    monkeypatch.setattr(blink, "decide_many", dying)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the dying thread's report is expected
-    batcher = blink.Batcher(window_s=0.0)
+    batcher = blink.Batcher(dying, window_s=0.0)
+    job = live.engine().prepare(live.request(STATES[0], QS))
+    worker = batcher.worker
     with pytest.raises(RuntimeError, match="the batching worker stopped"):
-        batcher.submit(STATES[0], QS)
+        batcher.submit(job)
     batcher.worker.join(5)
-    assert not batcher.alive()
-    out = batcher.submit(STATES[0], QS)
+    assert batcher.worker is worker and not batcher.alive() and batcher.restarts == 0  # dead until the next submit
+    out = batcher.submit(job)
+    assert batcher.worker is not worker
     assert batcher.restarts == 1 and batcher.alive()
-    assert close(out["answers"], answers_alone(STATES[0]))
+    assert close(live.answer(job, out, 0.0)["answers"], answers_alone(live, STATES[0]))

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import arms  # noqa: E402
 import limits  # noqa: E402
+import order  # noqa: E402
 import run  # noqa: E402
 import throughput  # noqa: E402
 import workloads  # noqa: E402
@@ -71,3 +72,37 @@ def test_subsample_and_percentile_rules():
     assert run.ladder(64, 2100, 24000) == 8 and run.ladder(64, 330, 24000) == 64 and run.ladder(8, 9000, 1) == 1
     assert throughput.percentile([1, 2, 3, 4], 50) == 2.5 and throughput.percentile([7], 99) == 7
     assert list(workloads.questions(8, 4, 3)) == list(workloads.questions(64, 4, 3))[:8]  # nested question sets
+
+
+def test_prefix_arm_shares_the_evidence_and_leaves_the_engine_as_it_was(tiny_qwen):
+    before = tiny_qwen.settings
+    doc = workloads.document(tiny_qwen.tok, 400)
+    qs = workloads.questions(3, 4, workloads.ticket_count(doc))
+    plain = arms.blink_request(tiny_qwen, doc, qs, prefix=False)
+    shared = arms.blink_request(tiny_qwen, doc, qs, prefix=True)
+    assert tiny_qwen.settings is before and not before.prefix_cache
+    assert plain.extra["shared_prefix_tokens"] == 0 and shared.extra["shared_prefix_tokens"] > 256
+    seqs = arms.render_ids(tiny_qwen, doc, qs)
+    assert shared.prefill_tokens == sum(n for _, n in run.spans_of(seqs, before, True)) < plain.prefill_tokens
+    assert plain.prefill_tokens == sum(map(len, seqs)) == sum(n for _, n in run.spans_of(seqs, before, False))
+    assert arms.label_logit_gap(plain.rows, shared.rows) < 1e-4 and plain.choices == shared.choices
+
+
+def test_throughput_runs_answer_every_request(tiny_qwen):
+    docs = [workloads.document(tiny_qwen.tok, 40, seed=100 + i) for i in range(5)]
+    requests = [(d, workloads.questions(1, 4, workloads.ticket_count(d))) for d in docs]
+    serial = throughput.serial_run(tiny_qwen, requests, 2, 2, prefix=False)
+    batched = throughput.batcher_run(tiny_qwen, requests, 20, 2, 2, prefix=False)
+    for row in (serial, batched):
+        assert row["completed"] == row["requests"] == 4 and row["errors"] == []
+    assert batched["target"] == "Batcher" and batched["window_ms"] == 20 and batched["mean_batched_requests"] >= 1
+
+
+def test_order_arm_maps_every_rotation_back_to_the_option_keys(tiny_qwen):
+    question = order.QUESTIONS[:1]
+    k = len(question[0][2])
+    full = order.run_arm(tiny_qwen, question, "all")
+    plain = order.run_arm(tiny_qwen, question, None)
+    assert full["requests"] == plain["requests"] == k and full["prompts"] == k * k and plain["prompts"] == k
+    assert full["flip_rate"] == 0 and full["model_ms"] > 0  # the same K rotations averaged whatever the listed order
+    assert full["per_question"][0]["picks"][0] in question[0][2]

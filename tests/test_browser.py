@@ -49,9 +49,10 @@ def test_opens_on_a_recorded_preset(page):
     expect(page.locator("#answers .bk-card").first).to_be_visible()
 
 
-def test_preset_renders_from_the_recording_then_edit_runs_live(page):
+def test_preset_renders_from_the_recording_then_edit_runs_live(page, launched):
     from playwright.sync_api import expect
 
+    app, _ = launched
     pick_preset(page, NEWS)
     card = page.locator('#answers .bk-card[data-question="topic"]')
     expect(card.locator(".bk-row")).to_have_count(30)  # every option has its bar, no top-k cut
@@ -63,7 +64,7 @@ def test_preset_renders_from_the_recording_then_edit_runs_live(page):
                                             "the football club, funded partly by a hotel tax.")
     page.locator("#decide").click()
     expect(page.locator("#meta .bk-live")).to_contain_text("the model ran on this input", timeout=90_000)
-    expect(page.locator("#meta .bk-meta")).to_contain_text(blink.MODEL_ID)
+    expect(page.locator("#meta .bk-meta")).to_contain_text(app.DEPLOYMENT.default_model)
     expect(card.locator(".bk-row")).to_have_count(30)
     widths = card.locator(".bk-fill").evaluate_all("els => els.map(e => parseFloat(e.style.width))")
     assert max(widths) == pytest.approx(100.0) and all(0 <= w <= 100 for w in widths)
@@ -81,16 +82,17 @@ def test_score_and_noul_cards(page):
     expect(meter).to_have_attribute("aria-valuenow", re.compile(r"^0\.\d{4}$|^1\.0000$"))
 
 
-def test_refusals_and_fabricated_numbers_show_in_the_page(page):
+def test_refusals_and_fabricated_numbers_show_in_the_page(page, launched):
     from playwright.sync_api import expect
 
+    app, _ = launched
     page.locator("#evidence textarea").fill("   ")
     page.locator("#decide").click()
     expect(page.locator("#meta .bk-error")).to_contain_text("state is empty")
     expect(page.locator("#meta .bk-error")).to_contain_text("(field: state)")
 
     page.locator("#evidence textarea").fill("Two charges of $480 appeared on the March invoice.")
-    with serving(blink.MockEngine(blink.MODEL_ID)):
+    with serving(app, blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)):
         page.locator("#decide").click()
         expect(page.locator("#meta .bk-fabricated")).to_contain_text("fabricated")
     expect(page.locator("#meta .bk-fabricated")).to_be_visible()
@@ -106,8 +108,9 @@ def test_feature_preset_shows_badges_checklist_rotations_and_abstention(page, la
 
     app, _ = launched
     ex = app.PRESETS[INCIDENT]
-    raw, _ = blink.ReplayEngine(blink.REPLAY_PATH).logits(ex["state"], ex["questions"])
-    answers = blink.assemble(ex["questions"], raw, dict.fromkeys(ex["questions"], 1.0))
+    request = blink.parse_request(ex["state"], ex["questions"])
+    raw = blink.ReplayEngine(app.SETTINGS.replay_path).forward(request).readouts
+    answers = blink.assemble(request, raw, dict.fromkeys(ex["questions"], 1.0))
     pick_preset(page, INCIDENT)
     expect(page.locator("#meta .bk-replay")).to_contain_text("no model call")
     expect(page.locator("#meta .bk-meta")).to_contain_text("T = 1 (request)")

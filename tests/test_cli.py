@@ -38,6 +38,16 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_cli_on_off_variables_take_exactly_the_documented_words():
+    qs = '{"q": {"type": "noul"}}'
+    done = run("--state", "x", "--questions", qs, env={"BLINK_MOCK": "YES"})  # any case
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["meta"]["engine"] == "mock"
+    done = run("--state", "x", "--questions", qs, env={"BLINK_MOCK": "maybe"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "error: BLINK_MOCK must be 1/0, true/false, yes/no or on/off (got 'maybe')"
+
+
 def test_record_writes_a_stamped_recording_that_replays(tmp_path, monkeypatch):
     examples = tmp_path / "examples"
     examples.mkdir()
@@ -45,11 +55,14 @@ def test_record_writes_a_stamped_recording_that_replays(tmp_path, monkeypatch):
                "questions": {"ok": {"type": "noul", "instructions": "Did the parcel arrive intact?"}}}
     (examples / "t.json").write_text(json.dumps(example))
     out = tmp_path / "replay.json"
-    monkeypatch.setattr(blink, "EXAMPLES_DIR", str(examples))
-    data = blink.record(blink.STANDIN_MODEL, str(out))
+    monkeypatch.setattr(blink, "EXAMPLES_DIR", str(examples))  # a module constant, not a setting: no other way in
+    settings = blink.Settings()
+    data = blink.record(blink.STANDIN_MODEL, str(out), settings=settings)
     assert data["model"] == blink.STANDIN_MODEL and "CPU" in data["hardware"]
-    rec = blink.ReplayEngine(str(out), model_id=blink.STANDIN_MODEL)
-    raw, n_tokens = rec.logits(example["state"], example["questions"])
+    rec = blink.ReplayEngine(str(out), model_id=blink.STANDIN_MODEL, settings=settings)
+    result = rec.forward(blink.parse_request(example["state"], example["questions"], settings=settings))
+    raw, n_tokens = result.readouts, result.input_tokens
+    assert result.source == "recording" and result.engine == "replay"
     assert n_tokens > 50 and len(raw["ok"].logits) == 1 and len(raw["ok"].logits[0]) == 2
     entry = next(iter(data["requests"].values()))
     assert entry["example"] == "t.json" and entry["latency_ms"] > 0

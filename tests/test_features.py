@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,17 @@ INTENT = {"type": "choice", "instructions": "What does the customer want?",
 TAGS = {"type": "choice", "instructions": "Which problems are reported?",
         "criteria": {"damaged": "the item is damaged", "late": "the delivery was late"}, "multi": True}
 UPSET = {"type": "noul", "instructions": "Is the customer upset?"}
+DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
+
+
+def parse(q: dict, key: str = "q") -> blink.Question:
+    """One question, parsed."""
+    return blink.parse_question(key, q)
+
+
+def req(state, questions: dict, **options) -> blink.Request:
+    """A request parsed at default settings."""
+    return blink.parse_request(state, questions, settings=DEFAULTS, **options)
 
 
 def rot(q: dict, shift: int) -> dict:
@@ -49,8 +61,8 @@ def test_label_mass_is_the_share_of_the_whole_vocabulary_on_the_labels():
 def test_label_mass_does_not_depend_on_the_temperature():
     logits, lse = mass_of([0.6, 0.1], 0.3)
     q = {"type": "choice", "criteria": ["x", "y"]}
-    hot = blink.answer_question(q, "q", blink.Readout([logits], [lse]), 5.0)
-    cold = blink.answer_question(q, "q", blink.Readout([logits], [lse]), 0.2)
+    hot = blink.answer_question(parse(q), blink.Readout([logits], [lse]), 5.0)
+    cold = blink.answer_question(parse(q), blink.Readout([logits], [lse]), 0.2)
     assert hot["label_mass"] == cold["label_mass"] == pytest.approx(0.7)
     assert hot["probabilities"]["x"] < cold["probabilities"]["x"]
 
@@ -60,12 +72,13 @@ def test_rotations_are_evenly_spaced_and_lettered_in_shown_order():
     assert blink.rotation_shifts(4, 2) == [0, 2]
     assert blink.rotation_shifts(5, 2) == [0, 2]
     q = {"type": "choice", "criteria": ["a", "b", "c", "d"], "permute": 2}
-    rows = blink.prompt_rows(q, "q")
-    assert [[k for k, _ in shown] for _, shown in rows] == [["a", "b", "c", "d"], ["c", "d", "a", "b"]]
-    plain = {"type": "choice", "criteria": ["a", "b", "c", "d"]}
-    assert blink.prompt_rows(plain, "q") == [(plain, blink.question_options(plain, "q"))]
-    shown_q, shown = rows[1]
-    message = json.loads(blink.user_message("s", shown_q, ["A", "B", "C", "D"], shown))
+    rows = parse(q).rows
+    assert [[o.key for o in row.shown] for row in rows] == [["a", "b", "c", "d"], ["c", "d", "a", "b"]]
+    plain = parse({"type": "choice", "criteria": ["a", "b", "c", "d"]})
+    # one prompt, the request's own rendering: its criterion and its options in request order
+    assert plain.rows == (blink.PromptRow("", plain.options),)
+    assert [(o.key, o.text) for o in plain.options] == [("a", "a"), ("b", "b"), ("c", "c"), ("d", "d")]
+    message = json.loads(blink.user_message("s", rows[1], ["A", "B", "C", "D"]))
     assert [(o["letter"], o["description"]) for o in message["options"]] == [("A", "c"), ("B", "d"), ("C", "a"),
                                                                              ("D", "b")]
 
@@ -73,7 +86,7 @@ def test_rotations_are_evenly_spaced_and_lettered_in_shown_order():
 def test_position_bias_averages_out_and_is_measured():
     q = {"type": "choice", "criteria": ["a", "b", "c"], "permute": 3}
     biased = [math.log(0.6), math.log(0.3), math.log(0.1)]  # always favours whatever is shown first
-    out = blink.answer_question(q, "q", blink.Readout([biased] * 3, [None] * 3), 1.0)
+    out = blink.answer_question(parse(q), blink.Readout([biased] * 3, [None] * 3), 1.0)
     assert out["probabilities"] == pytest.approx({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3})
     assert out["rotation_choices"] == ["a", "b", "c"] and out["rotations"] == 3
     tv = 0.5 * (abs(0.6 - 1 / 3) + abs(0.3 - 1 / 3) + abs(0.1 - 1 / 3))
@@ -81,19 +94,19 @@ def test_position_bias_averages_out_and_is_measured():
     assert out["choice"] == "a"  # an exact tie goes to the earlier option
     # a model that reads the options: b wins wherever b is shown (rotation 0 shows a b c, 1 shows b c a, 2 c a b)
     rows = [[0.0, 2.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 2.0]]
-    steady = blink.answer_question(q, "q", blink.Readout(rows, [None] * 3), 1.0)
+    steady = blink.answer_question(parse(q), blink.Readout(rows, [None] * 3), 1.0)
     assert steady["choice"] == "b" and steady["rotation_choices"] == ["b", "b", "b"]
     assert steady["order_sensitivity"] == pytest.approx(0.0, abs=1e-12)
 
 
 def test_multi_reads_an_independent_yes_per_option():
     rows = [[math.log(0.8), math.log(0.2)], [math.log(0.3), math.log(0.7)]]
-    out = blink.answer_question(TAGS, "tags", blink.Readout(rows, [None, None]), 1.0)
+    out = blink.answer_question(parse(TAGS, "tags"), blink.Readout(rows, [None, None]), 1.0)
     assert out["multi"] is True and out["probabilities"] == pytest.approx({"damaged": 0.8, "late": 0.3})
     assert out["choices"] == ["damaged"] and out["confidence"] == pytest.approx(0.4)  # min(|2p - 1|)
-    shown_q, shown = blink.prompt_rows(TAGS, "tags")[1]
-    assert shown == [("yes", "Yes"), ("no", "No")]
-    assert shown_q["instructions"] == "Which problems are reported?\nDoes this option apply: late: the delivery was late"
+    row = parse(TAGS, "tags").rows[1]
+    assert [(o.key, o.text) for o in row.shown] == [("yes", "Yes"), ("no", "No")]
+    assert row.criterion == "Which problems are reported?\nDoes this option apply: late: the delivery was late"
 
 
 @pytest.mark.parametrize("q, rows, lse, fields, reason", [
@@ -109,7 +122,7 @@ def test_multi_reads_an_independent_yes_per_option():
      [0.0, 0.0], {"choices": None}, "confidence 0.2000 is below min_confidence 0.5"),
 ])
 def test_abstention_replaces_the_pick_with_the_reason(q, rows, lse, fields, reason):
-    out = blink.answer_question(q, "q", blink.Readout(rows, lse), 1.0)
+    out = blink.answer_question(parse(q), blink.Readout(rows, lse), 1.0)
     assert out["abstained"] is True and reason in out["reason"]
     assert {k: out[k] for k in fields} == fields
     assert sum(out["probabilities"].values()) > 0.99 or q.get("multi")  # the distribution stays for the reader
@@ -118,9 +131,9 @@ def test_abstention_replaces_the_pick_with_the_reason(q, rows, lse, fields, reas
 def test_an_answer_that_meets_its_thresholds_says_so_and_plain_ones_are_unchanged():
     rows = [[math.log(0.7), math.log(0.2), math.log(0.1)]]
     q = {**INTENT, "abstain": {"min_label_mass": 0.5, "min_confidence": 0.3}}
-    out = blink.answer_question(q, "q", blink.Readout(rows, [0.0]), 1.0)
+    out = blink.answer_question(parse(q), blink.Readout(rows, [0.0]), 1.0)
     assert out["abstained"] is False and out["choice"] == "refund" and "reason" not in out
-    plain = blink.answer_question(INTENT, "q", blink.Readout(rows, [0.0]), 1.0)
+    plain = blink.answer_question(parse(INTENT), blink.Readout(rows, [0.0]), 1.0)
     assert list(plain) == ["type", "choice", "probabilities", "confidence", "label_mass"]
 
 
@@ -139,7 +152,7 @@ def test_an_answer_that_meets_its_thresholds_says_so_and_plain_ones_are_unchange
 ])
 def test_every_new_field_is_validated_with_its_location(extra, loc, message):
     with pytest.raises(blink.BlinkError) as caught:
-        blink.validate({"intent": {**INTENT, **extra}})
+        blink.parse_questions({"intent": {**INTENT, **extra}})
     assert message in str(caught.value) and "question 'intent'" in str(caught.value)
     assert caught.value.loc == ["body", "questions", "intent", *loc]
 
@@ -147,15 +160,19 @@ def test_every_new_field_is_validated_with_its_location(extra, loc, message):
 @pytest.mark.parametrize("q, field", [(UPSET, "permute"), ({"type": "score", "criteria": ["a", "b"]}, "multi")])
 def test_permute_and_multi_are_for_choice_questions(q, field):
     with pytest.raises(blink.BlinkError, match=f"{field} applies to choice questions only") as caught:
-        blink.validate({"q": {**q, field: 2 if field == "permute" else True}})
+        blink.parse_questions({"q": {**q, field: 2 if field == "permute" else True}})
     assert caught.value.loc == ["body", "questions", "q", field]
 
 
-def test_prompt_count_is_capped(monkeypatch):
-    monkeypatch.setattr(blink, "MAX_PROMPTS", 5)
-    blink.validate({"a": {**INTENT, "permute": 3}, "b": TAGS})
-    with pytest.raises(blink.BlinkError, match="6 prompts to run") as caught:
-        blink.validate({"a": {**INTENT, "permute": 3}, "b": TAGS, "c": UPSET})
+def test_prompt_count_is_capped():
+    assert blink.MAX_PROMPTS == 2048
+    # eight multi questions of 255 options render 2040 prompts; a permuted choice adds one prompt per rotation
+    wide = {f"m{i}": {"type": "choice", "criteria": [f"o{j}" for j in range(255)], "multi": True} for i in range(8)}
+    nine = {"type": "choice", "criteria": [f"k{j}" for j in range(9)]}
+    at_cap = blink.parse_questions({**wide, "p": {**nine, "permute": 8}})
+    assert sum(len(q.rows) for q in at_cap) == 2048
+    with pytest.raises(blink.BlinkError, match="2049 prompts to run") as caught:
+        blink.parse_questions({**wide, "p": {**nine, "permute": 9}})
     assert caught.value.loc == ["body", "questions"]
 
 
@@ -178,15 +195,14 @@ def test_nll_ece_and_the_fitted_temperature_by_hand():
     ({"type": "choice", "criteria": ["only"]}, "choice:1"),
 ])
 def test_calibration_groups(q, group):
-    assert blink.calibration_group(q, "q") == group
+    assert parse(q).group == group
 
 
 # --- engines without a model --------------------------------------------------------------------------------------
 
 
 def test_mock_fabricates_a_label_mass_and_says_so(served):
-    served(blink.MockEngine("org/mock"))
-    out = blink.decide(STATE, {"intent": {**INTENT, "permute": 3}, "tags": TAGS})
+    out = served(blink.MockEngine("org/mock")).decide(STATE, {"intent": {**INTENT, "permute": 3}, "tags": TAGS})
     assert out["meta"]["fabricated"] is True and "fabricated" in out["meta"]["notice"]
     for answer in out["answers"].values():
         assert 0.55 <= answer["label_mass"] <= 0.95
@@ -200,31 +216,30 @@ def write_calibration(path, model_id: str, temperatures: dict) -> None:
                                 "models": {model_id: {"temperatures": temperatures}}}))
 
 
-def test_temperature_comes_from_request_calibration_or_default(tmp_path, served, monkeypatch):
+def test_temperature_comes_from_request_calibration_or_default(tmp_path, served):
     path = tmp_path / "calibration.json"
-    monkeypatch.setattr(blink, "CALIBRATION_PATH", str(path))
-    served(blink.MockEngine("org/mock"))
+    dep = served(blink.MockEngine("org/mock", replace(DEFAULTS, calibration_path=str(path))))
     qs = {"intent": INTENT, "upset": UPSET}
-    meta = blink.decide(STATE, qs)["meta"]
+    meta = dep.decide(STATE, qs)["meta"]
     assert meta["temperature"] == 1.0 and meta["temperature_source"] == "default"
     write_calibration(path, "org/other", {"choice:3-4": 2.0})  # another model's fit is never applied
-    assert blink.decide(STATE, qs)["meta"]["temperature_source"] == "default"
+    assert dep.decide(STATE, qs)["meta"]["temperature_source"] == "default"
     write_calibration(path, "org/mock", {"choice:3-4": 2.0})
-    out = blink.decide(STATE, qs)
+    out = dep.decide(STATE, qs)
     assert out["meta"]["temperature"] == {"intent": 2.0, "upset": 1.0}
     assert out["meta"]["temperature_source"] == {"intent": f"calibration:{path}", "upset": "default"}
-    raw, _ = blink.engine().logits(STATE, qs)
+    raw = dep.engine().forward(dep.request(STATE, qs)).readouts
     assert out["answers"]["intent"]["probabilities"]["refund"] == pytest.approx(
         blink.softmax(raw["intent"].logits[0], 2.0)[0])
     write_calibration(path, "org/mock", {"choice:3-4": 2.0, "noul:2": 2.0})
-    assert blink.decide(STATE, qs)["meta"]["temperature"] == 2.0
-    asked = blink.decide(STATE, qs, temperature=0.5)["meta"]
+    assert dep.decide(STATE, qs)["meta"]["temperature"] == 2.0
+    asked = dep.decide(STATE, qs, temperature=0.5)["meta"]
     assert asked["temperature"] == 0.5 and asked["temperature_source"] == "request"
-    many = blink.decide_many([(STATE, qs)])[0]["meta"]
+    many = dep.decide_many([(STATE, qs)])[0]["meta"]
     assert many["temperature"] == 2.0 and many["temperature_source"] == f"calibration:{path}"
     path.write_text(json.dumps({"models": {"org/mock": {"temperatures": {"noul:2": -1}}}}))
     with pytest.raises(blink.BlinkError, match=f"calibration {path}: model 'org/mock' needs temperatures"):
-        blink.decide(STATE, qs)
+        dep.decide(STATE, qs)
 
 
 def recording(path, model: str, state, questions: dict, entry: dict) -> None:
@@ -237,19 +252,17 @@ def test_old_recordings_give_no_label_mass_and_new_ones_replay_every_prompt(tmp_
     path = tmp_path / "replay.json"
     qs = {"upset": {**UPSET, "abstain": {"min_label_mass": 0.2}}}
     recording(path, "org/a", STATE, qs, {"logits": {"upset": [1.0, 0.0]}})
-    served(blink.ReplayEngine(str(path), model_id="org/a"))
-    old = blink.decide(STATE, qs)["answers"]["upset"]
+    old = served(blink.ReplayEngine(str(path), model_id="org/a")).decide(STATE, qs)["answers"]["upset"]
     assert old["label_mass"] is None and old["abstained"] is True and "unknown" in old["reason"]
     qs = {"intent": {**INTENT, "permute": 3}}
     rows = [[math.log(0.6), math.log(0.3), math.log(0.1)]] * 3
     recording(path, "org/a", STATE, qs, {"logits": {"intent": rows}, "lse": {"intent": [math.log(2.0)] * 3}})
-    served(blink.ReplayEngine(str(path), model_id="org/a"))
-    new = blink.decide(STATE, qs)["answers"]["intent"]
+    new = served(blink.ReplayEngine(str(path), model_id="org/a")).decide(STATE, qs)["answers"]["intent"]
     assert new["label_mass"] == pytest.approx(0.5) and new["order_sensitivity"] > 0.2
     recording(path, "org/a", STATE, qs, {"logits": {"intent": rows[:2]}})
-    served(blink.ReplayEngine(str(path), model_id="org/a"))
+    dep = served(blink.ReplayEngine(str(path), model_id="org/a"))
     with pytest.raises(blink.ReplayMiss, match="does not match its options"):
-        blink.decide(STATE, qs)
+        dep.decide(STATE, qs)
     recording(path, "org/a", STATE, qs, {"logits": {"intent": rows}, "lse": {"intent": [0.0]}})
     with pytest.raises(blink.BlinkError, match="malformed entry"):
         blink.ReplayEngine(str(path))
@@ -261,8 +274,10 @@ LIVE_QS = {
     "intent": {**INTENT, "permute": 3},
     "tags": TAGS,
     # the multi question's two prompts, asked as plain noul questions: they must read exactly the same
-    "as_noul_damaged": {"type": "noul", "instructions": blink.multi_criterion(TAGS, "damaged: the item is damaged")},
-    "as_noul_late": {"type": "noul", "instructions": blink.multi_criterion(TAGS, "late: the delivery was late")},
+    "as_noul_damaged": {"type": "noul",
+                        "instructions": blink.multi_criterion(TAGS["instructions"], "damaged: the item is damaged")},
+    "as_noul_late": {"type": "noul",
+                     "instructions": blink.multi_criterion(TAGS["instructions"], "late: the delivery was late")},
     "upset": UPSET,
 }
 
@@ -277,12 +292,14 @@ def live(standin):
         calls.append(len(seqs))
         return forward(key, seqs, cands)
 
+    request = req(STATE, LIVE_QS)
     blink._forward = counted
     try:
-        raw, n_tokens = standin.logits(STATE, LIVE_QS)
+        result = standin.forward(request)
     finally:
         blink._forward = forward
-    return {"raw": raw, "n_tokens": n_tokens, "calls": calls, "prompts": standin.render(STATE, LIVE_QS)}
+    return {"raw": result.readouts, "n_tokens": result.input_tokens, "calls": calls, "request": request,
+            "prompts": standin.render(request)}
 
 
 def test_every_prompt_runs_in_the_same_forward(live):
@@ -310,26 +327,29 @@ def test_multi_prompts_are_the_noul_rendering(live, standin):
     for row, twin in enumerate(["as_noul_damaged", "as_noul_late"]):
         assert raw["tags"].logits[row] == pytest.approx(raw[twin].logits[0], abs=1e-5)
         assert raw["tags"].lse[row] == pytest.approx(raw[twin].lse[0], abs=1e-5)
-    answers = blink.assemble(LIVE_QS, raw, {q: 1.0 for q in LIVE_QS})
+    answers = blink.assemble(live["request"], raw, {q: 1.0 for q in LIVE_QS})
     assert answers["tags"]["probabilities"]["late"] == pytest.approx(answers["as_noul_late"]["noul"], abs=1e-6)
 
 
 def test_options_keep_the_trained_rendering(standin):
-    plain = standin.render(STATE, {"intent": INTENT})[0]
-    opted = standin.render(STATE, {"intent": {**INTENT, "abstain": {"min_confidence": 0.2}, "multi": False}})[0]
-    rotations = standin.render(STATE, {"intent": {**INTENT, "permute": 3}})
+    plain = standin.render(req(STATE, {"intent": INTENT}))[0]
+    opted = standin.render(req(STATE, {"intent": {**INTENT, "abstain": {"min_confidence": 0.2}, "multi": False}}))[0]
+    rotations = standin.render(req(STATE, {"intent": {**INTENT, "permute": 3}}))
     assert opted.ids == plain.ids == rotations[0].ids
-    assert rotations[1].ids == standin.render(STATE, {"intent": rot(INTENT, 1)})[0].ids
+    assert rotations[1].ids == standin.render(req(STATE, {"intent": rot(INTENT, 1)}))[0].ids
     assert rotations[1].keys == ["replacement", "advice", "refund"]
 
 
-def test_batched_readout_and_shared_prefix_carry_the_same_label_mass(live, standin, monkeypatch):
-    monkeypatch.setattr(standin, "readout", "batched")
-    monkeypatch.setattr(standin, "prefix_cache", True)
-    monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", 8)
-    qs = {"intent": LIVE_QS["intent"]}
-    assert blink._prefix_len_used([p.ids for p in standin.render(STATE, qs)], True) > 8
-    raw, _ = standin.logits(STATE, qs)
+def test_batched_readout_and_shared_prefix_carry_the_same_label_mass(live):
+    settings = replace(DEFAULTS, readout="batched", prefix_cache=True, prefix_min_tokens=8)
+    eng = blink.TorchEngine(blink.STANDIN_MODEL, settings=settings)
+    request = req(STATE, {"intent": LIVE_QS["intent"]})
+    seqs = [p.ids for p in eng.render(request)]
+    ((rows, shared),) = blink._prefix_groups(seqs, settings)  # the three rotations share one prefix, encoded once
+    assert rows == [0, 1, 2] and shared > 8
+    result = eng.forward(request)
+    assert result.prefill_tokens == sum(map(len, seqs)) - 2 * shared
+    raw = result.readouts
     for row in range(3):
         assert raw["intent"].lse[row] == pytest.approx(live["raw"]["intent"].lse[row], abs=1e-4)
         assert raw["intent"].logits[row] == pytest.approx(live["raw"]["intent"].logits[row], abs=1e-4)
@@ -338,20 +358,20 @@ def test_batched_readout_and_shared_prefix_carry_the_same_label_mass(live, stand
 def test_a_recording_replays_every_prompt_and_the_label_mass(live, tmp_path, served):
     path = tmp_path / "replay.json"
     recording(path, blink.STANDIN_MODEL, STATE, LIVE_QS, blink.recording_entry(live["raw"]))
-    served(blink.ReplayEngine(str(path), model_id=blink.STANDIN_MODEL))
-    replayed = blink.decide(STATE, LIVE_QS)["answers"]
-    assert replayed == blink.assemble(LIVE_QS, live["raw"], {q: 1.0 for q in LIVE_QS})
+    dep = served(blink.ReplayEngine(str(path), model_id=blink.STANDIN_MODEL))
+    replayed = dep.decide(STATE, LIVE_QS)["answers"]
+    assert replayed == blink.assemble(live["request"], live["raw"], {q: 1.0 for q in LIVE_QS})
     assert all(a["label_mass"] is not None for a in replayed.values())
 
 
 def test_rotating_the_options_flips_the_plain_choice_but_not_the_robust_one(standin, served):
-    served(standin)
+    dep = served(standin)
     q = {"type": "choice", "instructions": "Which department should handle this ticket?",
          "criteria": {"billing": "payments and invoices", "shipping": "deliveries and parcels",
                       "tech": "software and login problems"}}
     requests = [(STATE, {"q": rot(q, s)}) for s in range(3)] + [(STATE, {"q": {**rot(q, s), "permute": 3}})
                                                                 for s in range(3)]
-    results = blink.decide_many(requests)
+    results = dep.decide_many(requests)
     plain = [r["answers"]["q"] for r in results[:3]]
     robust = [r["answers"]["q"] for r in results[3:]]
     plain_flips = len({a["choice"] for a in plain}) > 1
@@ -369,35 +389,34 @@ def test_rotating_the_options_flips_the_plain_choice_but_not_the_robust_one(stan
     assert all(0 < a["label_mass"] < 1 for a in plain + robust)
 
 
-def test_calibrate_fits_the_stand_in_and_decide_applies_it(standin, served, tmp_path, monkeypatch, capsys):
-    served(standin)
+def test_calibrate_fits_the_stand_in_and_decide_applies_it(standin, served, tmp_path):
     out = tmp_path / "calibration.json"
-    monkeypatch.setattr(blink, "CALIBRATION_PATH", str(out))
+    dep = served(standin, replace(standin.settings, calibration_path=str(out)))
     data = os.path.join(ROOT, "tests", "data", "calibration.jsonl")
-    assert blink.main(["calibrate", data]) == 0
-    printed = capsys.readouterr().out
+    # what `python blink.py calibrate DATA` prints, for this deployment (the command line uses the process's own)
+    printed = blink.format_calibration(blink.calibrate(data, served=dep))
     assert "NLL before" in printed and "ECE after" in printed and str(out) in printed
     entry = json.loads(out.read_text())["models"][blink.STANDIN_MODEL]
     assert set(entry["temperatures"]) == {"choice:3-4", "noul:2"}
     for group, fit in entry["fit"].items():
         assert fit["prompts"] == 12 and fit["nll_after"] <= fit["nll_before"]
         assert f"{group:<12} {fit['prompts']:>7} {fit['temperature']:>11.4f}" in printed
-    meta = blink.decide(STATE, {"intent": INTENT})["meta"]
+    meta = dep.decide(STATE, {"intent": INTENT})["meta"]
     assert meta["temperature"] == entry["temperatures"]["choice:3-4"]
     assert meta["temperature_source"] == f"calibration:{out}"
-    assert blink.decide(STATE, {"intent": INTENT}, temperature=1.0)["meta"]["temperature_source"] == "request"
+    assert dep.decide(STATE, {"intent": INTENT}, temperature=1.0)["meta"]["temperature_source"] == "request"
 
 
 def test_calibration_data_errors_name_the_line_and_field(tmp_path, served):
-    served(blink.MockEngine(blink.STANDIN_MODEL))
+    dep = served(blink.MockEngine(blink.STANDIN_MODEL))
     bad = tmp_path / "data.jsonl"
     bad.write_text(json.dumps({"state": "s", "questions": {"q": UPSET}, "labels": {"q": "maybe"}}) + "\n")
     with pytest.raises(blink.BlinkError, match="line 1: labels.q is 'maybe', not one of") as caught:
-        blink.read_labelled(str(bad))
+        blink.read_labelled(str(bad), dep.settings)
     assert caught.value.loc == ["line 1", "labels", "q"]
     bad.write_text("\n" + json.dumps({"state": "s", "questions": {"t": TAGS}, "labels": {"t": "late"}}))
     with pytest.raises(blink.BlinkError, match="line 2: question 't' is multi"):
-        blink.read_labelled(str(bad))
+        blink.read_labelled(str(bad), dep.settings)
     good = os.path.join(ROOT, "tests", "data", "calibration.jsonl")
     with pytest.raises(blink.BlinkError, match="the mock engine's are fabricated"):
-        blink.calibrate(good)
+        blink.calibrate(good, served=dep)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import blink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
 # Text that stresses rendering: expands on lowercasing (İ, ß), combining marks, RTL, astral, NUL, data-URI lookalikes.
 TRICKY = st.sampled_from(["İstanbul", "Straße", "ﬁ", "e\u0301", "مرحبا", "😀", "\x00", "", " ", "\r\n",
                           "data:image/png;base64,", "DATA:IMAGE/PNG ;BASE64,AAAA", "{", "[1,", "A", "ZZ"])
@@ -66,7 +67,7 @@ def check_answer(out: dict, questions: dict) -> None:
     assert set(out["answers"]) == set(questions)
     for qkey, q in questions.items():
         answer = out["answers"][qkey]
-        keys = [k for k, _ in blink.question_options(q, qkey)]
+        keys = blink.parse_question(qkey, q).keys
         assert list(answer["probabilities"]) == keys
         assert math.isclose(sum(answer["probabilities"].values()), 1.0, rel_tol=1e-9)
     assert out["meta"]["generated_tokens"] == 0
@@ -83,7 +84,7 @@ def check_error(exc: Exception) -> None:
 @given(state=STATE, questions=QUESTIONS, temperature=TEMPERATURE)
 def test_decide_on_arbitrary_input(mock_served, state, questions, temperature):
     try:
-        out = blink.decide(state, questions, temperature=temperature)
+        out = mock_served.decide(state, questions, temperature=temperature)
     except Exception as exc:  # noqa: BLE001 - the property is about what escapes
         check_error(exc)
         return
@@ -94,7 +95,7 @@ def test_decide_on_arbitrary_input(mock_served, state, questions, temperature):
 @given(requests=st.lists(st.one_of(st.tuples(STATE, QUESTIONS), JSONISH), max_size=5))
 def test_decide_many_on_arbitrary_input(mock_served, requests):
     try:
-        out = blink.decide_many(requests)
+        out = mock_served.decide_many(requests)
     except Exception as exc:  # noqa: BLE001
         check_error(exc)
         return
@@ -111,14 +112,13 @@ def test_decide_many_on_arbitrary_input(mock_served, requests):
 @given(state=STATE, questions=QUESTIONS)
 def test_real_tokenizer_renders_or_refuses(standin, state, questions):
     try:
-        blink.validate_request(state, questions)
-        prompts = standin.render(state, questions)
+        prompts = standin.render(blink.parse_request(state, questions, settings=DEFAULTS))
     except Exception as exc:  # noqa: BLE001
         check_error(exc)
         return
     assert [p.qkey for p in prompts] == list(questions)
     for p in prompts:
-        assert p.ids and len(p.cand) == len(blink.question_options(questions[p.qkey], p.qkey))
+        assert p.ids and len(p.cand) == len(blink.parse_question(p.qkey, questions[p.qkey]).options)
 
 
 CLI_CASES = [

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from image_samples import data_uri, declared_png, encode, exif_rotated_jpeg, gradient, png_uri
@@ -16,9 +19,10 @@ URI = png_uri(gradient(96, 64))
 PAYLOAD = URI.split(",", 1)[1]
 Q = {"q": {"type": "choice", "instructions": "Which fits?", "criteria": ["a", "b"]}}
 SMALL = blink.ImageLimits(min_pixels=4096, factor=32)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def refusal(state, images=blink._NO_IMAGES, limits=SMALL) -> tuple[str, list]:
+def refusal(state, images=(), limits=SMALL) -> tuple[str, list]:
     """The message and location of the ImageError a request's images raise."""
     with pytest.raises(blink.ImageError) as err:
         blink.extract_images(state, images, limits)
@@ -65,6 +69,15 @@ def test_text_mentioning_data_uris_is_plain_text():
         assert blink.extract_images(s) is None
     assert blink.extract_images({"a": 1, "b": [None, True, 2.5]}) is None
     assert blink.extract_images("text", []) is None
+
+
+def test_images_not_given_is_none_or_empty():
+    # the _NO_IMAGES sentinel is gone: (), [] and None all mean "no listed images"; the state's own still count
+    for none in ((), [], None):
+        assert blink.inspect_images("text", none) is None and blink.extract_images("text", none) is None
+        req = blink.extract_images(f"see {URI}", none, SMALL)
+        assert req.state == "see [image 1]" and len(req.images) == 1 and req.loc == ["body", "state"]
+    assert blink.extract_images(f"see {URI}", limits=SMALL).state == "see [image 1]"
 
 
 def test_mime_type_must_match_the_decoded_format():
@@ -138,30 +151,35 @@ def test_image_count_is_checked_before_anything_is_decoded(monkeypatch):
     assert refusal([junk, junk, junk]) == ("at most 2 images per request", ["body", "state", 2])
 
 
-def test_limits_come_from_the_environment_and_are_range_checked(monkeypatch):
-    monkeypatch.setenv("BLINK_MAX_IMAGES", "1")
+def env_limits(env: dict) -> blink.ImageLimits:
+    """The image limits a deployment reads from these environment variables."""
+    return blink.Settings.from_env(env, gpu=False).image_limits
+
+
+def test_limits_come_from_the_environment_and_are_range_checked():
     with pytest.raises(blink.ImageError, match="at most 1 images per request"):
-        blink.extract_images([URI, URI])
+        blink.extract_images([URI, URI], limits=env_limits({"BLINK_MAX_IMAGES": "1"}))
     bounds = {"BLINK_MAX_IMAGES": (1, 8), "BLINK_MAX_IMAGE_BYTES": (1024, 33554432),
               "BLINK_MAX_IMAGE_PIXELS": (65536, 16777216), "BLINK_MAX_IMAGE_SOURCE_PIXELS": (65536, 64000000)}
+    fields = {"BLINK_MAX_IMAGES": "max_images", "BLINK_MAX_IMAGE_BYTES": "max_bytes",
+              "BLINK_MAX_IMAGE_PIXELS": "max_pixels", "BLINK_MAX_IMAGE_SOURCE_PIXELS": "max_source_pixels"}
     for name, (lo, hi) in bounds.items():
         for ok in (lo, hi):
-            monkeypatch.setenv(name, str(ok))
-            blink.image_limits()
-        for bad in (lo - 1, hi + 1):
-            monkeypatch.setenv(name, str(bad))
-            with pytest.raises(blink.BlinkError, match=f"^{name} must be from {lo} to {hi}$"):
-                blink.image_limits()
-        monkeypatch.setenv(name, "many")
-        with pytest.raises(blink.BlinkError, match=f"^{name} must be an integer from {lo} to {hi}$"):
-            blink.image_limits()
-        monkeypatch.delenv(name)
-    assert blink.image_limits() == blink.ImageLimits()
+            assert getattr(env_limits({name: str(ok)}), fields[name]) == ok
+        for bad in (str(lo - 1), str(hi + 1), "many"):
+            with pytest.raises(blink.BlinkError, match=f"^{name} must be a whole number from {lo} to {hi} "
+                                                       rf"\(got '{bad}'\)$"):
+                env_limits({name: bad})
+    assert env_limits({}) == blink.ImageLimits() == blink.Settings().image_limits
 
 
-def test_the_environment_is_not_read_for_text_requests(monkeypatch):
+def test_the_environment_is_not_read_by_the_image_functions(monkeypatch):
+    # Limits are read once, into Settings; inspect_images and extract_images take theirs as an argument only.
     monkeypatch.setenv("BLINK_MAX_IMAGES", "nonsense")
     assert blink.inspect_images({"text": "no images here"}) is None
+    assert blink.inspect_images([URI, URI]).limits == blink.ImageLimits()
+    monkeypatch.setenv("BLINK_MAX_IMAGES", "1")
+    assert len(blink.extract_images([URI, URI], limits=SMALL).images) == 2
 
 
 def test_decoded_bytes_limit():
@@ -173,11 +191,11 @@ def test_decoded_bytes_limit():
         "image 1 must contain 1-1024 decoded bytes")
 
 
-def test_source_pixels_limit(monkeypatch):
-    monkeypatch.setenv("BLINK_MAX_IMAGE_SOURCE_PIXELS", "65536")
+def test_source_pixels_limit():
+    limits = env_limits({"BLINK_MAX_IMAGE_SOURCE_PIXELS": "65536"})
     with pytest.raises(blink.ImageError, match="^image 1 exceeds 65536 source pixels$"):
-        blink.extract_images(png_uri(gradient(300, 300)))
-    assert blink.extract_images(png_uri(gradient(256, 256))).images[0].size == (256, 256)
+        blink.extract_images(png_uri(gradient(300, 300)), limits=limits)
+    assert blink.extract_images(png_uri(gradient(256, 256)), limits=limits).images[0].size == (256, 256)
 
 
 def test_decompression_bombs_are_refused_from_the_header():
@@ -242,29 +260,31 @@ def test_rgba_and_palette_images_become_rgb():
 
 
 def test_text_only_engines_refuse_images_at_their_location(served):
-    served(blink.MockEngine("mock-model"))
+    dep = served(blink.MockEngine("mock-model"))
     with pytest.raises(blink.ImageError) as err:
-        blink.decide({"doc": "x", "photo": URI}, Q)
+        dep.decide({"doc": "x", "photo": URI}, Q)
     assert str(err.value) == "this model reads text only" and err.value.loc == ["body", "state", "photo"]
     with pytest.raises(blink.ImageError) as err:
-        blink.decide("x", Q, images=[URI])
+        dep.decide("x", Q, images=[URI])
     assert err.value.loc == ["body", "images", 0]
     with pytest.raises(blink.ImageError, match="at most 2 images"):  # the count comes before the text-only refusal
-        blink.decide([URI, URI, URI], Q)
-    assert blink.decide("plain text", Q)["answers"]["q"]["choice"] in ("a", "b")
+        dep.decide([URI, URI, URI], Q)
+    assert dep.decide("plain text", Q)["answers"]["q"]["choice"] in ("a", "b")
 
 
 def test_batching_keeps_image_refusals_per_request(served):
-    served(blink.MockEngine("mock-model"))
-    out = blink.decide_many([("text", Q), ({"p": URI}, Q), ("more text", Q, [URI]), ("text", Q, [])])
+    dep = served(blink.MockEngine("mock-model"))
+    out = dep.decide_many([("text", Q), ({"p": URI}, Q), ("more text", Q, [URI]), ("text", Q, [])])
     assert out[0]["answers"]["q"]["choice"] in ("a", "b") and out[3]["answers"] == out[0]["answers"]
     assert isinstance(out[1], blink.ImageError) and out[1].loc == ["body", "state", "p"]
     assert isinstance(out[2], blink.ImageError) and out[2].loc == ["body", "images", 0]
-    batcher = blink.Batcher(0.0, model="mock-model")
+    batcher = dep.batcher("mock-model")
     with pytest.raises(blink.ImageError, match="this model reads text only"):
-        batcher.submit("x", Q, images=[URI])
+        dep.submit(dep.request("x", Q, images=[URI]), "mock-model")
     assert batcher.q.qsize() == 0
-    assert batcher.submit("text", Q)["answers"] == out[0]["answers"]
+    items = dep.submit_many([dep.request("x", Q, images=[URI]), dep.request("text", Q)])
+    assert isinstance(items[0], blink.ImageError) and items[0].loc == ["body", "images", 0]
+    assert items[1]["answers"] == dep.submit(dep.request("text", Q))["answers"] == out[0]["answers"]
 
 
 def test_image_data_uri_reads_the_files_own_format(tmp_path):
@@ -279,10 +299,20 @@ def test_image_data_uri_reads_the_files_own_format(tmp_path):
         blink.image_data_uri(str(gif))
 
 
-def test_command_line_images(served, tmp_path, capsys):
-    served(blink.MockEngine("mock-model"))
+def test_command_line_images(tmp_path):
+    # The command line serves the deployment its environment describes: here the mock engine, which reads text only.
     path = tmp_path / "photo.png"
     path.write_bytes(encode(gradient(64, 64), "PNG"))
-    assert blink.main(["--state", "a photo", "--questions", json.dumps(Q), "--image", str(path)]) == 2
-    assert capsys.readouterr().err.strip() == "error: this model reads text only"
-    assert blink.main(["--state", "a photo", "--questions", json.dumps(Q)]) == 0
+    env = {**os.environ, "BLINK_ENGINE": "mock", "BLINK_MODEL": "mock-model"}
+
+    def main(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, os.path.join(ROOT, "blink.py"), "--state", "a photo", "--questions",
+                               json.dumps(Q), *args], env=env, capture_output=True, text=True, timeout=120)
+
+    refused = main("--image", str(path))
+    assert refused.returncode == 2 and refused.stderr.strip() == "error: this model reads text only"
+    answered = main()
+    assert answered.returncode == 0, answered.stderr
+    out = json.loads(answered.stdout)
+    assert out["meta"]["engine"] == "mock" and out["meta"]["model"] == "mock-model"
+    assert out["answers"]["q"]["choice"] in ("a", "b")

@@ -7,6 +7,12 @@ import pytest
 import blink
 
 Q = {"q": {"type": "noul", "instructions": "ok?"}}
+DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
+
+
+def parse(state, questions, settings: blink.Settings = DEFAULTS) -> blink.Request:
+    """A request checked and parsed under these settings."""
+    return blink.parse_request(state, questions, settings=settings)
 
 
 def nested(depth: int):
@@ -19,53 +25,79 @@ def nested(depth: int):
 
 def test_deep_nesting_is_refused_without_recursion():
     with pytest.raises(blink.BlinkError, match="nests deeper than 64 levels") as caught:
-        blink.validate_request({"a": nested(100_000)}, Q)
+        parse({"a": nested(100_000)}, Q)
     assert caught.value.loc[:3] == ["body", "state", "a"]
-    blink.validate_request(nested(60), Q)
+    parse(nested(60), Q)
+    with pytest.raises(blink.BlinkError, match="nests deeper than 64 levels") as caught:
+        parse("x", {"q": {"type": "choice", "criteria": {"a": nested(100)}}})
+    assert caught.value.loc[:5] == ["body", "questions", "q", "criteria", "a"]
+    with pytest.raises(blink.BlinkError, match="nests deeper than 8 levels"):
+        parse(nested(9), Q, blink.Settings(max_json_depth=8))
+    parse(nested(7), Q, blink.Settings(max_json_depth=8))
+    assert blink.check_json(nested(8), ["body", "state"], 10, 8) == 0
+    with pytest.raises(blink.BlinkError, match="nests deeper than 7 levels"):
+        blink.check_json(nested(8), ["body", "state"], 10, 7)
 
 
-def test_deep_json_text_state_stays_text():
+def test_deep_json_text_state_is_refused_not_read_as_text():
+    # JSON text too deep to parse is refused at body.state (it used to be read as plain evidence text)
     deep = "[" * 100_000 + "]" * 100_000
-    assert blink.as_state(deep) == deep
+    with pytest.raises(blink.BlinkError, match="state nests too deep to read") as caught:
+        blink.as_state(deep)
+    assert caught.value.loc == ["body", "state"]
+    assert blink.as_state("[[1, 2") == "[[1, 2"  # text that only looks like JSON still stays text
 
 
-def test_oversized_request_is_refused(monkeypatch):
-    monkeypatch.setattr(blink, "MAX_REQUEST_CHARS", 1000)
+def test_over_long_integers_are_refused_with_their_location():
+    long_int = 10**blink.MAX_INT_DIGITS  # one digit more than allowed
+    with pytest.raises(blink.BlinkError, match="over 4000 digits") as caught:
+        parse({"a": [1, long_int]}, Q)
+    assert caught.value.loc == ["body", "state", "a", 1]
+    with pytest.raises(blink.BlinkError, match="over 4000 digits") as caught:
+        parse("x", {"q": {"type": "choice", "criteria": {"a": -long_int}}})
+    assert caught.value.loc == ["body", "questions", "q", "criteria", "a"]
+    parse({"a": long_int - 1}, Q)  # 4000 digits are allowed
+    with pytest.raises(blink.BlinkError) as caught:  # as JSON text, too long to convert: refused, not read as text
+        blink.as_state('{"a": ' + "9" * 5000 + "}")
+    assert caught.value.loc == ["body", "state"]
+
+
+def test_oversized_request_is_refused():
+    small = blink.Settings(max_request_chars=1000)
     with pytest.raises(blink.BlinkError, match="over 1000 characters") as caught:
-        blink.validate_request("x" * 1001, Q)
+        parse("x" * 1001, Q, small)
     assert caught.value.loc == ["body"]
     with pytest.raises(blink.BlinkError, match="over 1000 characters"):
-        blink.validate_request("x" * 900, {"q": {"type": "noul", "instructions": "y" * 200}})
+        parse("x" * 900, {"q": {"type": "noul", "instructions": "y" * 200}}, small)
 
 
 def test_non_json_values_are_refused():
     with pytest.raises(blink.BlinkError, match="must be text or JSON \\(got bytes\\)") as caught:
-        blink.validate_request({"blob": b"\x00"}, Q)
+        parse({"blob": b"\x00"}, Q)
     assert caught.value.loc == ["body", "state", "blob"]
     with pytest.raises(blink.BlinkError, match="non-text key 3"):
-        blink.validate_request({3: "x"}, Q)
+        parse({3: "x"}, Q)
     with pytest.raises(blink.BlinkError, match="must be text or JSON"):
-        blink.validate_request("x", {"q": {"type": "choice", "criteria": {"a": object()}}})
+        parse("x", {"q": {"type": "choice", "criteria": {"a": object()}}})
 
 
-def test_total_tokens_are_capped_before_the_forward(standin, monkeypatch):
-    monkeypatch.setattr(blink, "MAX_REQUEST_TOKENS", 300)
+def test_total_tokens_are_capped_before_the_forward(monkeypatch):
+    eng = blink.TorchEngine(blink.STANDIN_MODEL, settings=blink.Settings(max_request_tokens=300))
     calls = []
     monkeypatch.setattr(blink, "_forward", lambda *a: calls.append(a))
     qs = {f"q{i}": {"type": "noul", "instructions": f"question {i}?"} for i in range(4)}
     with pytest.raises(blink.BlinkError, match=r"renders to \d+ tokens over all questions, over the limit of 300"):
-        standin.logits("some evidence", qs)
+        eng.forward(parse("some evidence", qs))
     assert calls == []
 
 
-def test_decide_many_checks_its_batch(monkeypatch):
-    monkeypatch.setattr(blink, "ENGINE", "mock")
-    monkeypatch.setattr(blink, "_ENGINE", None)
+def test_decide_many_checks_its_batch():
+    dep = blink.Deployment(blink.Settings(engine="mock"))
     with pytest.raises(blink.BlinkError, match="requests must be a list of 1-64"):
-        blink.decide_many([])
+        dep.decide_many([])
     with pytest.raises(blink.BlinkError, match="requests must be a list"):
-        blink.decide_many([("x", Q)] * 65)
-    out = blink.decide_many([("x", Q), "not a pair", ("x", {})])
+        dep.decide_many([("x", Q)] * 65)
+    out = dep.decide_many([("x", Q), "not a pair", ("x", {})])
     assert out[0]["meta"]["engine"] == "mock"
     assert isinstance(out[1], blink.BlinkError) and out[1].loc == ["body", "requests", 1]
     assert isinstance(out[2], blink.BlinkError) and "non-empty object" in str(out[2])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from dataclasses import replace
 
-import blink
 
 N_CALLERS = 32
 TOPICS = ["billing", "shipping", "returns", "login", "warranty", "pricing", "privacy", "other"]
@@ -68,10 +68,10 @@ def assert_same_answers(got: dict, want: dict, tolerance: float = 1e-6) -> None:
 def test_concurrent_callers_through_the_batcher_get_their_own_answers(tiny_qwen, served):
     # the tiny Qwen3.5 (linear + full attention, as in production) keeps 32 alone-vs-batched runs quick; its fp32
     # batch-composition noise measured 1.8e-6, so answers must agree within 1e-5
-    served(tiny_qwen)
-    alone = [blink.decide(*request(i))["answers"] for i in range(N_CALLERS)]
-    batcher = blink.Batcher(window_s=0.02, max_requests=16, max_queued=N_CALLERS)
-    results, errors, latencies = run_callers(lambda i: batcher.submit(*request(i)), timeout_s=120)
+    dep = served(tiny_qwen, replace(tiny_qwen.settings, batch_window_ms=20, batch_max_requests=16,
+                                    batch_max_queued=N_CALLERS))
+    alone = [dep.decide(*request(i))["answers"] for i in range(N_CALLERS)]
+    results, errors, latencies = run_callers(lambda i: dep.submit(dep.request(*request(i))), timeout_s=120)
     print(load_line("Batcher", results, errors, latencies))
     assert not errors and len(results) == N_CALLERS
     assert max(r["meta"]["batched_requests"] for r in results.values()) > 1  # batches really formed

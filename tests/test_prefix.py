@@ -4,6 +4,7 @@ that cache (full-attention keys/values, and the linear-attention conv and recurr
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,12 +31,33 @@ QUESTIONS = {  # tails of different lengths and every question type
 }
 OTHER_DOC = "Case log of the second shop. " + DOC.replace("Ticket", "Case")
 MIN_TOKENS = 64  # a short document keeps these tests fast; the threshold itself is tested below
+_VARIANTS: dict = {}
 
 
-@pytest.fixture(autouse=True)
-def short_prefixes_count(monkeypatch):
-    """Let the short test document take the prefix path."""
-    monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", MIN_TOKENS)
+def variant(eng: blink.TorchEngine, **changes) -> blink.TorchEngine:
+    """The same model loaded by the torch engine under other settings (each model and settings loaded once)."""
+    settings = replace(eng.settings, **changes)
+    if settings == eng.settings:
+        return eng
+    key = (eng.model_id, settings)
+    if key not in _VARIANTS:
+        _VARIANTS[key] = blink.TorchEngine(eng.model_id, eng.revision, settings)
+    return _VARIANTS[key]
+
+
+def prefix_on(eng: blink.TorchEngine, **changes) -> blink.TorchEngine:
+    """The model with the prefix path on, the short test document long enough to take it."""
+    return variant(eng, prefix_cache=True, prefix_min_tokens=MIN_TOKENS, **changes)
+
+
+def req(state, questions: dict) -> blink.Request:
+    """A request parsed at default settings."""
+    return blink.parse_request(state, questions, settings=blink.Settings())
+
+
+def render(eng: blink.TorchEngine, state, questions: dict) -> list[blink.Prompt]:
+    """The engine's prompts of a request."""
+    return eng.render(req(state, questions))
 
 
 @pytest.fixture(scope="module", params=["standin", "tiny_qwen"])
@@ -49,9 +71,10 @@ _PLAIN: dict = {}
 
 def plain_logits(eng: blink.TorchEngine) -> dict:
     """The plain path's label logits for DOC/QUESTIONS, computed once per model."""
+    assert not eng.settings.prefix_cache
     if eng.key not in _PLAIN:
-        raw, prefill = run(eng, DOC, QUESTIONS, prefix=False)
-        assert prefill == sum(len(p.ids) for p in eng.render(DOC, QUESTIONS))  # every prompt token, computed
+        raw, prefill = run(eng, DOC, QUESTIONS)
+        assert prefill == sum(len(p.ids) for p in render(eng, DOC, QUESTIONS))  # every prompt token, computed
         _PLAIN[eng.key] = raw
     return _PLAIN[eng.key]
 
@@ -76,15 +99,10 @@ def spy(monkeypatch) -> dict:
     return seen
 
 
-def run(eng: blink.TorchEngine, state, questions: dict, prefix: bool) -> tuple[dict, int]:
-    """Label logits and computed prefill tokens with the prefix path on or off (the engine is restored after)."""
-    before = eng.prefix_cache
-    eng.prefix_cache = prefix
-    try:
-        raw, _ = eng.logits(state, questions)
-        return raw, eng.last_prefill_tokens
-    finally:
-        eng.prefix_cache = before
+def run(eng: blink.TorchEngine, state, questions: dict) -> tuple[dict, int]:
+    """Label logits and computed prefill tokens of one request, under the engine's own settings."""
+    result = eng.forward(req(state, questions))
+    return result.readouts, result.prefill_tokens
 
 
 def common_prefix(seqs: list[list[int]]) -> int:
@@ -112,10 +130,10 @@ def count_rows(eng: blink.TorchEngine, seen: dict):
 
 
 def test_prefix_logits_equal_plain_and_prefill_is_counted(eng, plain, spy):
-    seqs = [p.ids for p in eng.render(DOC, QUESTIONS)]
+    seqs = [p.ids for p in render(eng, DOC, QUESTIONS)]
     shared = common_prefix(seqs)
     assert shared >= MIN_TOKENS  # the document is long enough for the prefix path to run
-    raw, prefill = run(eng, DOC, QUESTIONS, prefix=True)
+    raw, prefill = run(prefix_on(eng), DOC, QUESTIONS)
     assert spy["shared"] == [(len(seqs), shared)]
     assert gap(raw, plain) < 1e-4
     assert prefill == sum(map(len, seqs)) - (len(seqs) - 1) * shared
@@ -124,65 +142,59 @@ def test_prefix_logits_equal_plain_and_prefill_is_counted(eng, plain, spy):
 # The row cap and the threshold are model-agnostic logic: they run on the tiny model, which is fast.
 
 
-def test_kv_token_cap_bounds_the_copies_held_at_once(tiny_qwen, spy, monkeypatch):
-    seqs = [p.ids for p in tiny_qwen.render(DOC, QUESTIONS)]
+def test_kv_token_cap_bounds_the_copies_held_at_once(tiny_qwen, spy):
+    seqs = [p.ids for p in render(tiny_qwen, DOC, QUESTIONS)]
     shared = common_prefix(seqs)
     longest_tail = max(len(s) for s in seqs) - shared
-    monkeypatch.setattr(blink, "PREFIX_KV_TOKENS", 2 * (shared + longest_tail))  # two copies of the prefix
-    handle = count_rows(tiny_qwen, spy)
+    eng = prefix_on(tiny_qwen, prefix_kv_tokens=2 * (shared + longest_tail))  # two copies of the prefix
+    handle = count_rows(eng, spy)
     try:
-        raw, _ = run(tiny_qwen, DOC, QUESTIONS, prefix=True)
+        raw, _ = run(eng, DOC, QUESTIONS)
     finally:
         handle.remove()
     assert spy["rows"] == [1, 2, 1]  # the prefix once, then the three tails two at a time
     assert gap(raw, plain_logits(tiny_qwen)) < 1e-4
 
 
-def test_prefix_shorter_than_min_tokens_runs_the_plain_path(tiny_qwen, spy, monkeypatch):
-    seqs = [p.ids for p in tiny_qwen.render(DOC, QUESTIONS)]
-    monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", common_prefix(seqs) + 1)
-    raw, prefill = run(tiny_qwen, DOC, QUESTIONS, prefix=True)
+def test_prefix_shorter_than_min_tokens_runs_the_plain_path(tiny_qwen, spy):
+    seqs = [p.ids for p in render(tiny_qwen, DOC, QUESTIONS)]
+    raw, prefill = run(variant(tiny_qwen, prefix_cache=True, prefix_min_tokens=common_prefix(seqs) + 1), DOC,
+                       QUESTIONS)
     assert spy["shared"] == []
     assert prefill == sum(map(len, seqs))
-    monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", common_prefix(seqs))  # exactly at the threshold: it runs
-    run(tiny_qwen, DOC, QUESTIONS, prefix=True)
+    # exactly at the threshold: it runs
+    run(variant(tiny_qwen, prefix_cache=True, prefix_min_tokens=common_prefix(seqs)), DOC, QUESTIONS)
     assert spy["shared"] == [(len(seqs), common_prefix(seqs))]
 
 
-def test_packed_requests_each_keep_their_own_prefix(tiny_qwen, spy, monkeypatch):
+def test_packed_requests_each_keep_their_own_prefix(tiny_qwen, spy):
     # decide_many and the Batcher pack several requests into one forward: each request's questions still share
     # that request's evidence, while the requests share only the system prompt.
-    first, second = tiny_qwen.render(DOC, QUESTIONS), tiny_qwen.render(OTHER_DOC, QUESTIONS)
+    first, second = render(tiny_qwen, DOC, QUESTIONS), render(tiny_qwen, OTHER_DOC, QUESTIONS)
     own = [common_prefix([p.ids for p in work]) for work in (first, second)]
     across = common_prefix([first[0].ids, second[0].ids])
     assert across < min(own)
-    monkeypatch.setattr(blink, "PREFIX_MIN_TOKENS", across + 1)
-    tiny_qwen.prefix_cache = True
-    try:
-        packed = tiny_qwen.logits_rendered([first, second])
-    finally:
-        tiny_qwen.prefix_cache = False
+    eng = variant(tiny_qwen, prefix_cache=True, prefix_min_tokens=across + 1)
+    jobs = [eng.prepare(req(DOC, QUESTIONS)), eng.prepare(req(OTHER_DOC, QUESTIONS))]
+    assert [[p.ids for p in job.work] for job in jobs] == [[p.ids for p in work] for work in (first, second)]
+    packed = eng.run(jobs)
     assert sorted(spy["shared"]) == sorted([(len(first), own[0]), (len(second), own[1])])
     computed = sum(len(p.ids) for p in first + second) - sum((len(QUESTIONS) - 1) * n for n in own)
-    assert tiny_qwen.last_prefill_tokens == computed
-    assert gap(packed[0][0], plain_logits(tiny_qwen)) < 1e-4
-    assert gap(packed[1][0], run(tiny_qwen, OTHER_DOC, QUESTIONS, prefix=False)[0]) < 1e-4
+    assert [(r.prefill_tokens, r.batched_requests) for r in packed] == [(computed, 2), (computed, 2)]
+    assert gap(packed[0].readouts, plain_logits(tiny_qwen)) < 1e-4
+    assert gap(packed[1].readouts, run(tiny_qwen, OTHER_DOC, QUESTIONS)[0]) < 1e-4
 
 
 def one_token_tails(eng: blink.TorchEngine) -> tuple[list[list[int]], list[list[int]]]:
     """Three prompts that differ only in their last token: each tail is one token, right after the prefix."""
-    base = eng.render(DOC, {"team": QUESTIONS["team"]})[0]
+    base = render(eng, DOC, {"team": QUESTIONS["team"]})[0]
     seqs = [base.ids[:-1] + [t] for t in (base.ids[-1], eng.label_ids[0], eng.label_ids[1])]
     return seqs, [base.cand] * len(seqs)
 
 
 def forward_rows(eng: blink.TorchEngine, seqs: list[list[int]], cands: list[list[int]], prefix: bool) -> list:
     """blink's forward over raw prompts, with the prefix path on or off."""
-    eng.prefix_cache = prefix
-    try:
-        return blink._forward(eng.key, seqs, cands)[0]
-    finally:
-        eng.prefix_cache = False
+    return blink._forward((prefix_on(eng) if prefix else eng).key, seqs, cands)[0]
 
 
 def test_one_token_tails(eng, spy):
@@ -212,17 +224,16 @@ def test_linear_attention_states_carry_the_prefix(tiny_qwen, monkeypatch, state)
     assert rows_gap(broken, forward_rows(tiny_qwen, seqs, cands, prefix=False)) > 1e-3
 
 
-def test_decide_reports_prefill_tokens(tiny_qwen, served, monkeypatch):
-    served(tiny_qwen)
-    monkeypatch.setattr(tiny_qwen, "prefix_cache", True)
-    seqs = [p.ids for p in tiny_qwen.render(DOC, QUESTIONS)]
-    meta = blink.decide(DOC, QUESTIONS)["meta"]
+def test_decide_reports_prefill_tokens(tiny_qwen, served):
+    dep = served(prefix_on(tiny_qwen))
+    seqs = [p.ids for p in render(tiny_qwen, DOC, QUESTIONS)]
+    meta = dep.decide(DOC, QUESTIONS)["meta"]
     assert meta["input_tokens"] == sum(map(len, seqs))
     assert meta["prefill_tokens"] == sum(map(len, seqs)) - (len(seqs) - 1) * common_prefix(seqs)
 
 
 def test_expand_cache_copies_every_state(tiny_qwen):
-    ids = torch.tensor([tiny_qwen.render(DOC, {"team": QUESTIONS["team"]})[0].ids])
+    ids = torch.tensor([render(tiny_qwen, DOC, {"team": QUESTIONS["team"]})[0].ids])
     with torch.no_grad():
         cache = tiny_qwen.backbone()(input_ids=ids, use_cache=True).cache
     big = blink._expand_cache(cache, 3)

@@ -3,14 +3,17 @@ drift from the code."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
+from dataclasses import fields
 
 import blink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTING = re.compile(r"[\"'](BLINK_[A-Z][A-Z0-9_]*)[\"']")  # a quoted name: each is an environment variable
-NUMERIC_DEFAULT = re.compile(r"os\.environ\.get\(\"(BLINK_[A-Z0-9_]+)\", \"(\d+)\"\)")
+# Read in Settings.from_env itself rather than from a field of their own.
+FROM_ENV_ONLY = {"BLINK_MOCK", "BLINK_MODEL", "BLINK_MODELS", "BLINK_REVISION"}
 
 
 def source(name: str) -> str:
@@ -19,10 +22,32 @@ def source(name: str) -> str:
         return fh.read()
 
 
+def setting_fields() -> dict:
+    """Each Settings field read from an environment variable, by that variable."""
+    return {f.metadata["env"]: f for f in fields(blink.Settings) if "env" in f.metadata}
+
+
+def variables_read() -> set[str]:
+    """Every BLINK_* variable the code reads: the Settings fields' variables, the ones Settings.from_env reads
+    itself, and any other quoted BLINK_ name in blink.py or app.py."""
+    return (set(setting_fields()) | set(SETTING.findall(inspect.getsource(blink.Settings.from_env)))
+            | set(SETTING.findall(source("blink.py") + source("app.py"))))
+
+
+def section(title: str) -> str:
+    """One "## " section of the README."""
+    return source("README.md").split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
 def limits_rows() -> list[str]:
     """The table rows of the README's "Security and limits" section."""
-    section = source("README.md").split("## Security and limits", 1)[1].split("\n## ", 1)[0]
-    return [line for line in section.splitlines() if line.startswith("|")]
+    return [line for line in section("Security and limits").splitlines() if line.startswith("|")]
+
+
+def variable_rows() -> list[list[str]]:
+    """The cells of each row of the README's "Environment variables" table (header and rule left out)."""
+    lines = [line for line in section("Environment variables").splitlines() if line.startswith("|")][2:]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
 
 
 def row_of(name: str) -> str:
@@ -32,30 +57,111 @@ def row_of(name: str) -> str:
     return rows[0]
 
 
-def shows(row: str, value: int) -> bool:
-    """True when the row states the number (written with thousands separators), not as part of another number."""
-    return re.search(rf"(?<!\d)(?<!\d,){re.escape(f'{value:,}')}(?!\d|,\d)", row) is not None
+def renderings(value) -> list[str]:
+    """The ways the README writes a number: with or without thousands separators, or as MiB (width × height is
+    matched by shows())."""
+    number = int(value) if float(value).is_integer() else value
+    out = [f"{number:,}", f"{number}"]
+    if isinstance(number, int) and number >= 2**20 and number % 2**20 == 0:
+        out.append(f"{number // 2**20} MiB")
+    return out
+
+
+def shows(row: str, value) -> bool:
+    """True when the row states the number, not as part of another number."""
+    if any(re.search(rf"(?<!\d)(?<!\d,){re.escape(r)}(?!\d|,\d)", row) for r in renderings(value)):
+        return True
+    return any(int(w) * int(h) == value for w, h in re.findall(r"(?<!\d)(\d+) × (\d+)(?!\d)", row))
+
+
+def another_value(f) -> tuple[str, object]:
+    """A valid setting for a field that differs from its default: (as the variable holds it, as the field holds it)."""
+    m, default = f.metadata, f.default
+    if isinstance(default, bool):
+        return ("0", False) if default else ("1", True)
+    if isinstance(default, (int, float)):
+        value = default + 1 if m["hi"] is None or default + 1 <= m["hi"] else default - 1
+        return str(value), value
+    if m["choices"]:
+        value = next(c for c in m["choices"] if c != default)
+        return value.upper(), value  # any case
+    return "/tmp/elsewhere", "/tmp/elsewhere"
+
+
+def test_each_variable_sets_its_field():
+    assert FROM_ENV_ONLY <= set(SETTING.findall(inspect.getsource(blink.Settings.from_env)))
+    assert len(setting_fields()) >= 25
+    base = blink.Settings.from_env({}, gpu=False)
+    for name, f in setting_fields().items():
+        raw, value = another_value(f)
+        assert getattr(base, f.name) == f.default and value != f.default, name
+        assert getattr(blink.Settings.from_env({name: raw}, gpu=False), f.name) == value, name
 
 
 def test_every_setting_the_code_reads_is_documented():
-    read = set(SETTING.findall(source("blink.py") + source("app.py")))
+    read = variables_read()
     documented = set(re.findall(r"`(BLINK_[A-Z0-9_]+)`", source("README.md")))
-    assert len(read) >= 20
+    assert len(read) >= 30
     assert sorted(read - documented) == []
+    in_table = {name for cells in variable_rows() for name in re.findall(r"`(BLINK_[A-Z0-9_]+)`", cells[0])}
+    assert sorted(read - in_table) == []  # each one has its row in the Environment variables table
 
 
 def test_limits_are_documented_with_the_defaults_of_the_code():
-    defaults = dict(NUMERIC_DEFAULT.findall(source("blink.py") + source("app.py")))
-    limits = {name: int(v) for name, v in defaults.items() if any(f"`{name}`" in row for row in limits_rows())}
+    numeric = {name: f for name, f in setting_fields().items()
+               if isinstance(f.default, (int, float)) and not isinstance(f.default, bool)}
+    limits = {name: f for name, f in numeric.items() if any(f"`{name}`" in row for row in limits_rows())}
     assert {"BLINK_MAX_INPUT_TOKENS", "BLINK_MAX_REQUEST_TOKENS", "BLINK_MAX_JSON_DEPTH", "BLINK_TOKEN_BUDGET",
-            "BLINK_QUEUE_SIZE", "BLINK_CONCURRENCY", "BLINK_BATCH_MAX_QUEUED", "BLINK_GPU_DURATION"} <= set(limits)
-    if "BLINK_MAX_REQUEST_CHARS" not in os.environ:
-        limits["BLINK_MAX_REQUEST_CHARS"] = blink.MAX_REQUEST_CHARS
-    for name, value in limits.items():
-        assert shows(row_of(name), value), (name, value, row_of(name))
+            "BLINK_QUEUE_SIZE", "BLINK_CONCURRENCY", "BLINK_BATCH_MAX_QUEUED", "BLINK_GPU_DURATION",
+            "BLINK_MAX_REQUEST_CHARS", "BLINK_BATCH_WINDOW_MS", "BLINK_BATCH_MAX_REQUESTS", "BLINK_MAX_IMAGES",
+            "BLINK_MAX_IMAGE_BYTES", "BLINK_MAX_IMAGE_PIXELS", "BLINK_MAX_IMAGE_SOURCE_PIXELS"} <= set(limits)
+    for name, f in limits.items():
+        row = row_of(name)
+        assert shows(row, f.default), (name, f.default, row)
+        if f.metadata["hi"] is not None and "–" in row:  # a row that states the allowed range states the code's
+            assert shows(row, f.metadata["lo"]) and shows(row, f.metadata["hi"]), (name, f.metadata, row)
     fixed = {"questions per request": blink.MAX_QUESTIONS, "options of a `choice`": blink.MAX_OPTIONS,
              "prompts one request renders": blink.MAX_PROMPTS,
              "requests in one `/decide_batch`": blink.MAX_BATCH_REQUESTS}
     for label, value in fixed.items():
         rows = [row for row in limits_rows() if row.startswith(f"| {label}")]
         assert len(rows) == 1 and shows(rows[0], value), (label, value, rows)
+
+
+def documented_defaults(value) -> tuple[str, ...]:
+    """How the Environment variables table may write a field's default (none: a default the hardware decides)."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, bool):
+        return (f"`{int(value)}`",)
+    if isinstance(value, (int, float)):
+        return f"`{value}`", f"`{value:g}`"
+    return ("`" + value.replace(blink.HERE + os.sep, "").replace(os.path.expanduser("~"), "~") + "`",)
+
+
+def test_the_variables_table_shows_the_defaults_of_the_code():
+    by_name = setting_fields()
+    checked = set()
+    for names_cell, default_cell, *_ in variable_rows():
+        names = re.findall(r"`(BLINK_[A-Z0-9_]+)`", names_cell)
+        if default_cell == "see below":  # the limits tables state these (test above)
+            assert all(any(f"`{name}`" in row for row in limits_rows()) for name in names), names
+            checked.update(names)
+            continue
+        parts = [p.strip() for p in default_cell.split(", ")] if len(names) > 1 else [default_cell]
+        assert len(parts) == len(names), (names, default_cell)
+        for name, part in zip(names, parts):
+            if name in by_name:
+                want = documented_defaults(by_name[name].default)
+                assert not want or part.startswith(want), (name, by_name[name].default, part)
+                checked.add(name)
+    assert sorted(set(by_name) - checked) == []
+    # the variables Settings.from_env reads itself
+    mock = next(cells for cells in variable_rows() if "`BLINK_MOCK`" in cells[0])
+    assert mock[1] == "`0`" and blink.Settings.from_env({}, gpu=False).engine == ""
+    assert blink.Settings.from_env({"BLINK_MOCK": "1"}, gpu=False).engine == "mock"
+    model = next(cells for cells in variable_rows() if "`BLINK_MODEL`" in cells[0])
+    assert f"`{blink.PRODUCTION_MODEL}`" in model[1] and "stand-in" in model[1]
+    assert blink.Settings.from_env({"SPACE_ID": "x"}, gpu=False).default_model == blink.PRODUCTION_MODEL
+    assert blink.Settings.from_env({}, gpu=True).default_model == blink.PRODUCTION_MODEL
+    assert blink.Settings.from_env({}, gpu=False).default_model == blink.STANDIN_MODEL

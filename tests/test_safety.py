@@ -39,7 +39,7 @@ def test_a_pickled_checkpoint_is_refused(tiny_qwen_dir, tmp_path):
     torch.save(load_file(weights), folder / "pytorch_model.bin")
     weights.unlink()
     with pytest.raises(OSError, match="no file named model.safetensors"):
-        blink.TorchEngine(str(folder))
+        blink.TorchEngine(str(folder), settings=blink.Settings())
 
 
 def test_hf_token_never_reaches_answers_logs_or_recordings(tmp_path):

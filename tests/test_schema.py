@@ -12,8 +12,8 @@ SYSTEM_TEXT = ("Apply the supplied criterion to the supplied evidence. Choose ex
 
 def render_user(state, q: dict) -> str:
     """The user turn blink renders for one question."""
-    items = blink.question_options(q, "q")
-    return blink.user_message(state, q, blink.LABEL_POOL[: len(items)], items)
+    (row,) = blink.parse_question("q", q).rows
+    return blink.user_message(state, row, blink.LABEL_POOL[: len(row.shown)])
 
 
 def test_system_prompt_and_label_pool_are_the_trained_ones():
@@ -99,6 +99,8 @@ def test_as_state_passes_json_through_and_keeps_text():
     ({"q": "yes?"}, "question 'q' must be an object", ["body", "questions", "q"]),
     ({"q": {"type": "rank"}}, "question 'q': type must be one of choice, noul, score", ["body", "questions", "q", "type"]),
     ({"q": {}}, "question 'q': type must be one of", ["body", "questions", "q", "type"]),
+    ({"q": {"type": ["noul"]}}, "question 'q': type must be one of", ["body", "questions", "q", "type"]),
+    ({"q": {"type": {"noul": 1}}}, "question 'q': type must be one of", ["body", "questions", "q", "type"]),
     ({"q": {"type": "choice"}}, "question 'q': a choice needs criteria", ["body", "questions", "q", "criteria"]),
     ({"q": {"type": "choice", "criteria": "red"}}, "a choice needs criteria", ["body", "questions", "q", "criteria"]),
     ({"q": {"type": "choice", "criteria": []}}, "question 'q': 0 options; supported 1-255",
@@ -123,16 +125,17 @@ def test_as_state_passes_json_through_and_keeps_text():
 ])
 def test_every_bad_request_names_the_question_and_field(questions, needle, loc):
     with pytest.raises(blink.BlinkError) as caught:
-        blink.validate(questions)
+        blink.parse_questions(questions)
     assert needle in str(caught.value)
     assert caught.value.loc == loc
 
 
 def test_bounds_that_are_allowed():
-    blink.validate({"q": {"type": "choice", "criteria": ["only"]}})
-    blink.validate({"q": {"type": "choice", "criteria": [f"o{i}" for i in range(255)]}})
-    blink.validate({f"q{i}": {"type": "noul"} for i in range(512)})
-    blink.validate({"q": {"type": "score", "criteria": list(range(10))}})
+    assert len(blink.parse_questions({"q": {"type": "choice", "criteria": ["only"]}})[0].options) == 1
+    widest = blink.parse_questions({"q": {"type": "choice", "criteria": [f"o{i}" for i in range(255)]}})
+    assert len(widest[0].options) == 255
+    assert len(blink.parse_questions({f"q{i}": {"type": "noul"} for i in range(512)})) == 512
+    assert len(blink.parse_questions({"q": {"type": "score", "criteria": list(range(10))}})[0].options) == 10
 
 
 @pytest.mark.parametrize("value", [0, -1, float("nan"), float("inf"), "hot", None, [1]])

@@ -22,6 +22,12 @@ QUESTIONS = {
 }
 
 SMALL = {k: QUESTIONS[k] for k in ("late", "currency", "dispute")}
+DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
+
+
+def req(state, questions: dict) -> blink.Request:
+    """A request parsed at default settings."""
+    return blink.parse_request(state, questions, settings=DEFAULTS)
 
 
 def alone(eng: blink.TorchEngine, prompt: blink.Prompt) -> list[float]:
@@ -33,8 +39,8 @@ def alone(eng: blink.TorchEngine, prompt: blink.Prompt) -> list[float]:
 
 def max_gap(eng: blink.TorchEngine, state, questions: dict) -> float:
     """Largest difference between the engine's packed readout and each prompt run alone."""
-    raw, _ = eng.logits(state, questions)
-    prompts = eng.render(state, questions)
+    raw = eng.forward(req(state, questions)).readouts
+    prompts = eng.render(req(state, questions))
     return max(abs(a - b) for p in prompts for a, b in zip(raw[p.qkey].logits[0], alone(eng, p)))
 
 
@@ -46,15 +52,14 @@ def test_standin_labels_verify_and_name_the_model(standin):
 
 
 def test_standin_packed_readout_equals_each_prompt_alone(standin):
-    assert len({len(p.ids) for p in standin.render(DOC, QUESTIONS)}) > 1  # real right-padding happens
+    assert len({len(p.ids) for p in standin.render(req(DOC, QUESTIONS))}) > 1  # real right-padding happens
     assert max_gap(standin, DOC, QUESTIONS) < 1e-4
 
 
 @pytest.mark.parametrize("readout, budget", [("rows", 64), ("batched", 32768), ("batched", 64)])
-def test_readouts_and_budgets_agree(standin, monkeypatch, readout, budget):
-    monkeypatch.setattr(standin, "readout", readout)
-    monkeypatch.setattr(standin, "token_budget", budget)
-    assert max_gap(standin, {"doc": DOC, "id": 2211}, SMALL) < 1e-4
+def test_readouts_and_budgets_agree(readout, budget):
+    eng = blink.TorchEngine(blink.STANDIN_MODEL, settings=blink.Settings(readout=readout, token_budget=budget))
+    assert max_gap(eng, {"doc": DOC, "id": 2211}, SMALL) < 1e-4
 
 
 def test_tiny_qwen35_fp32_packed_equals_alone(tiny_qwen):
@@ -63,14 +68,13 @@ def test_tiny_qwen35_fp32_packed_equals_alone(tiny_qwen):
     assert max_gap(tiny_qwen, DOC, SMALL) < 1e-4
 
 
-def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir, monkeypatch):
+def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir):
     # bf16 keeps 8 mantissa bits (relative step 2**-8 = 0.4%); with logits of a few units and 4 layers of rounding,
     # batch-shape-dependent kernels move a logit by a few hundredths, so 5e-2 bounds noise, not a real difference.
-    monkeypatch.setenv("BLINK_DTYPE", "bfloat16")
-    eng = blink.TorchEngine(tiny_qwen_dir)
+    eng = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="bfloat16"))
     assert eng.model.dtype == torch.bfloat16
-    raw, _ = eng.logits(DOC, SMALL)
-    for p in eng.render(DOC, SMALL):
+    raw = eng.forward(req(DOC, SMALL)).readouts
+    for p in eng.render(req(DOC, SMALL)):
         ref = alone(eng, p)
         row = raw[p.qkey].logits[0]
         assert max(abs(a - b) for a, b in zip(row, ref)) < 5e-2
@@ -78,32 +82,34 @@ def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir, monkeypatch):
 
 
 def test_logits_differ_with_the_evidence(tiny_qwen):
-    a, _ = tiny_qwen.logits("The sky is green.", SMALL)
-    b, _ = tiny_qwen.logits("Completely different evidence about cats.", SMALL)
+    a = tiny_qwen.forward(req("The sky is green.", SMALL)).readouts
+    b = tiny_qwen.forward(req("Completely different evidence about cats.", SMALL)).readouts
     assert max(abs(x - y) for q in SMALL for x, y in zip(a[q].logits[0], b[q].logits[0])) > 1e-3
 
 
-def test_prompt_over_the_token_limit_is_refused_before_any_forward(standin, monkeypatch):
-    monkeypatch.setattr(blink, "MAX_INPUT_TOKENS", 100)
+def test_prompt_over_the_token_limit_is_refused_before_any_forward(monkeypatch):
+    eng = blink.TorchEngine(blink.STANDIN_MODEL, settings=blink.Settings(max_input_tokens=100))
+    calls = []
+    monkeypatch.setattr(blink, "_forward", lambda *a: calls.append(a))
     with pytest.raises(blink.BlinkError, match=r"question 'late' renders to \d+ tokens, over the maximum") as caught:
-        standin.logits(DOC, QUESTIONS)
+        eng.forward(req(DOC, QUESTIONS))
     assert caught.value.loc == ["body", "questions", "late"]
+    assert calls == []
 
 
 def test_model_whose_labels_do_not_verify_is_refused_at_load(tmp_path):
     import tiny_models
 
     with pytest.raises(blink.BlinkError, match="verified single-token labels"):
-        blink.TorchEngine(tiny_models.build_letterless_tokenizer(tmp_path))
+        blink.TorchEngine(tiny_models.build_letterless_tokenizer(tmp_path), settings=DEFAULTS)
 
 
 def test_decide_meta_on_the_live_engine(standin, served):
-    served(standin)
-    out = blink.decide(DOC, SMALL)
+    out = served(standin).decide(DOC, SMALL)
     meta = out["meta"]
     assert meta["model"] == blink.STANDIN_MODEL and meta["engine"] == "torch"
     assert meta["generated_tokens"] == 0 and meta["temperature"] == 1.0
-    assert meta["input_tokens"] == sum(len(p.ids) for p in standin.render(DOC, SMALL))
+    assert meta["input_tokens"] == sum(len(p.ids) for p in standin.render(req(DOC, SMALL)))
     assert meta["prefill_tokens"] == meta["input_tokens"]
     assert meta["model_ms"] > 0 and meta["latency_ms"] >= meta["model_ms"]
     assert out["answers"]["currency"]["type"] == "choice"

@@ -24,6 +24,12 @@ QS = {
 IMAGE = gradient(96, 64)
 URI = png_uri(IMAGE)
 PLACEHOLDER = "@@IMAGE@@"
+SETTINGS = blink.Settings()  # every setting at its default, on a machine without a GPU
+
+
+def engine(folder: str, settings: blink.Settings = SETTINGS, **options) -> blink.TorchEngine:
+    """A torch engine for a tiny model folder (options: vision, vision_tower, image_layout)."""
+    return blink.TorchEngine(folder, settings=settings, **options)
 
 
 @pytest.fixture(scope="module")
@@ -38,26 +44,38 @@ def folders(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def text_engine(folders) -> blink.TorchEngine:
     """The text checkpoint served text-only."""
-    return blink.TorchEngine(folders["text"])
+    return engine(folders["text"])
 
 
 @pytest.fixture(scope="module")
 def native(folders) -> blink.TorchEngine:
     """The vision model served natively (BLINK_VISION)."""
-    return blink.TorchEngine(folders["base"], vision=True)
+    return engine(folders["base"], vision=True)
+
+
+@pytest.fixture(scope="module")
+def native_inline(folders) -> blink.TorchEngine:
+    """The same vision model with each image where its marker stands (BLINK_IMAGE_LAYOUT=inline)."""
+    return engine(folders["base"], vision=True, image_layout="inline")
+
+
+@pytest.fixture(scope="module")
+def native_timed(folders) -> blink.TorchEngine:
+    """The same vision model reporting its image timings (BLINK_IMAGE_TIMING=1)."""
+    return engine(folders["base"], blink.Settings(image_timing=True), vision=True)
 
 
 @pytest.fixture(scope="module")
 def grafted(folders) -> blink.TorchEngine:
     """The text checkpoint grafted onto its base's vision tower (BLINK_VISION_TOWER)."""
-    return blink.TorchEngine(folders["text"], vision_tower=f"{folders['base']}@main")
+    return engine(folders["text"], vision_tower=f"{folders['base']}@main")
 
 
 def reference_logits(eng: blink.TorchEngine, content_for, images: list, qkey: str, q: dict) -> torch.Tensor:
     """Last-position logits over the whole vocabulary from tiny_models.run_image_prompt, for one question alone."""
     tok, proc = eng.vision_tok, eng.image_processor
-    items = blink.question_options(q, qkey)
-    user = blink.user_message(content_for.state, q, blink.LABEL_POOL[: len(items)], items)
+    (row,) = blink.parse_question(qkey, q).rows
+    user = blink.user_message(content_for.state, row, blink.LABEL_POOL[: len(row.shown)])
     messages = [{"role": "system", "content": blink.SYSTEM}, {"role": "user", "content": content_for(user)}]
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     return tm.run_image_prompt(eng.model, tok, proc, prompt, images)
@@ -67,7 +85,7 @@ def reference_label_logits(eng: blink.TorchEngine, content_for, images: list, qu
     """Label logits from tiny_models.run_image_prompt: the plain transformers path, one prompt per question."""
     out = {}
     for qkey, q in questions.items():
-        n = len(blink.question_options(q, qkey))
+        n = len(blink.parse_question(qkey, q).options)
         out[qkey] = reference_logits(eng, content_for, images, qkey, q)[eng.label_ids[:n]].tolist()
     return out
 
@@ -93,10 +111,16 @@ class Inline:
         return [{"type": "text", "text": before}, {"type": "image"}, {"type": "text", "text": after}]
 
 
-def image_logits(eng, state, images=blink._NO_IMAGES) -> tuple[dict, int, dict]:
-    """The engine's own label logits for an image request (each question has one prompt here)."""
-    raw, n_tokens, meta = eng.logits_images(blink.inspect_images(state, images, eng.image_limits), QS)
-    return {qkey: r.logits[0] for qkey, r in raw.items()}, n_tokens, meta
+def image_forward(eng, state, questions: dict = QS, images=()) -> blink.Forward:
+    """The engine's own forward of one image request."""
+    return eng.forward(blink.parse_request(state, questions, images=list(images), settings=eng.settings))
+
+
+def image_logits(eng, state, images=()) -> tuple[dict, int, dict]:
+    """The engine's own label logits for an image request (each question has one prompt here), its prompt tokens and
+    its image meta."""
+    res = image_forward(eng, state, images=images)
+    return {qkey: r.logits[0] for qkey, r in res.readouts.items()}, res.input_tokens, res.extra
 
 
 def assert_close(got: dict, want: dict, tol: float = 1e-4) -> None:
@@ -119,7 +143,9 @@ def test_grafted_text_logits_equal_the_text_models(folders, text_engine, grafted
         got = grafted.model(input_ids=ids).logits
     assert float((want - got).abs().max()) == 0.0
     state = {"ticket": "The screen flickers after the update.", "tags": ["display"]}
-    assert grafted.logits(state, QS) == text_engine.logits(state, QS)
+    request = blink.parse_request(state, QS, settings=SETTINGS)
+    got, want = grafted.forward(request), text_engine.forward(request)
+    assert (got.readouts, got.input_tokens) == (want.readouts, want.input_tokens)
 
 
 def test_graft_keeps_the_base_vision_tower(native, grafted):
@@ -197,17 +223,17 @@ def _base_variant(folders, root, edit_config=None, template_suffix: str = "") ->
 def test_graft_refuses_config_mismatches(folders, tmp_path):
     text = _text_variant(tmp_path / "a", intermediate_size=96)
     with pytest.raises(blink.BlinkError, match="^incompatible vision tower: text intermediate_size differs"):
-        blink.TorchEngine(text, vision_tower=f"{folders['base']}@main")
+        engine(text, vision_tower=f"{folders['base']}@main")
     text = _text_variant(tmp_path / "b", layer_types=["full_attention"] * 4)
     with pytest.raises(blink.BlinkError, match="text layer_types differs"):
-        blink.TorchEngine(text, vision_tower=f"{folders['base']}@main")
+        engine(text, vision_tower=f"{folders['base']}@main")
 
     def narrow_vision(cfg):
         cfg["vision_config"]["out_hidden_size"] = 32
 
     base = _base_variant(folders, tmp_path / "c", narrow_vision)
     with pytest.raises(blink.BlinkError, match="visual output does not match text hidden size"):
-        blink.TorchEngine(folders["text"], vision_tower=f"{base}@main")
+        engine(folders["text"], vision_tower=f"{base}@main")
 
 
 def test_graft_refuses_special_token_and_label_mismatches(folders, tmp_path):
@@ -216,13 +242,13 @@ def test_graft_refuses_special_token_and_label_mismatches(folders, tmp_path):
 
     base = _base_variant(folders, tmp_path / "a", wrong_pad)
     with pytest.raises(blink.BlinkError, match="^incompatible vision tower: image_token_id differs from the text"):
-        blink.TorchEngine(folders["text"], vision_tower=f"{base}@main")
+        engine(folders["text"], vision_tower=f"{base}@main")
     with pytest.raises(blink.BlinkError, match="image_token_id differs"):  # a native model is checked the same way
-        blink.TorchEngine(base, vision=True)
+        engine(base, vision=True)
     # A template that ends in "X" glues the label into "XA", "XB"...: the labels no longer verify after it.
     base = _base_variant(folders, tmp_path / "b", template_suffix="X")
     with pytest.raises(blink.BlinkError, match="^vision processor does not preserve the option-label token"):
-        blink.TorchEngine(folders["text"], vision_tower=f"{base}@main")
+        engine(folders["text"], vision_tower=f"{base}@main")
 
 
 def test_vision_sources_are_restricted(folders, tmp_path):
@@ -238,26 +264,25 @@ def test_vision_sources_are_restricted(folders, tmp_path):
         with pytest.raises(blink.BlinkError, match=message):
             blink.vision_source(name, spec)
     with pytest.raises(blink.BlinkError, match="only supported for blink-4b"):
-        blink.TorchEngine(folders["base"], vision_tower=f"{folders['base']}@main")
+        engine(folders["base"], vision_tower=f"{folders['base']}@main")
     with pytest.raises(blink.BlinkError, match="^BLINK_VISION needs a model with its own vision tower"):
-        blink.TorchEngine(folders["text"], vision=True)
+        engine(folders["text"], vision=True)
     text_as_base = tmp_path / "x" / "Qwen3.5-4B"
     shutil.copytree(folders["text"], text_as_base)
     with pytest.raises(blink.BlinkError, match="the selected vision tower has no vision configuration"):
-        blink.TorchEngine(folders["text"], vision_tower=f"{text_as_base}@main")
+        engine(folders["text"], vision_tower=f"{text_as_base}@main")
     with pytest.raises(blink.BlinkError, match="image_layout must be inline or first"):
-        blink.TorchEngine(folders["base"], vision=True, image_layout="last")
+        engine(folders["base"], vision=True, image_layout="last")
 
 
-def test_deployment_settings_pick_native_or_grafted(monkeypatch):
-    monkeypatch.setattr(blink, "VISION", True)
-    monkeypatch.setattr(blink, "VISION_TOWER", "Qwen/Qwen3.5-4B@main")
-    assert blink._vision_options("Qwen/Qwen3.5-4B") == {"vision": True, "vision_tower": None}
-    assert blink._vision_options("thegovind/blink-4b") == {"vision": False, "vision_tower": "Qwen/Qwen3.5-4B@main"}
-    assert blink._vision_options(blink.STANDIN_MODEL) == {}
-    monkeypatch.setattr(blink, "VISION", False)
-    monkeypatch.setattr(blink, "VISION_TOWER", None)
-    assert blink._vision_options("Qwen/Qwen3.5-4B") == {} and blink._vision_options("thegovind/blink-4b") == {}
+def test_deployment_settings_pick_native_or_grafted():
+    env = {"BLINK_VISION": "1", "BLINK_VISION_TOWER": "Qwen/Qwen3.5-4B@main"}
+    dep = blink.Deployment(blink.Settings.from_env(env, gpu=False))
+    assert dep._vision_options("Qwen/Qwen3.5-4B") == {"vision": True, "vision_tower": None}
+    assert dep._vision_options("thegovind/blink-4b") == {"vision": False, "vision_tower": "Qwen/Qwen3.5-4B@main"}
+    assert dep._vision_options(blink.STANDIN_MODEL) == {}
+    dep = blink.Deployment(blink.Settings(vision=False, vision_tower=None))
+    assert dep._vision_options("Qwen/Qwen3.5-4B") == {} and dep._vision_options("thegovind/blink-4b") == {}
 
 
 # -------------------------------------------------------------------------------------------------- image requests
@@ -281,14 +306,13 @@ def test_layout_first_matches_the_reference_forward(native):
     assert max(abs(a - b) for a, b in zip(other["kind"], got["kind"])) > 1e-3  # the pixels reach the answer
 
 
-def test_layout_inline_matches_the_reference_forward(native, monkeypatch):
-    monkeypatch.setattr(native, "image_layout", "inline")
+def test_layout_inline_matches_the_reference_forward(native, native_inline):
+    assert (native_inline.image_layout, native.image_layout) == ("inline", "first")
     state = {"before": "the photo:", "photo": URI, "after": "end"}
-    got, _, _ = image_logits(native, state)
-    want = reference_label_logits(native, Inline({"before": "the photo:", "photo": PLACEHOLDER, "after": "end"}),
-                                  [IMAGE])
+    got, _, _ = image_logits(native_inline, state)
+    want = reference_label_logits(native_inline,
+                                  Inline({"before": "the photo:", "photo": PLACEHOLDER, "after": "end"}), [IMAGE])
     assert_close(got, want)
-    monkeypatch.setattr(native, "image_layout", "first")
     first, _, _ = image_logits(native, state)
     assert max(abs(a - b) for a, b in zip(first["kind"], got["kind"])) > 1e-4
 
@@ -297,14 +321,14 @@ def test_image_prompts_rotate_ask_each_option_and_carry_the_label_mass(native):
     state = {"photo": URI, "note": "taken at noon"}
     kind = QS["kind"]
     qs = {"kind": {**kind, "permute": 3}, "which": {**kind, "multi": True}}
-    raw, _, _ = native.logits_images(blink.inspect_images(state, blink._NO_IMAGES, native.image_limits), qs)
+    raw = image_forward(native, state, qs).readouts
     assert [len(raw[q].logits) for q in qs] == [3, 3]
     plain, _, _ = image_logits(native, state)
     assert raw["kind"].logits[0] == pytest.approx(plain["kind"], abs=1e-5)
     visible = First({"photo": "[image 1]", "note": "taken at noon"}, 1)
     items = list(kind["criteria"].items())
     rotation_1 = {**kind, "criteria": dict(items[1:] + items[:1])}
-    option_dog = {"type": "noul", "instructions": blink.multi_criterion(kind, "dog: a dog")}
+    option_dog = {"type": "noul", "instructions": blink.multi_criterion(kind["instructions"], "dog: a dog")}
     for readout, q in ((raw["kind"], rotation_1), (raw["which"], option_dog)):
         logits = reference_logits(native, visible, [IMAGE], "q", q)
         labels = native.label_ids[: len(readout.logits[1])]
@@ -327,52 +351,51 @@ def test_grafted_model_reads_images(grafted):
     assert_close(got, reference_label_logits(grafted, First("[image 1]", 1), [IMAGE]))
 
 
-def test_decide_with_images_end_to_end(served, native, monkeypatch):
-    served(native)
+def test_decide_with_images_end_to_end(served, native, native_timed):
     big = gradient(320, 240)
-    result = blink.decide({"photo": png_uri(big)}, QS)
+    result = served(native).decide({"photo": png_uri(big)}, QS)
     h, w = smart_resize(240, 320, factor=32, min_pixels=tm.MIN_PIXELS, max_pixels=tm.MAX_PIXELS)
     meta = result["meta"]
     assert meta["image_pixels"] == h * w and meta["visual_tokens"] == h * w // 32**2
     assert meta["engine"] == "torch" and meta["input_tokens"] == meta["prefill_tokens"] > meta["visual_tokens"]
     assert "vision_encoder_ms" not in meta
     assert set(result["answers"]) == set(QS) and result["answers"]["sharp"]["type"] == "score"
-    monkeypatch.setattr(native, "image_timing", True)
-    timed = blink.decide({"photo": URI}, QS)["meta"]
+    timed = served(native_timed).decide({"photo": URI}, QS)["meta"]
     assert timed["image_preprocess_ms"] > 0 and timed["vision_encoder_ms"] > 0 and timed["lm_prefill_ms"] > 0
     assert timed["lm_prefill_ms"] <= timed["model_ms"] + 1
 
 
 def test_text_requests_on_a_vision_engine_stay_text(served, text_engine, grafted):
-    served(grafted)
+    dep = served(grafted)
     state = "The parcel arrived damaged."
     image_logits(grafted, URI)  # an image request first: no state of it may reach the next text request
-    result = blink.decide(state, QS)
-    assert result["answers"] == blink.assemble(QS, text_engine.logits(state, QS)[0], {qkey: 1.0 for qkey in QS})
+    result = dep.decide(state, QS)
+    request = blink.parse_request(state, QS, settings=SETTINGS)
+    assert result["answers"] == blink.assemble(request, text_engine.forward(request).readouts,
+                                               {qkey: 1.0 for qkey in QS})
     assert "image_pixels" not in result["meta"]
 
 
 def test_text_only_model_refuses_images(served, text_engine):
-    served(text_engine)
+    dep = served(text_engine)
     with pytest.raises(blink.ImageError) as err:
-        blink.decide({"a": "x", "b": [URI]}, QS)
+        dep.decide({"a": "x", "b": [URI]}, QS)
     assert (str(err.value), err.value.loc) == ("this model reads text only", ["body", "state", "b", 0])
     with pytest.raises(blink.ImageError) as err:
-        blink.decide("x", QS, images=[URI])
+        dep.decide("x", QS, images=[URI])
     assert err.value.loc == ["body", "images", 0]
 
 
 def test_batched_image_requests_answer_like_decide(served, native):
-    served(native)
+    dep = served(native, blink.Settings(batch_window_ms=0))
     text_req, image_req = ("plain words", QS), ({"photo": URI}, QS)
-    out = blink.decide_many([text_req, image_req, ("see the image", QS, [URI]), ("x", QS, ["bad"])])
-    assert out[0]["answers"] == blink.decide(*text_req)["answers"]
+    out = dep.decide_many([text_req, image_req, ("see the image", QS, [URI]), ("x", QS, ["bad"])])
+    assert out[0]["answers"] == dep.decide(*text_req)["answers"]
     assert_close({k: [v["probabilities"][o] for o in v["probabilities"]] for k, v in out[1]["answers"].items()},
                  {k: [v["probabilities"][o] for o in v["probabilities"]]
-                  for k, v in blink.decide(*image_req)["answers"].items()})
+                  for k, v in dep.decide(*image_req)["answers"].items()})
     assert out[2]["meta"]["visual_tokens"] == 6 and isinstance(out[3], blink.ImageError)
-    batcher = blink.Batcher(0.0, model=native.model_id)
-    res = batcher.submit("see the image", QS, images=[URI])
+    res = dep.submit(dep.request("see the image", QS, images=[URI]), native.model_id)
     assert res["meta"]["image_pixels"] == 96 * 64
 
 
@@ -391,8 +414,7 @@ def test_reference_image_processor_reloads_from_the_folder(folders, native):
 def test_bundled_image_example_runs_on_a_vision_model_and_is_never_recorded(served, native, folders, tmp_path):
     path = next(f for f in blink.example_files() if f.endswith("support-chart-image.json"))
     example = blink.load_example(path)
-    served(native)
-    result = blink.decide(example["state"], example["questions"])
+    result = served(native).decide(example["state"], example["questions"])
     assert result["answers"]["busiest"]["choice"] in ("Q1", "Q2", "Q3", "Q4") and result["meta"]["visual_tokens"] > 0
-    data = blink.record(folders["text"], str(tmp_path / "replay.json"))
+    data = blink.record(folders["text"], str(tmp_path / "replay.json"), settings=SETTINGS)
     assert "support-chart-image.json" not in {hit["example"] for hit in data["requests"].values()}
