@@ -577,10 +577,21 @@ def _refuse(exc: Exception) -> gr.Error:
 
 def decide(state: str | dict | list, questions: str | dict, temperature: float = 1.0, model: str = "",
            prefer: str = "live", images: list | None = None) -> dict:
-    """Answer typed questions about the evidence. state: text or JSON; questions: {name: {type, instructions,
-    criteria}} as an object or JSON text; temperature > 0; model: '' for the default; prefer: 'live' runs the model,
-    'saved' lets a bundled example come from its recording; images: data URIs read by a vision model.
-    Returns {answers, meta}."""
+    """Answer typed questions about some evidence with a language model in one forward pass: each answer is read
+    from the model's next-token probabilities over the options, no text is generated. Question types: choice (pick
+    one of 1-255 options), noul (the probability of yes), score (2-10 ordered levels -> expected level).
+
+    Args:
+        state: the evidence: text, JSON text, or a JSON object or array.
+        questions: {name: question}, an object or JSON text. A question is {"type": "choice", "instructions": "...", "criteria": ["a", "b"] or {"a": "what a means"}}, {"type": "noul", "instructions": "...", "criteria": {"true": "what counts as yes"}} or {"type": "score", "instructions": "...", "criteria": ["lowest level", "...", "highest level"]}.
+        temperature: softmax temperature over the option labels, above 0 (1.0 is the model's own).
+        model: which served model answers; "" for the default (the info tool lists them).
+        prefer: "live" runs the model; "saved" lets a bundled example come from its recording.
+        images: image data URIs (data:image/png;base64,...) for a vision model, shown after the state.
+
+    Returns:
+        {answers, meta}: per question, choice {choice, confidence, probabilities}, noul {noul: p(yes), probabilities}, score {score, probabilities, legend}; meta names the model and engine and counts tokens.
+    """
     try:
         return DEPLOYMENT.submit(parse_request(state, questions, temperature, images, prefer), model)
     except (blink.BlinkError, blink.BlinkBusy) as exc:
@@ -626,9 +637,17 @@ def batch_item(result) -> dict:
 
 
 def decide_batch(requests: list | str, temperature: float = 1.0, model: str = "") -> list:
-    """Answer several requests in one call, packed into shared forward passes. requests: a list of
-    {state, questions}. Returns one item per request, in order: {answers, meta}, or {error, loc} for a request
-    that was refused (the others are still answered)."""
+    """Answer several requests in one call, packed into shared forward passes (the decide tool, for many pieces of
+    evidence at once).
+
+    Args:
+        requests: a list of up to 64 {"state": ..., "questions": {...}} objects, each as decide takes them.
+        temperature: softmax temperature over the option labels, above 0.
+        model: which served model answers; "" for the default.
+
+    Returns:
+        one item per request, in order: {answers, meta}, or {error, loc} for a request that was refused (the others are still answered).
+    """
     try:
         temperature, model = blink.check_temperature(temperature), DEPLOYMENT.model_id(model)
         results = DEPLOYMENT.submit_many(parse_batch(requests, temperature), model)
@@ -641,7 +660,8 @@ def decide_batch(requests: list | str, temperature: float = 1.0, model: str = ""
 
 
 def info() -> dict:
-    """What this deployment serves: models, engines, recordings and the bundled presets."""
+    """What this deployment serves: its models (the default first), each model's engine and recording, and the
+    bundled example requests (each a ready state and questions for the decide tool)."""
     recordings = {m: DEPLOYMENT.recording(m) for m in DEPLOYMENT.models()}
     return {"models": DEPLOYMENT.models(), "default_model": DEPLOYMENT.default_model,
             "engines": {m: DEPLOYMENT.engine_kind(m) for m in DEPLOYMENT.models()},

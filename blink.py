@@ -2760,7 +2760,7 @@ def _need(obj: dict, name: str, loc: list):
 
 def _typed(value, kinds: tuple, loc: list, nullable: bool = False):
     """The value when it is of one of the JSON kinds, else a 422 saying what the field takes."""
-    if (value is None and nullable) or (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
+    if (value is None and nullable) or isinstance(value, kinds):
         return value
     want = " or ".join(_JSON_KINDS[k] for k in kinds) + (" or null" if nullable else "")
     raise WireError(f"{_field(loc)} must be {want} (got {type(value).__name__})", loc, kind="type_error")
