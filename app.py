@@ -596,6 +596,8 @@ def decide(state: str | dict | list, questions: str | dict, temperature: float =
         return DEPLOYMENT.submit(parse_request(state, questions, temperature, images, prefer), model)
     except (blink.BlinkError, blink.BlinkBusy) as exc:
         raise _refuse(exc) from None
+    except gr.Error:  # ZeroGPU's own refusals (over quota, no GPU free) reach the caller as they are
+        raise
     except Exception as exc:  # noqa: BLE001 - a message, never a traceback
         log.exception("request failed")
         raise gr.Error(f"the model failed on this request ({type(exc).__name__})", print_exception=False) from None
@@ -630,6 +632,8 @@ def batch_item(result) -> dict:
     """One /decide_batch result as the caller reads it: the answer, or {error, loc} for a refused request."""
     if isinstance(result, (blink.BlinkError, blink.BlinkBusy)):
         return {"error": error_text(result), "loc": getattr(result, "loc", [])}
+    if isinstance(result, gr.Error):  # ZeroGPU's own refusal (over quota, no GPU free)
+        return {"error": f"{result.title}: {result.message}", "loc": []}
     if isinstance(result, Exception):
         log.error("batch item failed: %r", result)
         return {"error": f"the model failed on this request ({type(result).__name__})", "loc": []}

@@ -3132,11 +3132,10 @@ def _decision_instructions(value, loc: list, images: list, first_number: int) ->
 
 def _decision_options(q: dict, kind: str, loc: list) -> dict | list:
     """A choice's {key: description} (a boolean value keyed by its JSON text) or a score's level texts."""
-    name, low = ("choices", 2) if kind == "choice" else ("levels", 2)
-    high = MAX_OPTIONS if kind == "choice" else 10
+    name, high = ("choices", MAX_OPTIONS) if kind == "choice" else ("levels", 10)
     items = _typed(_need(q, name, loc), (list,), [*loc, name])
-    if not low <= len(items) <= high:
-        raise WireError(f"{_field([*loc, name])}: give {low} to {high} {name} (got {len(items)})", [*loc, name])
+    if not 2 <= len(items) <= high:
+        raise WireError(f"{_field([*loc, name])}: give 2 to {high} {name} (got {len(items)})", [*loc, name])
     options: dict = {}
     levels = []
     for j, item in enumerate(items):

@@ -418,6 +418,11 @@ def test_api_key_is_required_when_set(guarded):
     assert not any(KEY in text for text in seen)
 
 
+def test_the_key_is_left_out_of_the_settings_printed_form():
+    settings = blink.Settings.from_env({"BLINK_API_KEY": KEY}, gpu=False)
+    assert settings.api_key == KEY and KEY not in repr(settings) and KEY not in str(settings)
+
+
 def test_without_a_key_any_authorization_is_accepted(mock_app):
     _, url = mock_app
     for headers in ({}, {"authorization": "Bearer anything"}, {"authorization": "Basic xyz"}):
@@ -482,8 +487,9 @@ def test_a_full_queue_is_503_with_retry_after(launched, crowded_app):
 
 
 class Probe(blink.MockEngine):
-    """A mock that runs as a live model does (through the Batcher) and records the request context @spaces.GPU
-    would read: spaces.utils.gradio_request_var(), Gradio's LocalContext.request."""
+    """A mock that runs as a live model does (through the Batcher) and records what @spaces.GPU would schedule its
+    GPU call with: the request headers in the context it reads (spaces.utils.gradio_request_var(), Gradio's
+    LocalContext.request), and the quota token and user spaces' own client finds in them."""
 
     runs_model = True
 
@@ -494,9 +500,10 @@ class Probe(blink.MockEngine):
 
     def run(self, jobs):
         from spaces.utils import gradio_request_var
+        from spaces.zero.client import _get_headers, _get_token_and_payload
 
-        request = gradio_request_var().get(None)
-        self.seen.append(None if request is None else dict(request.headers))
+        headers = _get_headers(gradio_request_var().get(None))
+        self.seen.append((dict(headers), *_get_token_and_payload(headers)))
         if self.fail is not None:
             return [self.fail] * len(jobs)
         return super().run(jobs)
@@ -506,13 +513,14 @@ def test_the_callers_zero_gpu_token_reaches_the_gpu_call(launched):
     app, url = launched
     probe = Probe(app.DEPLOYMENT.default_model, app.SETTINGS)
     with serving(app, probe):
-        token = {"x-ip-token": "h.eyJ1c2VyIjoiYWxpY2UifQ.s", "authorization": "Bearer someone's-key"}
+        token = {"x-ip-token": "h.eyJ1c2VyIjoiYWxpY2UifQ.s", "authorization": "Bearer someone's-key"}  # user alice
         assert post(url, "/v1/systemone", json=GOOD, headers=token).status_code == 200
         assert post(url, "/v1/decisions", json={"model": "jev-latest", "input": "x", "questions": [
             {"type": "predicate", "instructions": "?"}]}, headers=token).status_code == 200
         assert post(url, "/v1/systemone", json=GOOD).status_code == 200
     # only the quota header is handed on, never the caller's key; no token: an anonymous call, as spaces expects
-    assert probe.seen == [{"x-ip-token": token["x-ip-token"]}] * 2 + [None]
+    alice = ({"x-ip-token": token["x-ip-token"]}, token["x-ip-token"], {"user": "alice"})
+    assert probe.seen == [alice, alice, ({}, None, {})]
 
 
 @pytest.mark.parametrize("title,status,retry_after", [("ZeroGPU quota exceeded", 429, "60"),
@@ -569,3 +577,18 @@ def test_mcp_client_lists_and_calls_the_decide_tool(mock_app):
     want = app.DEPLOYMENT.decide(TICKET["message"], questions)["answers"]
     assert got["answers"] == want and got["meta"]["fabricated"] is True
     assert refused.isError and "field: questions.q.criteria" in refused.content[0].text
+
+
+def test_zero_gpu_refusals_reach_gradio_api_callers_as_they_are(launched, client):
+    import gradio as gr
+    from gradio_client.exceptions import AppError
+
+    app, _ = launched
+    probe = Probe(app.DEPLOYMENT.default_model, app.SETTINGS,
+                  fail=gr.Error("You have exceeded your free ZeroGPU quota.", title="ZeroGPU quota exceeded"))
+    with serving(app, probe):
+        with pytest.raises(AppError) as caught:
+            client.predict("x", {"q": {"type": "noul"}}, 1.0, "", "live", None, api_name="/decide")
+        batch = client.predict([{"state": "x", "questions": {"q": {"type": "noul"}}}], api_name="/decide_batch")
+    assert caught.value.title == "ZeroGPU quota exceeded" and "exceeded your free ZeroGPU quota" in caught.value.message
+    assert batch[0]["error"] == "ZeroGPU quota exceeded: You have exceeded your free ZeroGPU quota."
