@@ -575,6 +575,8 @@ def _refuse(exc: Exception) -> gr.Error:
     return gr.Error(error_text(exc), title=title, print_exception=False)
 
 
+# The docstrings of the API functions are also their MCP tool descriptions: Gradio reads each parameter's description
+# from its own line under Args, so those lines stay whole however long.
 def decide(state: str | dict | list, questions: str | dict, temperature: float = 1.0, model: str = "",
            prefer: str = "live", images: list | None = None) -> dict:
     """Answer typed questions about some evidence with a language model in one forward pass: each answer is read

@@ -134,9 +134,10 @@ def test_255_options_and_unicode_ids(mock_app):
     options = {f"opción {i} ✓": (f"descripción {i}" if i % 3 else None) for i in range(255)}
     questions = {"分類 🙂": {"type": "choice", "instructions": "¿Cuál encaja?", "criteria": options},
                  "ключ": {"type": "noul", "instructions": "Это срочно?"}}
+    state = "Straße İstanbul — 付款两次"
     with systemone_client(url) as ts:
-        r = ts.system_one(state="Straße İstanbul — 付款两次", questions=questions, model=app.DEPLOYMENT.default_model)
-    want = app.DEPLOYMENT.decide("Straße İstanbul — 付款两次", questions)["answers"]
+        r = ts.system_one(state=state, questions=questions, model=app.DEPLOYMENT.default_model)
+    want = app.DEPLOYMENT.decide(state, questions)["answers"]
     assert set(r.answers) == set(questions)
     got = r.choices["分類 🙂"]
     assert list(got.probabilities) == list(options) and math.isclose(sum(got.probabilities.values()), 1, abs_tol=1e-9)

@@ -20,6 +20,7 @@ import blink
 
 PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 
+
 def usually(plain: st.SearchStrategy, odd: st.SearchStrategy) -> st.SearchStrategy:
     """Plain values four times in five, so most cases turn on one odd field at most."""
     return st.integers(0, 4).flatmap(lambda i: odd if i == 4 else plain)
@@ -33,10 +34,10 @@ SYSTEMONE_PLAUSIBLE = PLAUSIBLE.map(lambda q: {
     **q, "criteria": {str(k): None for k in q["criteria"]} if isinstance(q["criteria"], list) else q["criteria"]}
     if q["type"] == "choice" else {**q, "criteria": [c or "level" for c in q["criteria"]]} if q["type"] == "score"
     else q)
-WIRE_QUESTION = usually(SYSTEMONE_PLAUSIBLE, st.one_of(
-    PLAUSIBLE, JSON, st.fixed_dictionaries({"type": st.sampled_from(["choice", "noul", "score", "box", "rank", None, 3])},
-                                optional={"criteria": JSON, "instructions": JSON, "permute": JSON, "multi": JSON,
-                                          "abstain": JSON})))
+ODD_QUESTION = st.fixed_dictionaries(
+    {"type": st.sampled_from(["choice", "noul", "score", "box", "rank", None, 3])},
+    optional={"criteria": JSON, "instructions": JSON, "permute": JSON, "multi": JSON, "abstain": JSON})
+WIRE_QUESTION = usually(SYSTEMONE_PLAUSIBLE, st.one_of(PLAUSIBLE, JSON, ODD_QUESTION))
 ASSET = st.one_of(JSON, st.fixed_dictionaries({}, optional={
     "type": st.sampled_from(["image", "video", None]), "format": st.sampled_from(["png", "gif", None]),
     "data_base64": st.sampled_from([PNG_1PX, "!!", "", None]), "part": st.sampled_from(["asset-0", None])}))
