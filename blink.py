@@ -2894,6 +2894,8 @@ def asset_uris(assets, parts: Mapping[str, bytes], engine: Engine) -> dict[str, 
     _typed(assets, (dict,), ["body", "assets"])
     if not assets:
         raise WireError("assets, when given, must hold at least one asset", ["body", "assets"], kind="too_short")
+    if "" in assets:  # a placeholder must be something that can stand in the text
+        raise WireError("asset names must be non-empty", ["body", "assets", ""])
     first = next(iter(assets))
     if not engine.reads_images:
         raise WireError(f"asset {first!r}: this model reads text only, so it cannot take images", ["body", "assets",

@@ -348,7 +348,8 @@ def test_json_assets_and_multipart_parts_are_checked(mock_app):
                   ["body", "assets", "a"]),
                  ({"a": {"type": "video", "data_base64": "AAAA"}}, ["body", "assets", "a", "type"]),
                  ({"a": {"type": "image", "part": "asset-0"}}, ["body", "assets", "a", "part"]),
-                 ({"a": {"type": "image"}}, ["body", "assets", "a", "data_base64"])]
+                 ({"a": {"type": "image"}}, ["body", "assets", "a", "data_base64"]),
+                 ({"": {"type": "image", "data_base64": base64.b64encode(png()).decode()}}, ["body", "assets", ""])]
         for assets, loc in cases:
             r = post(url, "/v1/systemone", json={**GOOD, "state": "see a", "assets": assets})
             assert r.status_code == 422 and r.json()["detail"][0]["loc"] == loc, (assets, r.text)
