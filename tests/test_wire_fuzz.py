@@ -76,10 +76,12 @@ DECISIONS = usually(
 
 @pytest.fixture()
 def mock_wire(launched):
-    """The launched app on the mock engine, and an HTTP client for its root."""
+    """The launched app on the mock engine, standing in for a model that reads images (so assets get past the
+    text-only refusal and are parsed and placed), and an HTTP client for its root."""
     app, url = launched
-    with serving(app, blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)), \
-            httpx.Client(base_url=url, timeout=60) as http:
+    reader = blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)
+    reader.reads_images = True
+    with serving(app, reader), httpx.Client(base_url=url, timeout=60) as http:
         yield http
 
 
