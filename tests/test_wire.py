@@ -594,3 +594,41 @@ def test_zero_gpu_refusals_reach_gradio_api_callers_as_they_are(launched, client
         batch = client.predict([{"state": "x", "questions": {"q": {"type": "noul"}}}], api_name="/decide_batch")
     assert caught.value.title == "ZeroGPU quota exceeded" and "exceeded your free ZeroGPU quota" in caught.value.message
     assert batch[0]["error"] == "ZeroGPU quota exceeded: You have exceeded your free ZeroGPU quota."
+
+
+class SlowModel(blink.MockEngine):
+    """A mock that runs as a live model does (through the Batcher), taking 0.3 s per forward and recording the
+    evidence of the requests each forward packed together."""
+
+    runs_model = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.forwards: list[list] = []
+
+    def run(self, jobs):
+        import time
+
+        time.sleep(0.3)
+        self.forwards.append([job.request.state for job in jobs])
+        return super().run(jobs)
+
+
+def test_wire_and_page_requests_share_forwards(launched, client):
+    app, url = launched
+    model = SlowModel(app.DEPLOYMENT.default_model, app.SETTINGS)
+    with serving(app, model):
+        first = client.submit("page 0", {"q": {"type": "noul"}}, 1.0, "", "live", None, api_name="/decide")
+        page = [client.submit(f"page {i}", {"q": {"type": "noul"}}, 1.0, "", "live", None, api_name="/decide")
+                for i in range(1, 4)]
+        replies: dict = {}
+        threads = [threading.Thread(target=lambda i=i: replies.update({i: post(url, "/v1/systemone", json={
+            **GOOD, "state": f"wire {i}"})})) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        results = [job.result(timeout=60) for job in [first, *page]]
+    assert all(r.status_code == 200 for r in replies.values()) and len(results) == 4
+    mixed = [states for states in model.forwards if {s.split()[0] for s in states} == {"page", "wire"}]
+    assert mixed, model.forwards  # one forward packed API and page requests together
