@@ -58,7 +58,7 @@ def workload(count: int, seed: int = 7) -> list[dict]:
     return systemone_requests.requests(count - 1, seed) + [{"state": "ticket 4417: refund", "questions": {"w": wide}}]
 
 
-def label_logprobs(readout: blink.Readout) -> list[list[float]]:
+def readout_logprobs(readout: blink.Readout) -> list[list[float]]:
     """A readout's label scores as full-vocabulary log-probs, per prompt."""
     return [[z - lse for z in row] for row, lse in zip(readout.logits, readout.lse)]
 
@@ -84,7 +84,7 @@ def compare(torch_engine: blink.Engine, vllm_engine: blink.Engine, requests: lis
             answers[name] = blink.assemble(request, forward.readouts, temps)
         for q in request.questions:
             questions += 1
-            for a, b in zip(label_logprobs(ours.readouts[q.key]), label_logprobs(theirs.readouts[q.key])):
+            for a, b in zip(readout_logprobs(ours.readouts[q.key]), readout_logprobs(theirs.readouts[q.key])):
                 worst_lp = max(worst_lp, *(abs(x - y) for x, y in zip(a, b)))
             a, b = answers["torch"][q.key], answers["vllm"][q.key]
             worst_p = max(worst_p, *(abs(a["probabilities"][k] - b["probabilities"][k]) for k in a["probabilities"]))
