@@ -99,6 +99,45 @@ def test_every_key_kind_and_all_255_labels_render_the_same(name, request, export
     assert DecisionConfig.from_file(os.path.join(folder, "decision_serve.json")) == config
 
 
+# A chat template written to stress the join: it opens with a tag that lstrip_blocks and trim_blocks act on, reads
+# `messages` inside a macro and backwards through a namespace, uses names the exported rules use themselves (ns, s,
+# d, text) and writes its turns as literal text between tags.
+KNOTTY_TEMPLATE = """  {% set text = "unused" %}
+{%- macro turns(ns) %}{{ messages|length }}{% endmacro %}
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages[::-1] %}
+  {%- if ns.last_user < 0 and m.role == "user" %}{% set ns.last_user = messages|length - 1 - loop.index0 %}{% endif %}
+{%- endfor %}
+{% for m in messages %}
+<|im_start|>{{ m.role }}
+{{ m.content|trim if m.content is string else raise_exception("text only") }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}
+"""
+
+
+def test_the_models_own_template_runs_unchanged_inside_the_export(tmp_path, tiny_qwen_dir):
+    model = tmp_path / "knotty"
+    shutil.copytree(tiny_qwen_dir, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = KNOTTY_TEMPLATE
+    tok.save_pretrained(model)
+    engine = blink.PromptEngine(str(model), None, DEFAULTS)
+    assert engine.tok.get_chat_template() == KNOTTY_TEMPLATE
+    assert blink.wrap(engine.tok, "u").startswith("<|im_start|>system\nApply")  # its own shape, not ChatML's
+    folder = tmp_path / "dec"
+    blink.export(str(folder), str(model), DEFAULTS)
+    config, tok = DecisionConfig.from_pretrained(folder), copy.deepcopy(engine.tok)
+    for req in gen.requests(60, seed=4):
+        for inputs, _, prompt in theirs_and_ours(engine, config, tok, req):
+            assert inputs["input_ids"][0].tolist() == prompt.ids
+
+
 def repo_with_export(tmp_path, engine: blink.PromptEngine, folder: str) -> str:
     """A model folder as a repository would ship it: the model's files and the two exported files."""
     repo = tmp_path / "repo"
