@@ -282,7 +282,7 @@ def render_meta(meta: dict) -> str:
         parts.append(f'{meta["latency_ms"]:,.0f} ms when recorded')
         line = (f'<div class="bk-source bk-replay">Recorded{when} on {esc(meta.get("recorded_on", "unknown hardware"))}'
                 f' — served from the recording, no model call.</div>')
-    elif meta["engine"] == "torch":
+    elif "model_ms" in meta:  # a live model ran (the torch or the vllm backend)
         parts.append(f'{meta["latency_ms"]:,.0f} ms ({meta.get("model_ms", 0):,.0f} ms model)')
         if meta.get("batched_requests", 1) > 1:
             parts.append(f'batched with {meta["batched_requests"] - 1} other request(s)')

@@ -17,8 +17,9 @@ and meta from those two. A Deployment owns the settings, one engine per served m
 concurrent requests into shared forwards.
 
 Sections, in order: errors · settings · request schema · rendering · answers · images · engines (the interface,
-mock, replay, torch, hybrid) · forward pass · deployment: engine selection, decide() and answers · batching · wire
-protocols: System One and OpenAI Decisions · calibration · command line.
+mock, replay, torch, vLLM, hybrid) · forward pass · deployment: engine selection, decide() and answers · batching ·
+wire protocols: System One and OpenAI Decisions · calibration · export (blink's prompt as a transformers
+DecisionConfig) · command line.
 
 Wire protocols: TypeSafe's System One API (POST /v1/systemone, GET /v1/models; client typesafe-sdk) and OpenAI's
 Decisions API (POST /v1/decisions; openai >= 3.26) parse into the same Request and go through the same Deployment;
@@ -26,7 +27,12 @@ their answers carry the field's confidence formulas and blink's additions under 
 
 Engines (BLINK_ENGINE): "torch" runs the model; "replay" serves label logits the real model recorded for the
 bundled examples; "hybrid" serves those recordings for the bundled examples and runs the model for everything
-else; "mock" is a deterministic stand-in with fabricated numbers (BLINK_MOCK=1 also selects it).
+else; "mock" is a deterministic stand-in with fabricated numbers (BLINK_MOCK=1 also selects it). What runs a live
+model is BLINK_BACKEND: "torch" (transformers in this process) or "vllm" (a vLLM engine reads the label log-probs of
+the prompts blink renders; BLINK_VLLM_ARGS holds its engine arguments).
+
+`python blink.py export DIR` writes decision.json and decision_template.jinja, under which transformers'
+pipeline("decision") and `transformers serve` render blink's prompt token for token.
 
 Images: data URIs inside the state, or a top-level `images` list, go to a vision model (BLINK_VISION for a model with
 its own vision tower, BLINK_VISION_TOWER to graft blink-4b onto its base's tower); text-only models refuse them.
@@ -54,7 +60,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
@@ -111,6 +117,7 @@ MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call or 
 MAX_INT_DIGITS = 4000  # longest integer a request may hold (Python refuses to print integers past 4300 digits)
 LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp
 ENGINE_KINDS = ("torch", "replay", "hybrid", "mock")
+BACKENDS = ("torch", "vllm")  # what runs a live model: transformers in this process, or a vLLM engine
 READOUTS = ("rows", "batched")
 IMAGE_LAYOUTS = ("inline", "first")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -197,12 +204,28 @@ def _zero_gpu(env: Mapping[str, str]) -> bool:
         return env.get("SPACES_ZERO_GPU", "").strip().lower() in ("1", "true")
 
 
+def env_json_object(env: Mapping[str, str], name: str, default: str) -> str:
+    """A JSON object variable, kept as its text once it parses as an object; unset or empty keeps the default."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise BlinkError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise BlinkError(f"{name} must be a JSON object of named arguments (got {raw!r:.80})")
+    return raw
+
+
 def setting(variable: str, default, lo: float | None = None, hi: float | None = None, choices: tuple = (),
-            above: bool = False, secret: bool = False):
+            above: bool = False, secret: bool = False, json_object: bool = False):
     """A Settings field read from one environment variable: on/off for a bool, a number from lo (or above it) to hi
-    for an int or a float, one of `choices` or any text for a string. A secret is left out of the settings' repr."""
+    for an int or a float, one of `choices`, a JSON object's text (`json_object`) or any text for a string. A secret
+    is left out of the settings' repr."""
     return field(default=default, repr=not secret,
-                 metadata={"env": variable, "lo": lo, "hi": hi, "choices": choices, "above": above})
+                 metadata={"env": variable, "lo": lo, "hi": hi, "choices": choices, "above": above,
+                           "json_object": json_object})
 
 
 def _read_setting(env: Mapping[str, str], f):
@@ -212,6 +235,8 @@ def _read_setting(env: Mapping[str, str], f):
         return env_flag(env, m["env"], f.default)
     if isinstance(f.default, (int, float)):
         return env_number(env, m["env"], f.default, m["lo"], m["hi"], m["above"])
+    if m["json_object"]:
+        return env_json_object(env, m["env"], f.default)
     return env_word(env, m["env"], f.default, m["choices"])
 
 
@@ -222,6 +247,8 @@ class Settings:
 
     models: tuple[tuple[str, str | None], ...] = ()  # BLINK_MODELS, else BLINK_MODEL[/REVISION]; () = by hardware
     engine: str = setting("BLINK_ENGINE", "", choices=ENGINE_KINDS)  # "" picks by hardware; BLINK_MOCK=1: "mock"
+    backend: str = setting("BLINK_BACKEND", "torch", choices=BACKENDS)  # what runs the live model
+    vllm_args: str = setting("BLINK_VLLM_ARGS", "{}", json_object=True)  # vLLM engine arguments, a JSON object
     temperature: float = setting("BLINK_TEMPERATURE", 1.0, 0.0, 1e6, above=True)  # the release temperature, not fitted
     dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: bfloat16 on a GPU, float32 on a CPU
     token_budget: int = setting("BLINK_TOKEN_BUDGET", 32768, 1)  # padded tokens per forward
@@ -271,6 +298,11 @@ class Settings:
     def image_limits(self) -> ImageLimits:
         """The per-request image limits (a vision model's processor refines min_pixels and factor)."""
         return ImageLimits(self.max_images, self.max_image_bytes, self.max_image_pixels, self.max_image_source_pixels)
+
+    @property
+    def vllm_engine_args(self) -> dict:
+        """BLINK_VLLM_ARGS as keyword arguments for vllm.LLM (tensor_parallel_size, max_model_len, ...)."""
+        return json.loads(self.vllm_args)
 
     @property
     def default_model(self) -> str:
@@ -784,7 +816,7 @@ def answer_for(question: Question, probs: list[float]) -> dict:
 class Readout:
     """One question's model output: the label logits of each of its rendered prompts (options in shown order) and
     the log-sum-exp of the full vocabulary logits at each answer position (None where the engine does not know it,
-    as in a recording made before label mass was recorded)."""
+    as in a recording made before label mass was recorded). Full-vocabulary log-probs with lse 0 read the same."""
 
     logits: list[list[float]]
     lse: list[float | None]
@@ -1963,14 +1995,7 @@ class TorchEngine(PromptEngine):
         seqs = [p.ids for job in jobs for p in job.work]
         cands = [p.cand for job in jobs for p in job.work]
         rows, model_ms = _forward(self.key, seqs, cands) if seqs else ([], 0.0)
-        prefill = _prefill_tokens(seqs, self.settings)
-        out, k = [], 0
-        for job in jobs:
-            n = len(job.work)
-            out.append(Forward(_readouts(job.work, rows[k:k + n]), sum(len(p.ids) for p in job.work), self.name, LIVE,
-                               model_ms=model_ms, prefill_tokens=prefill, batched_requests=len(jobs)))
-            k += n
-        return out
+        return _split_forwards(self.name, jobs, rows, model_ms, _prefill_tokens(seqs, self.settings))
 
     def _run_image(self, job: Job) -> Forward:
         """One image job: the vision tower once, then each prompt."""
@@ -1989,12 +2014,8 @@ class TorchEngine(PromptEngine):
         each on its own; one Forward or that job's own error per job."""
         out: list = [None] * len(jobs)
         text_rows = [i for i, job in enumerate(jobs) if not isinstance(job.work, ImageWork)]
-        try:
-            for i, result in zip(text_rows, self._run_text([jobs[i] for i in text_rows])):
-                out[i] = result
-        except Exception:  # noqa: BLE001 - answer each request alone, so one cannot sink the others
-            for i in text_rows:
-                out[i] = _attempt(self._run_text, [jobs[i]])
+        for i, result in zip(text_rows, _run_packed(self._run_text, [jobs[i] for i in text_rows])):
+            out[i] = result
         for i, job in enumerate(jobs):
             if isinstance(job.work, ImageWork):
                 out[i] = _attempt(lambda j: [self._run_image(j[0])], [job])
@@ -2009,6 +2030,125 @@ def _attempt(run: Callable[[list[Job]], list], jobs: list[Job]) -> Forward | Exc
         return exc
 
 
+def _run_packed(run: Callable[[list[Job]], list[Forward]], jobs: list[Job]) -> list[Forward | Exception]:
+    """Jobs run together; if that fails (e.g. out of memory), each alone, so one request cannot sink the others."""
+    try:
+        return run(jobs) if jobs else []
+    except Exception:  # noqa: BLE001 - answer each request alone
+        return [_attempt(run, [job]) for job in jobs]
+
+
+def _split_forwards(engine: str, jobs: list[Job], rows: list[tuple[list[float], float]], model_ms: float,
+                    prefill: int) -> list[Forward]:
+    """The packed run's (label scores, lse) rows, in prompt order over all jobs, split back into one Forward per
+    job."""
+    out, k = [], 0
+    for job in jobs:
+        n = len(job.work)
+        out.append(Forward(_readouts(job.work, rows[k:k + n]), sum(len(p.ids) for p in job.work), engine, LIVE,
+                           model_ms=model_ms, prefill_tokens=prefill, batched_requests=len(jobs)))
+        k += n
+    return out
+
+
+# ==================================================================================================================
+# Engines: vLLM
+# ==================================================================================================================
+# blink still parses, renders and verifies labels (PromptEngine); vLLM computes. Each prompt goes in as token ids with
+# SamplingParams(max_tokens=1, temperature=0, logprob_token_ids=<its label ids>) on an engine whose logprobs_mode is
+# raw_logprobs: the log-softmax over the full vocabulary, before temperature or any processor. Those log-probs are the
+# label logits shifted by the vocabulary's log-sum-exp, so a Readout of log-probs with lse 0 gives the same answers
+# (softmax ignores the shift) and the same label mass (exp of their log-sum-exp). vLLM's continuous batching, prefix
+# caching and tensor parallelism then serve blink's prompt.
+
+VLLM_MAX_LABELS = 128  # vLLM returns log-probs for at most this many token ids per request (MAX_LOGPROB_TOKEN_IDS)
+VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # the modes that return normalized log-probabilities
+VLLM_OWN_ARGS = ("model", "revision", "tokenizer", "logprobs_mode")  # blink sets these; BLINK_VLLM_ARGS may not
+
+
+def label_chunks(cand: list[int]) -> list[list[int]]:
+    """A prompt's label ids in runs of at most VLLM_MAX_LABELS: a question with more options (up to 255) is sent
+    once per run, the same prompt each time, so prefix caching computes its tokens once."""
+    return [cand[i:i + VLLM_MAX_LABELS] for i in range(0, len(cand), VLLM_MAX_LABELS)]
+
+
+def label_logprobs(output, label_ids: list[int]) -> list[float]:
+    """The full-vocabulary log-probs of `label_ids` at the first generated position of one vLLM RequestOutput."""
+    position = output.outputs[0].logprobs[0]  # {token id: Logprob}: the sampled token plus exactly the asked ids
+    missing = [t for t in label_ids if t not in position]
+    if missing:
+        raise RuntimeError(f"vLLM returned no log-probability for label tokens {missing[:8]}")
+    return [float(position[t].logprob) for t in label_ids]
+
+
+def vllm_engine_args(source: str, revision: str | None, settings: Settings) -> dict:
+    """Keyword arguments for vllm.LLM: the served model, raw log-probs, prefix caching, the dtype blink's torch
+    engine would use on a GPU, then BLINK_VLLM_ARGS (which may not set what blink sets)."""
+    args = settings.vllm_engine_args
+    clash = sorted(set(args) & set(VLLM_OWN_ARGS))
+    if clash:
+        raise BlinkError(f"BLINK_VLLM_ARGS may not set {', '.join(clash)}: blink sets the served model and reads "
+                         "raw log-probabilities")
+    return {"dtype": settings.dtype or "bfloat16", "enable_prefix_caching": True, **args, "model": source,
+            "revision": revision, "logprobs_mode": "raw_logprobs"}
+
+
+class VllmEngine(PromptEngine):
+    """Label log-probs from a vLLM engine: every prompt of all jobs in one generate call, as token ids blink
+    rendered, each asking for exactly its own label ids. `llm` is anything with vllm.LLM's generate() and
+    model_config (default: a vllm.LLM built from BLINK_VLLM_ARGS); `sampling_params` builds the per-prompt
+    parameters (default: vllm.SamplingParams)."""
+
+    name = "vllm"
+
+    def __init__(self, model_id: str, revision: str | None = None, settings: Settings | None = None, *, llm=None,
+                 sampling_params: Callable | None = None):
+        super().__init__(model_id, revision, settings or env_settings())
+        if llm is None or sampling_params is None:
+            if importlib.util.find_spec("vllm") is None:
+                raise BlinkError("BLINK_BACKEND=vllm needs the vllm package (pip install 'vllm>=0.33', on a machine "
+                                 "with a GPU)")
+            import vllm
+
+            llm = llm if llm is not None else vllm.LLM(**vllm_engine_args(self.source, revision, self.settings))
+            sampling_params = sampling_params or vllm.SamplingParams
+        self.llm, self.sampling_params = llm, sampling_params
+        config = llm.model_config
+        if config.logprobs_mode not in VLLM_LOGPROBS_MODES:
+            raise BlinkError(f"the vLLM engine returns {config.logprobs_mode}; label mass needs raw_logprobs")
+        # vLLM refuses a prompt that leaves no room for the one token it samples
+        self.max_input_tokens = min(self.max_input_tokens, config.max_model_len - 1)
+        self._generate_lock = threading.Lock()  # vllm.LLM serves one generate call at a time
+
+    def read(self, prompts: list[Prompt]) -> tuple[list[tuple[list[float], float]], int]:
+        """Every prompt's (label log-probs, 0.0) from one generate call, and the prompt tokens vLLM computed (its
+        prefix cache served the rest)."""
+        requests = [(i, chunk) for i, p in enumerate(prompts) for chunk in label_chunks(p.cand)]
+        params = [self.sampling_params(max_tokens=1, temperature=0.0, logprob_token_ids=chunk, detokenize=False)
+                  for _, chunk in requests]
+        with self._generate_lock:
+            outputs = self.llm.generate([{"prompt_token_ids": prompts[i].ids} for i, _ in requests], params,
+                                        use_tqdm=False)
+        if len(outputs) != len(requests):
+            raise RuntimeError(f"vLLM answered {len(outputs)} of {len(requests)} prompts")
+        scores: list[list[float]] = [[] for _ in prompts]
+        computed = 0
+        for (i, chunk), output in zip(requests, outputs):
+            scores[i] += label_logprobs(output, chunk)
+            computed += len(prompts[i].ids) - (getattr(output, "num_cached_tokens", None) or 0)
+        return [(row, 0.0) for row in scores], computed
+
+    def _run_text(self, jobs: list[Job]) -> list[Forward]:
+        """Text jobs in one generate call, split back per job."""
+        t0 = time.perf_counter()
+        rows, computed = self.read([p for job in jobs for p in job.work])
+        return _split_forwards(self.name, jobs, rows, _since_ms(t0), computed)
+
+    def run(self, jobs: list[Job]) -> list[Forward | Exception]:
+        """All jobs in one generate call (one at a time if it fails); one Forward or that job's own error per job."""
+        return _run_packed(self._run_text, jobs)
+
+
 # ==================================================================================================================
 # Engines: hybrid
 # ==================================================================================================================
@@ -2020,7 +2160,7 @@ class HybridEngine(Engine):
     name = "hybrid"
     runs_model = True
 
-    def __init__(self, replay: ReplayEngine | None, live: TorchEngine):
+    def __init__(self, replay: ReplayEngine | None, live: PromptEngine):
         super().__init__(live.model_id, live.settings)
         self.replay, self.live = replay, live
         self.recording = replay.recording if replay is not None else None
@@ -2416,11 +2556,21 @@ class Deployment:
             return MockEngine(model_id, self.settings)
         if kind == "replay":  # a recording another model made is refused, naming its maker
             return ReplayEngine(self.settings.replay_path_for(model_id), model_id, self.settings)
-        live = TorchEngine(model_id, self.settings.revision(model_id), self.settings, **self._vision_options(model_id))
+        live = self._live(model_id)
         if kind == "hybrid":
             rec = self.recording(model_id)
             return HybridEngine(ReplayEngine(rec, model_id, self.settings) if rec else None, live)
         return live
+
+    def _live(self, model_id: str) -> PromptEngine:
+        """The engine that runs the model itself, on BLINK_BACKEND: transformers here, or a vLLM engine (text only)."""
+        revision, vision = self.settings.revision(model_id), self._vision_options(model_id)
+        if self.settings.backend == "torch":
+            return TorchEngine(model_id, revision, self.settings, **vision)
+        if vision:
+            raise BlinkError("the vLLM backend reads text only; BLINK_VISION and BLINK_VISION_TOWER need "
+                             "BLINK_BACKEND=torch")
+        return VllmEngine(model_id, revision, self.settings)
 
     def instant(self, request: Request, model: str | None = None) -> bool:
         """True when the request is answered without running a model: by the mock, from a recording, or refused."""
@@ -3513,6 +3663,148 @@ def format_calibration(report: dict) -> str:
 
 
 # ==================================================================================================================
+# Export: blink's prompt as a transformers DecisionConfig
+# ==================================================================================================================
+# transformers (>= 5.24) lets a model repository ship its decision prompt: decision.json (labels per question type,
+# temperature per type, noul option order) and decision_template.jinja, read by pipeline("decision") and
+# `transformers serve`. That template replaces the whole chat template and receives the request's raw `state` and one
+# `question` ({type, instructions, options, labels, descriptions}). The exported template applies blink's rendering
+# rules in Jinja (the mirror of user_message, option_text, text and the noul and score wording), sets blink's two
+# messages, and then runs the model's own chat template source unchanged, so transformers renders, token for token,
+# the prompt blink renders. Jinja's tojson is json.dumps(ensure_ascii=False) with default separators, as here.
+
+DECISION_RULES = r"""{#- blink's decision prompt: the system prompt, the user turn as blink renders it (evidence, criterion, lettered
+    options), then the model's own chat template with enable_thinking=False. Written by `python blink.py export`. -#}
+{%- macro blink_text(x) -%}
+{{- "" if x is none else (x if x is string else x|tojson(indent=2)) -}}
+{%- endmacro -%}
+{#- blink's GENERIC_KEY, ^(?:[A-Za-z]{1,2}|option[_ ]?\d+|opt\d+|\d+)$, where $ also matches before one final newline
+    and \d is a Unicode decimal digit (str.isdecimal) -#}
+{%- macro blink_generic(k) -%}
+{%- set s = k[:-1] if k.endswith("\n") else k -%}
+{%- if (s|length in [1, 2] and s.isascii() and s.isalpha())
+      or (s.startswith("option") and (s[6:].isdecimal() or (s[6:7] in ["_", " "] and s[7:].isdecimal())))
+      or (s.startswith("opt") and s[3:].isdecimal())
+      or s.isdecimal() -%}
+{{- "1" -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- macro blink_option(k, desc) -%}
+{%- if desc is none or (desc is string and not desc.strip()) -%}
+{{- k -}}
+{%- else -%}
+{%- set d = blink_text(desc) -%}
+{{- d if (blink_generic(k) or k.strip().lower() == d.strip().lower()) else k ~ ": " ~ d -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- set blink_ns = namespace(options=[]) -%}
+{%- for blink_key in question.options -%}
+{%- set blink_desc = question.descriptions[loop.index0] -%}
+{%- if question.type == "choice" -%}
+{%- set blink_shown = blink_option(blink_key, blink_desc) -%}
+{%- elif question.type == "noul" -%}
+{%- set blink_shown = ("Yes" if blink_key == "true" else "No") ~ ((" \u2014 " ~ blink_text(blink_desc)) if blink_desc else "") -%}
+{%- else -%}
+{%- set blink_shown = ("Level " ~ loop.index0 ~ ": " ~ blink_text(blink_desc)) if blink_desc is not none else ("Level " ~ loop.index0) -%}
+{%- endif -%}
+{%- set blink_ns.options = blink_ns.options + [{"letter": question.labels[loop.index0], "description": blink_shown}] -%}
+{%- endfor -%}
+{%- set blink_user = {"evidence": state, "criterion": blink_text(question.instructions).strip(), "options": blink_ns.options}|tojson -%}
+"""
+EXPORT_PROBE = {  # the export renders this through transformers and refuses to write a config that differs from blink
+    "state": {"ticket": "Zweimal belastet — refund? 🙂", "lines": [1, 2.5, None, True], "note": "AB\n"},
+    "questions": {
+        "tone": {"type": "choice", "instructions": "  What is the tone?\n", "criteria": {
+            "calm": "A polite message", "A": "a generic key", "opt3": {"nested": ["ü", 1]}, "Option 5": "not generic",
+            "same": "Same ", "blank": "  ", "none": None, "12": "digits", "lst": ["a", {"b": 2}]}},
+        "spam": {"type": "noul", "instructions": {"ask": "Is this spam?"}, "criteria": {"true": "Unsolicited ads"}},
+        "urgency": {"type": "score", "criteria": ["Can wait", "", {"when": "today"}]},
+    },
+}
+
+
+def decision_template(chat_template: str) -> str:
+    """The Jinja source transformers renders blink's prompt with: blink's rules, its two messages, then the model's
+    own chat template. The last tag keeps its newline so trim_blocks eats exactly that one and the model's template
+    starts a line of its own, as when it stands alone (its leading whitespace and lstrip_blocks act the same)."""
+    messages = (f'{{%- set messages = [{{"role": "system", "content": {json.dumps(SYSTEM, ensure_ascii=False)}}}, '
+                '{"role": "user", "content": blink_user}] -%}\n'
+                "{%- set add_generation_prompt = true -%}\n{%- set enable_thinking = false %}\n")
+    return DECISION_RULES + messages + chat_template
+
+
+def exported_labels(engine: PromptEngine) -> dict[str, list[str]]:
+    """decision.json's labels per question type as blink offers them: every verified label for a choice, the first
+    ten for a score's levels, A and B for a noul (yes first: noul_options puts true first)."""
+    return {"choice": list(engine.labels), "score": list(engine.labels[:10]), "noul": list(engine.labels[:2])}
+
+
+def check_label_ids(engine: PromptEngine) -> None:
+    """Refuse a model whose labels transformers would read as other tokens: it tokenizes each label on its own,
+    blink verified them right after the assistant header."""
+    from transformers.decision.template_utils import label_token_ids
+
+    for label, expected in zip(engine.labels, engine.label_ids):
+        try:
+            (got,) = label_token_ids(engine.tok, (label,))
+        except ValueError:
+            got = None
+        if got != expected:
+            raise BlinkError(f"label {label!r} is token {expected} after the assistant header but "
+                             f"{'not one token' if got is None else f'token {got}'} on its own: transformers would "
+                             "read another token, so this model cannot be exported")
+
+
+def check_export(folder: str, engine: PromptEngine, request: dict) -> int:
+    """Render `request` through transformers' prepare_inputs with the config in `folder` (on a copy of the tokenizer:
+    prepare_inputs adds its sentinel tokens to the one it is given) and refuse any prompt whose ids differ from
+    blink's. Returns the number of prompts compared."""
+    from transformers.decision import DecisionConfig
+
+    config = DecisionConfig.from_pretrained(folder)
+    theirs = config.prepare_inputs(request, copy.deepcopy(engine.tok))
+    ours = engine.render(parse_request(request["state"], request["questions"], settings=engine.settings))
+    if len(theirs) != len(ours):
+        raise BlinkError(f"transformers renders {len(theirs)} prompts for {len(ours)} questions")
+    for (inputs, (question,)), prompt in zip(theirs, ours):
+        if question.name != prompt.qkey or inputs["input_ids"][0].tolist() != prompt.ids:
+            raise BlinkError(f"question {prompt.qkey!r}: transformers renders other token ids than blink with this "
+                             "model's chat template; nothing was written")
+    return len(ours)
+
+
+def export(out_dir: str, model: str | None = None, settings: Settings | None = None) -> dict:
+    """Write decision.json and decision_template.jinja for a served model, plus decision_serve.json (the same with
+    the template inside, which `transformers serve --decision-config` needs), after checking its labels and rendering
+    a probe request both ways. Loads the tokenizer only. Returns what was written."""
+    import shutil
+    import tempfile
+
+    from transformers.decision import DecisionConfig
+
+    settings = settings or env_settings()
+    model_id = model or settings.default_model
+    engine = PromptEngine(model_id, settings.revision(model_id), settings)  # refuses labels that do not verify
+    check_label_ids(engine)
+    config = DecisionConfig(labels=exported_labels(engine),
+                            temperature=dict.fromkeys(QUESTION_TYPES, settings.temperature),
+                            chat_template=decision_template(engine.tok.get_chat_template()),
+                            noul_options=["true", "false"], sanitize_control_tokens=False)
+    with tempfile.TemporaryDirectory() as staging:  # nothing reaches out_dir until the probe renders the same
+        config.save_pretrained(staging)
+        checked = check_export(staging, engine, EXPORT_PROBE)
+        with open(os.path.join(staging, "decision_serve.json"), "w", encoding="utf-8") as fh:
+            json.dump(asdict(config), fh, ensure_ascii=False, indent=2)
+            fh.write("\n")
+        os.makedirs(out_dir, exist_ok=True)
+        files = sorted(os.listdir(staging))
+        for name in files:
+            shutil.copyfile(os.path.join(staging, name), os.path.join(out_dir, name))
+    return {"model": model_id, "revision": engine.revision, "folder": out_dir, "files": files,
+            "choice_labels": len(engine.labels), "temperature": settings.temperature, "probe_prompts": checked}
+
+
+# ==================================================================================================================
 # Command line
 # ==================================================================================================================
 
@@ -3585,10 +3877,12 @@ def record(model_id: str | None = None, path: str | None = None, settings: Setti
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python blink.py --state S --questions Q | record | prepare | calibrate DATA.jsonl"""
+    """python blink.py --state S --questions Q | record | prepare | calibrate DATA.jsonl | export DIR"""
     parser = argparse.ArgumentParser(prog="blink.py", description="one-pass typed decisions from a language model")
-    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare", "calibrate"), default="decide")
-    parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line")
+    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare", "calibrate", "export"),
+                        default="decide")
+    parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line; export: the "
+                                                "folder to write decision.json and decision_template.jinja to")
     parser.add_argument("--state", help="evidence: a file, inline text or JSON")
     parser.add_argument("--questions", help="questions JSON: a file or inline")
     parser.add_argument("--image", action="append", default=None, metavar="FILE",
@@ -3606,6 +3900,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.data is None:
                 parser.error("calibrate needs a data file: python blink.py calibrate DATA.jsonl")
             print(format_calibration(calibrate(args.data, args.model, args.out)))
+            return 0
+        if args.command == "export":
+            if args.data is None:
+                parser.error("export needs a folder: python blink.py export DIR [--model ID]")
+            done = export(args.data, args.model)
+            print(f"exported {done['model']} to {done['folder']}: {', '.join(done['files'])} ({done['choice_labels']} "
+                  f"choice labels, temperature {done['temperature']:g}; {done['probe_prompts']} probe prompts render "
+                  "the same token ids in transformers)")
             return 0
         if args.command == "record":
             data = record(args.model, args.out)

@@ -86,6 +86,8 @@ def another_value(f) -> tuple[str, object]:
     if m["choices"]:
         value = next(c for c in m["choices"] if c != default)
         return value.upper(), value  # any case
+    if m["json_object"]:
+        return '{"seed": 1}', '{"seed": 1}'
     return "/tmp/elsewhere", "/tmp/elsewhere"
 
 
