@@ -2957,7 +2957,11 @@ def line_row(raw: bytes, n: int) -> Row:
 
 def _jsonl_rows(path: str) -> Iterator[Row]:
     """Every non-blank line of a JSON Lines file as a Row, numbered from 1 as an editor numbers them."""
-    with open(path, "rb") as fh:
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise BlinkError(f"cannot read {path}: {exc.strerror}") from None
+    with fh:
         for n, raw in enumerate(fh, 1):
             if raw.strip():
                 yield line_row(raw, n)
@@ -2985,11 +2989,17 @@ def _parquet_rows(path: str) -> Iterator[Row]:
         table = pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow's own error types vary by what is wrong with the file
         raise BlinkError(f"{path} cannot be read as Parquet: {exc}") from None
-    n = 0
-    for chunk in table.iter_batches(batch_size=1024):
-        for values in chunk.to_pylist():
+    n, batches = 0, table.iter_batches(batch_size=1024)
+    while True:
+        try:
+            values = next(batches).to_pylist()
+        except StopIteration:
+            return
+        except Exception as exc:  # noqa: BLE001 - a damaged page: the file cannot be run (found before any row runs)
+            raise BlinkError(f"{path} cannot be read past row {n}: {exc}") from None
+        for row in values:
             n += 1
-            yield parquet_row(values, n)
+            yield parquet_row(row, n)
 
 
 def read_rows(path: str) -> Iterator[Row]:
@@ -3028,7 +3038,11 @@ def read_out(path: str) -> Resume:
     if not os.path.exists(path):
         return Resume()
     done, model, end = set(), None, 0
-    with open(path, "rb") as fh:
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise BlinkError(f"cannot read {path}: {exc.strerror}") from None
+    with fh:
         for n, raw in enumerate(fh, 1):
             if not raw.endswith(b"\n"):  # a line cut short by a crash: answered again
                 break
@@ -3042,7 +3056,8 @@ def read_out(path: str) -> Resume:
             if not isinstance(record, dict) or "id" not in record:
                 raise BlinkError(f"{path} line {n} is not a blink batch result; choose another --out")
             done.add(id_key(record["id"]))
-            model = model or (record.get("meta") or {}).get("model")
+            if not model and isinstance(record.get("meta"), dict):
+                model = record["meta"].get("model")
     return Resume(frozenset(done), model, end, end < os.path.getsize(path))
 
 
@@ -3256,15 +3271,19 @@ def batch_steps(in_path: str, out_path: str, served: Deployment | None = None, t
     stats = BatchStats(len(ids) - skipped, skipped=skipped, repaired=resume.cut, model=model_id, workers=workers)
     pending = (row for row in read_rows(in_path) if id_key(row.id) not in resume.done)
     chunks = row_chunks(pending, served.settings.batch_max_requests)
-    yield stats
-    if workers:
-        answered = ray_outcomes(served.settings, chunks, temperature, model, workers, address)
-    else:
-        answered = serial_outcomes(served, chunks, temperature, model)
-        if stats.total:
-            served.engine(model)  # the model loads before the clock starts
-    with open(out_path, "ab") as fh:
+    try:
+        fh = open(out_path, "ab")
+    except OSError as exc:
+        raise BlinkError(f"cannot write {out_path}: {exc.strerror}") from None
+    with fh:
         fh.truncate(resume.end)  # a half-written last line goes; its row is answered again
+        yield stats
+        if workers:
+            answered = ray_outcomes(served.settings, chunks, temperature, model, workers, address)
+        else:
+            answered = serial_outcomes(served, chunks, temperature, model)
+            if stats.total:
+                served.engine(model)  # the model loads before the clock starts
         t0 = time.perf_counter()
         for rows, outcomes in answered:
             records = chunk_records(rows, outcomes)

@@ -187,6 +187,8 @@ def test_input_that_cannot_run_is_refused_before_anything_is_written(tmp_path, m
         blink.batch(str(good), str(good), mock_dep)
     with pytest.raises(blink.BlinkError, match="is not a file"):
         blink.batch(str(tmp_path / "missing.jsonl"), str(out), mock_dep)
+    with pytest.raises(blink.BlinkError, match="cannot write .*No such file or directory"):
+        blink.batch(str(good), str(tmp_path / "no-such-folder" / "out.jsonl"), mock_dep)
     stranger = tmp_path / "notes.txt"
     stranger.write_text("my notes\n")
     with pytest.raises(blink.BlinkError, match="notes.txt line 1 is not a blink batch result"):

@@ -1,0 +1,177 @@
+"""Bulk decisions: rows per second of `python blink.py batch` on one model, serially and on `--ray N` workers,
+beside the loop a user writes by hand (decide() one row at a time), in one run.
+
+    python bench/batch.py                         # 64 rows on the stand-in (a few minutes on a 2-core CPU)
+    python bench/batch.py --rows 256 --workers 4  # more rows, more Ray workers
+    python bench/batch.py --pipeline-rows 0       # skip the no-model runs
+
+Every arm is a fresh process, as a user runs it, over the same rows (a support ticket and one four-way choice each):
+
+- loop: `deployment.decide(state, questions)` per row, appending each answer to OUT (no packing across rows);
+- batch: `python blink.py batch IN --out OUT` (rows packed BLINK_BATCH_MAX_REQUESTS at a time into shared forwards);
+- ray: the same command with `--ray N` (a local Ray cluster started by the command; N workers, one engine each).
+
+Reported per arm: the whole process's wall time (Python start, model load, Ray start included), the answering time
+and rows/s that the command's summary line prints, when the first rows landed, and the steady rate after them. The
+pipeline runs (`BLINK_MOCK=1`, many rows, no model) measure what the reading, packing, Ray transport and writing
+can feed at most. The answers of every arm are compared with the loop's. Writes bench/results/batch.json; the last
+line printed is a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import blink  # noqa: E402
+
+SUMMARY = re.compile(r"batch: (\d+) rows, (\d+) errors in ([\d.]+) s \(([\d.]+) rows/s\)"
+                     r"(?:; first rows after ([\d.]+) s)?")
+QUESTIONS = {"team": {"type": "choice", "instructions": "Which team should handle this ticket?",
+                      "criteria": {"billing": "charges, refunds, invoices", "technical": "bugs, crashes, errors",
+                                   "account": "logins, passwords, access", "shipping": "deliveries and returns"}}}
+PROBLEMS = ["was charged twice for the March invoice", "cannot log in since the password reset",
+            "sees the app crash when opening settings", "got a parcel that arrived crushed",
+            "wants a refund for an unused seat", "gets error 500 when exporting a report"]
+
+
+def write_rows(path: str, n: int) -> None:
+    """n support tickets with one four-way routing question each, one JSON line a row."""
+    with open(path, "w", encoding="utf-8") as fh:
+        for i in range(n):
+            state = f"Ticket #{i}: the customer {PROBLEMS[i % len(PROBLEMS)]} (plan {('free', 'pro', 'team')[i % 3]})."
+            fh.write(json.dumps({"id": f"t{i}", "state": state, "questions": QUESTIONS}) + "\n")
+
+
+def loop_main(in_path: str, out_path: str) -> None:
+    """The hand-written loop: one decide() per row, each answer appended to OUT; prints its timings as JSON."""
+    served = blink.deployment()
+    served.engine()  # load before the clock starts, as the batch command does
+    t0, rows = time.perf_counter(), 0
+    with open(in_path, encoding="utf-8") as src, open(out_path, "w", encoding="utf-8") as out:
+        for line in src:
+            row = json.loads(line)
+            out.write(json.dumps({"id": row["id"], **served.decide(row["state"], row["questions"])}) + "\n")
+            out.flush()
+            rows += 1
+    print(json.dumps({"rows": rows, "answer_s": time.perf_counter() - t0}))
+
+
+def run_arm(name: str, cmd: list[str], env: dict, out_path: str, chunk: int) -> dict:
+    """One arm in a fresh process: its wall time and the timings it printed."""
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT, timeout=3600)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    if name == "loop":
+        timing = json.loads(done.stdout.strip().splitlines()[-1])
+        rows, answer_s, first_s = timing["rows"], timing["answer_s"], None
+    else:
+        match = SUMMARY.search(done.stderr.strip().splitlines()[-1])
+        rows, answer_s = int(match.group(1)), float(match.group(3))
+        first_s = float(match.group(5)) if match.group(5) else None
+    steady = ((rows - chunk) / (answer_s - first_s) if first_s is not None and answer_s > first_s and rows > chunk
+              else None)
+    return {"arm": name, "rows": rows, "wall_s": round(wall, 2), "answer_s": round(answer_s, 2),
+            "rows_per_s": round(rows / answer_s, 2), "rows_per_s_wall": round(rows / wall, 2),
+            "first_rows_s": first_s, "steady_rows_per_s": round(steady, 2) if steady else None,
+            "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)], "out": out_path}
+
+
+def answers(path: str) -> dict:
+    """id -> answers of an OUT file."""
+    with open(path, encoding="utf-8") as fh:
+        return {r["id"]: r["answers"] for r in map(json.loads, fh)}
+
+
+def max_gap(a: dict, b: dict) -> float:
+    """The largest difference of any probability or label mass between two runs' answers of the same rows."""
+    gap = 0.0
+    for rid, qs in a.items():
+        for qkey, ans in qs.items():
+            other = b[rid][qkey]
+            gap = max([gap, abs(ans["label_mass"] - other["label_mass"])]
+                      + [abs(p - other["probabilities"][k]) for k, p in ans["probabilities"].items()])
+    return gap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the arms, print the table, write bench/results/batch.json."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=64, help="rows the model answers in each arm")
+    parser.add_argument("--workers", type=int, default=2, help="Ray workers of the ray arm")
+    parser.add_argument("--pipeline-rows", type=int, default=20000, help="rows of the no-model runs (0: skip them)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "batch.json"))
+    parser.add_argument("--loop", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)  # the loop arm's process
+    args = parser.parse_args(argv)
+    if args.loop:
+        loop_main(*args.loop)
+        return 0
+    settings = blink.env_settings()
+    chunk = settings.batch_max_requests
+    blink_py = os.path.join(ROOT, "blink.py")
+    work = tempfile.mkdtemp(prefix="blink-bench-batch-")
+    rows_path = os.path.join(work, "rows.jsonl")
+    write_rows(rows_path, args.rows)
+    out = {name: os.path.join(work, f"{name}.jsonl") for name in ("loop", "batch", "ray")}
+    arms = [
+        run_arm("loop", [sys.executable, os.path.abspath(__file__), "--loop", rows_path, out["loop"]], {}, out["loop"],
+                chunk),
+        run_arm("batch", [sys.executable, blink_py, "batch", rows_path, "--out", out["batch"]], {}, out["batch"],
+                chunk),
+        run_arm("ray", [sys.executable, blink_py, "batch", rows_path, "--out", out["ray"], "--ray", str(args.workers)],
+                {}, out["ray"], chunk),
+    ]
+    reference = answers(out["loop"])
+    for arm in arms:
+        arm["max_gap_to_loop"] = max_gap(answers(arm["out"]), reference)
+    pipeline = []
+    if args.pipeline_rows:
+        many = os.path.join(work, "many.jsonl")
+        write_rows(many, args.pipeline_rows)
+        for name, extra in (("pipeline", []), ("pipeline ray", ["--ray", str(args.workers)])):
+            path = os.path.join(work, f"{name.replace(' ', '-')}.jsonl")
+            pipeline.append(run_arm(name, [sys.executable, blink_py, "batch", many, "--out", path, *extra],
+                                    {"BLINK_MOCK": "1"}, path, chunk))
+    by = {a["arm"]: a for a in arms}
+    result = {
+        "model": settings.default_model, "hardware": blink.hardware(), "rows": args.rows, "workers": args.workers,
+        "rows_per_call": chunk, "token_budget": settings.token_budget, "arms": arms, "pipeline": pipeline,
+        "speedup_batch_over_loop": round(by["batch"]["rows_per_s"] / by["loop"]["rows_per_s"], 2),
+        "speedup_ray_over_batch_steady": (round(by["ray"]["steady_rows_per_s"] / by["batch"]["steady_rows_per_s"], 2)
+                                          if by["ray"]["steady_rows_per_s"] and by["batch"]["steady_rows_per_s"]
+                                          else None),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+        fh.write("\n")
+    print(f"{result['model']} on {result['hardware']}; {args.rows} rows, {chunk} rows per decide_many call")
+    print(f"{'arm':<13} {'rows':>6} {'wall s':>8} {'answer s':>9} {'rows/s':>8} {'first rows s':>12} "
+          f"{'steady rows/s':>13} {'max gap':>9} {'load':>11}")
+    for a in arms + pipeline:
+        gap = f"{a['max_gap_to_loop']:.1e}" if "max_gap_to_loop" in a else "—"
+        first = f"{a['first_rows_s']:.1f}" if a["first_rows_s"] is not None else "—"
+        steady = f"{a['steady_rows_per_s']:.2f}" if a["steady_rows_per_s"] else "—"
+        print(f"{a['arm']:<13} {a['rows']:>6} {a['wall_s']:>8.1f} {a['answer_s']:>9.1f} {a['rows_per_s']:>8.2f} "
+              f"{first:>12} {steady:>13} {gap:>9} {a['load_avg_1min'][0]:>5.1f}-{a['load_avg_1min'][1]:<5.1f}")
+    print(f"batch {result['speedup_batch_over_loop']}x the hand loop's rows/s; --ray {args.workers} steady "
+          f"{result['speedup_ray_over_batch_steady']}x batch's; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
