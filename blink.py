@@ -3187,8 +3187,9 @@ def ray_outcomes(settings: Settings, chunks: Iterator[list[Row]], temperature: f
         items = [{"asks": pickle.dumps(chunk_asks(rows), protocol=5)} for rows in chunks]
         answered = ray.data.from_items(items).map_batches(
             RayWorker, fn_constructor_kwargs={"settings": settings, "temperature": temperature, "model": model},
-            batch_size=1, batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=workers),
-            num_cpus=cpus, num_gpus=gpus)
+            batch_size=1, batch_format="pyarrow", num_cpus=cpus, num_gpus=gpus,
+            # one chunk at a time per worker: the worker whose model loaded first must not queue every chunk up
+            compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1))
         landed = iter(chunks)
         try:
             for table in answered.iter_batches(batch_size=1, batch_format="pyarrow"):
