@@ -3109,6 +3109,16 @@ def jsonl_line(record: dict) -> bytes:
         return (json.dumps(record) + "\n").encode("utf-8")
 
 
+def load_engine(served: Deployment, model: str | None) -> Engine:
+    """The served model's engine, loaded; a model that cannot load stops the run as an EngineFault naming why."""
+    try:
+        return served.engine(model)
+    except BlinkError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - missing files, no hub access, out of memory: all stop the run
+        raise EngineFault(f"the model could not be loaded: {type(exc).__name__}: {exc}") from exc
+
+
 def serial_outcomes(served: Deployment, chunks: Iterator[list[Row]], temperature: float | None,
                     model: str | None) -> Iterator[tuple[list[Row], list[dict]]]:
     """Each chunk with its outcomes, answered in this process."""
@@ -3122,7 +3132,7 @@ class RayWorker:
 
     def __init__(self, settings: Settings, temperature: float | None, model: str | None):
         self.served = Deployment(replace(settings, gpu=_cuda(), zero_gpu=False))
-        self.served.engine(model)  # load the model now, not inside the first chunk
+        load_engine(self.served, model)  # now, not inside the first chunk
         self.temperature, self.model = temperature, model
 
     def __call__(self, table):
@@ -3284,7 +3294,7 @@ def batch_steps(in_path: str, out_path: str, served: Deployment | None = None, t
         else:
             answered = serial_outcomes(served, chunks, temperature, model)
             if stats.total:
-                served.engine(model)  # the model loads before the clock starts
+                load_engine(served, model)  # before the clock starts
         t0 = time.perf_counter()
         for rows, outcomes in answered:
             records = chunk_records(rows, outcomes)

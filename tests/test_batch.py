@@ -200,6 +200,15 @@ def test_input_that_cannot_run_is_refused_before_anything_is_written(tmp_path, m
         blink.batch(str(good), str(out), mock_dep)
 
 
+def test_a_model_that_cannot_load_stops_the_run_by_name(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"state": "x", "questions": QUESTIONS}) + "\n")
+    missing = blink.Deployment(blink.Settings(engine="torch", models=((str(tmp_path / "no-model"), None),)))
+    with pytest.raises(blink.EngineFault, match="the model could not be loaded: OSError"):
+        blink.batch(str(src), str(tmp_path / "out.jsonl"), missing)
+    assert (tmp_path / "out.jsonl").read_bytes() == b""
+
+
 @pytest.mark.parametrize(("content", "locs"), [
     (b"", []),
     (b"\n  \n\r\n", []),
