@@ -2939,6 +2939,14 @@ def body_row(body, n: int, unit: str) -> Row:
     return Row(row_id, where, body)
 
 
+def open_file(path: str, mode: str):
+    """A file opened in binary mode for reading ("rb") or appending ("ab"), or a BlinkError naming it."""
+    try:
+        return open(path, mode)
+    except OSError as exc:
+        raise BlinkError(f"cannot {'read' if 'r' in mode else 'write'} {path}: {exc.strerror}") from None
+
+
 def line_row(raw: bytes, n: int) -> Row:
     """Line n of a JSON Lines file as a Row (a line that is not UTF-8 or not JSON is refused on its own)."""
     where = f"line {n}"
@@ -2957,11 +2965,7 @@ def line_row(raw: bytes, n: int) -> Row:
 
 def _jsonl_rows(path: str) -> Iterator[Row]:
     """Every non-blank line of a JSON Lines file as a Row, numbered from 1 as an editor numbers them."""
-    try:
-        fh = open(path, "rb")
-    except OSError as exc:
-        raise BlinkError(f"cannot read {path}: {exc.strerror}") from None
-    with fh:
+    with open_file(path, "rb") as fh:
         for n, raw in enumerate(fh, 1):
             if raw.strip():
                 yield line_row(raw, n)
@@ -3038,11 +3042,7 @@ def read_out(path: str) -> Resume:
     if not os.path.exists(path):
         return Resume()
     done, model, end = set(), None, 0
-    try:
-        fh = open(path, "rb")
-    except OSError as exc:
-        raise BlinkError(f"cannot read {path}: {exc.strerror}") from None
-    with fh:
+    with open_file(path, "rb") as fh:
         for n, raw in enumerate(fh, 1):
             if not raw.endswith(b"\n"):  # a line cut short by a crash: answered again
                 break
@@ -3282,11 +3282,7 @@ def batch_steps(in_path: str, out_path: str, served: Deployment | None = None, t
     stats = BatchStats(len(ids) - skipped, skipped=skipped, repaired=resume.cut, model=model_id, workers=workers)
     pending = (row for row in read_rows(in_path) if id_key(row.id) not in resume.done)
     chunks = row_chunks(pending, served.settings.batch_max_requests)
-    try:
-        fh = open(out_path, "ab")
-    except OSError as exc:
-        raise BlinkError(f"cannot write {out_path}: {exc.strerror}") from None
-    with fh:
+    with open_file(out_path, "ab") as fh:
         fh.truncate(resume.end)  # a half-written last line goes; its row is answered again
         yield stats
         if workers:
