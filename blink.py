@@ -2973,8 +2973,13 @@ def _jsonl_rows(path: str) -> Iterator[Row]:
 
 def parquet_row(values: dict, n: int) -> Row:
     """Row n of a Parquet file as a Row. `questions` given as JSON text is parsed (Arrow fills a struct's missing keys
-    with nulls, so JSON that varies from row to row is best stored as text)."""
+    with nulls, so JSON that varies from row to row is best stored as text); a value JSON has no type for (a date,
+    bytes, a decimal) is refused, so every row is JSON, as a JSON Lines row is."""
     row = body_row(values, n, "row")
+    try:
+        json.dumps(values)
+    except (TypeError, ValueError) as exc:
+        return replace(row, body=None, error=BlinkError(f"{row.where} holds a value JSON cannot hold: {exc}", ["body"]))
     if row.error is None and isinstance(values.get("questions"), str):
         try:
             return replace(row, body={**values, "questions": json_text(values["questions"], "questions")})
@@ -3128,7 +3133,7 @@ def serial_outcomes(served: Deployment, chunks: Iterator[list[Row]], temperature
 
 class RayWorker:
     """One Ray Data worker: builds its own deployment from the driver's Settings once (on the hardware it was given),
-    then answers chunks with the same steps as a serial run."""
+    then answers chunks, each a JSON list of (state, questions, images), with the same steps as a serial run."""
 
     def __init__(self, settings: Settings, temperature: float | None, model: str | None):
         self.served = Deployment(replace(settings, gpu=_cuda(), zero_gpu=False))
@@ -3136,13 +3141,11 @@ class RayWorker:
         self.temperature, self.model = temperature, model
 
     def __call__(self, table):
-        """A pyarrow table of pickled chunks -> a table of their outcomes as JSON text."""
-        import pickle
-
+        """A pyarrow table of chunks as JSON text -> a table of their outcomes as JSON text."""
         import pyarrow as pa
 
         return pa.table({"outcomes": [
-            json.dumps(decide_outcomes(self.served, pickle.loads(asks), self.temperature, self.model))
+            json.dumps(decide_outcomes(self.served, json.loads(asks), self.temperature, self.model))
             for asks in table.column("asks").to_pylist()]})
 
 
@@ -3178,9 +3181,8 @@ def ray_worker_resources(cluster: Mapping[str, float], workers: int) -> tuple[fl
 def ray_outcomes(settings: Settings, chunks: Iterator[list[Row]], temperature: float | None, model: str | None,
                  workers: int, address: str | None) -> Iterator[tuple[list[Row], list[dict]]]:
     """Each chunk with its outcomes, answered by `workers` Ray Data workers (one engine each) and returned in order.
-    The chunks travel pickled (one column), the outcomes as JSON text: Arrow never infers a schema from a request."""
-    import pickle
-
+    Chunks and outcomes travel as JSON text, one string column: Arrow never infers a schema from a request (every
+    row's body came from JSON, or was checked to be JSON, so the text holds exactly what the serial run answers)."""
     chunks = list(chunks)
     if not chunks:
         return
@@ -3194,7 +3196,7 @@ def ray_outcomes(settings: Settings, chunks: Iterator[list[Row]], temperature: f
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
         cpus, gpus = ray_worker_resources(ray.cluster_resources(), workers)
-        items = [{"asks": pickle.dumps(chunk_asks(rows), protocol=5)} for rows in chunks]
+        items = [{"asks": json.dumps(chunk_asks(rows))} for rows in chunks]
         answered = ray.data.from_items(items).map_batches(
             RayWorker, fn_constructor_kwargs={"settings": settings, "temperature": temperature, "model": model},
             batch_size=1, batch_format="pyarrow", num_cpus=cpus, num_gpus=gpus,

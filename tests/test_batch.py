@@ -270,6 +270,14 @@ def test_parquet_gives_what_the_same_json_lines_give(tmp_path, mock_dep):
     rows[7]["questions"] = "{broken"
     rows[9]["id"] = None  # known by its row number
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    import datetime
+
+    dated = pa.Table.from_pylist([{"id": "d", "state": datetime.date(2026, 1, 2), "questions": json.dumps(QUESTIONS)}])
+    pq.write_table(dated, tmp_path / "dated.parquet")
+    blink.batch(str(tmp_path / "dated.parquet"), str(tmp_path / "dated.jsonl"), mock_dep)
+    (refused,) = records(tmp_path / "dated.jsonl")
+    assert refused["id"] == "d" and refused["loc"] == ["body"]
+    assert refused["error"].startswith("row 1 holds a value JSON cannot hold: Object of type date")
     stats = blink.batch(str(tmp_path / "in.parquet"), str(tmp_path / "pq.jsonl"), mock_dep)
     from_parquet = records(tmp_path / "pq.jsonl")
     as_lines = [{**r, "questions": json.loads(r["questions"])} if r["questions"] != "{broken" else r for r in rows]
@@ -289,11 +297,9 @@ def test_parquet_gives_what_the_same_json_lines_give(tmp_path, mock_dep):
 
 def test_a_ray_worker_answers_a_chunk_as_the_serial_steps_do(mock_dep):
     pa = pytest.importorskip("pyarrow")
-    import pickle
-
     asks = [("Ticket 1: refund please", QUESTIONS, None), ("x", {"q": {"type": "noul", "multi": 3}}, None)]
     worker = blink.RayWorker(mock_dep.settings, None, None)
-    (text,) = worker(pa.table({"asks": [pickle.dumps(asks)]})).column("outcomes").to_pylist()
+    (text,) = worker(pa.table({"asks": [json.dumps(asks)]})).column("outcomes").to_pylist()
     serial = json.loads(json.dumps(blink.decide_outcomes(mock_dep, asks, None, None)))
     assert untimed(json.loads(text)) == untimed(serial) and "answers" in serial[0]
     assert serial[1]["loc"] == ["body", "questions", "q", "multi"]
