@@ -9,6 +9,7 @@ Every answer carries `label_mass`, the share of the model's whole next-token dis
 labels (a low mass: the model wanted to say something else). Opt-in per question: `permute` (order-robust average
 over rotations of the options), `multi` (independent yes-probability per option), `abstain` (thresholds on label mass
 or confidence). `python blink.py calibrate DATA.jsonl` fits temperatures per question type that decide() then applies.
+`python blink.py batch IN --out OUT` answers every row of a dataset, resumably, optionally on Ray (`--ray N`).
 
 One request takes one straight path: parse_request() checks it once and turns it into a Request of parsed Questions;
 an engine's prepare() makes it a Job (rendered token ids, decoded images, or a recording entry); the engine's run()
@@ -19,7 +20,8 @@ concurrent requests into shared forwards.
 Sections, in order: errors · settings · request schema · rendering · answers · images · engines (the interface,
 mock, replay, torch, vLLM, hybrid) · forward pass · deployment: engine selection, decide() and answers · batching ·
 wire protocols: System One and OpenAI Decisions · calibration · export (blink's prompt as a transformers
-DecisionConfig) · command line.
+DecisionConfig) · bulk decisions (a dataset in, answers out; on Ray when one machine is not enough) ·
+command line.
 
 Wire protocols: TypeSafe's System One API (POST /v1/systemone, GET /v1/models; client typesafe-sdk) and OpenAI's
 Decisions API (POST /v1/decisions; openai >= 3.26) parse into the same Request and go through the same Deployment;
@@ -3805,6 +3807,483 @@ def export(out_dir: str, model: str | None = None, settings: Settings | None = N
 
 
 # ==================================================================================================================
+# Bulk decisions: a dataset in, one answer per row out (resumable), serially or on Ray
+# ==================================================================================================================
+# `python blink.py batch IN --out OUT`. IN is JSON Lines, one request a line ({"id", "state", "questions",
+# "images"}; `id` text or a whole number, the line number when absent), or Parquet (the same columns; `questions` may
+# be JSON text) where pyarrow is installed. OUT is JSON Lines in input order: {"id", "answers", "meta"} per answered
+# row, {"id", "error", "loc"} per refused one. Rows go in chunks of BLINK_BATCH_MAX_REQUESTS through decide_many
+# (packed into shared forwards under BLINK_TOKEN_BUDGET); each chunk is written and flushed as it lands, so a crash
+# loses at most the rows in flight. Run again, OUT's ids are skipped and a half-written last line is cut off.
+# `--ray N` answers the same chunks on N Ray Data workers, each building its own engine from the same Settings.
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+PROGRESS_EVERY_S = 10.0  # how often progress is printed as a new line when stderr is not a terminal
+
+
+class EngineFault(RuntimeError):
+    """The engine (or a Ray worker) failed outside any one request: the run stops, what was written stays."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a dataset: its id, where it stands ("line 7", "row 7") and its request body, or why it is refused."""
+
+    id: str | int
+    where: str
+    body: dict | None = None
+    error: BlinkError | None = None
+
+
+def id_key(row_id) -> str:
+    """An id as OUT compares it: 7 and "7" are different ids."""
+    return json.dumps(row_id, ensure_ascii=False)
+
+
+def body_row(body, n: int, unit: str) -> Row:
+    """A parsed line (or Parquet row) number n as a Row: its own id, else its number; refused when it is not an object
+    with a state, or its id is not text or a whole number."""
+    where = f"{unit} {n}"
+    if not isinstance(body, dict):
+        return Row(n, where, error=BlinkError(f"{where} must be a JSON object with state and questions (got "
+                                              f"{type(body).__name__})", ["body"]))
+    row_id = body.get("id")
+    if row_id is None:
+        row_id = n
+    elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or (
+            isinstance(row_id, str) and not _is_text(row_id)):
+        return Row(n, where, error=BlinkError(f"{where}: id must be text or a whole number (got {row_id!r:.80})",
+                                              ["body", "id"]))
+    if "state" not in body:
+        return Row(row_id, where, error=BlinkError(f"{where} has no state", ["body", "state"]))
+    return Row(row_id, where, body)
+
+
+def open_file(path: str, mode: str):
+    """A file opened in binary mode for reading ("rb") or appending ("ab"), or a BlinkError naming it."""
+    try:
+        return open(path, mode)
+    except OSError as exc:
+        raise BlinkError(f"cannot {'read' if 'r' in mode else 'write'} {path}: {exc.strerror}") from None
+
+
+def line_row(raw: bytes, n: int) -> Row:
+    """Line n of a JSON Lines file as a Row (a line that is not UTF-8 or not JSON is refused on its own)."""
+    where = f"line {n}"
+    try:
+        body = json.loads(raw.decode("utf-8-sig"))  # a byte-order mark some editors put first is not part of the JSON
+    except UnicodeDecodeError:
+        return Row(n, where, error=BlinkError(f"{where} is not UTF-8 text", ["body"]))
+    except json.JSONDecodeError as exc:
+        return Row(n, where, error=BlinkError(f"{where} is not JSON: {exc.msg} at column {exc.colno}", ["body"]))
+    except RecursionError:
+        return Row(n, where, error=BlinkError(f"{where} nests too deep to read", ["body"]))
+    except ValueError as exc:  # an integer with more digits than Python converts
+        return Row(n, where, error=BlinkError(f"{where} cannot be read: {exc}", ["body"]))
+    return body_row(body, n, "line")
+
+
+def _jsonl_rows(path: str) -> Iterator[Row]:
+    """Every non-blank line of a JSON Lines file as a Row, numbered from 1 as an editor numbers them."""
+    with open_file(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            if raw.strip():
+                yield line_row(raw, n)
+
+
+def parquet_row(values: dict, n: int) -> Row:
+    """Row n of a Parquet file as a Row. `questions` given as JSON text is parsed (Arrow fills a struct's missing keys
+    with nulls, so JSON that varies from row to row is best stored as text); a value JSON has no type for (a date,
+    bytes, a decimal) is refused, so every row is JSON, as a JSON Lines row is."""
+    row = body_row(values, n, "row")
+    try:
+        json.dumps(values)
+    except (TypeError, ValueError) as exc:
+        return replace(row, body=None, error=BlinkError(f"{row.where} holds a value JSON cannot hold: {exc}", ["body"]))
+    if row.error is None and isinstance(values.get("questions"), str):
+        try:
+            return replace(row, body={**values, "questions": json_text(values["questions"], "questions")})
+        except BlinkError as exc:
+            return replace(row, body=None, error=BlinkError(f"{row.where}: {exc}", exc.loc))
+    return row
+
+
+def _parquet_rows(path: str) -> Iterator[Row]:
+    """Every row of a Parquet file as a Row, numbered from 1."""
+    if importlib.util.find_spec("pyarrow") is None:
+        raise BlinkError("reading Parquet needs pyarrow (pip install pyarrow)")
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 - pyarrow's own error types vary by what is wrong with the file
+        raise BlinkError(f"{path} cannot be read as Parquet: {exc}") from None
+    n, batches = 0, table.iter_batches(batch_size=1024)
+    while True:
+        try:
+            values = next(batches).to_pylist()
+        except StopIteration:
+            return
+        except Exception as exc:  # noqa: BLE001 - a damaged page: the file cannot be run (found before any row runs)
+            raise BlinkError(f"{path} cannot be read past row {n}: {exc}") from None
+        for row in values:
+            n += 1
+            yield parquet_row(row, n)
+
+
+def read_rows(path: str) -> Iterator[Row]:
+    """The rows of a dataset file: Parquet by its suffix, JSON Lines otherwise."""
+    if not os.path.isfile(path):
+        raise BlinkError(f"{path} is not a file")
+    return _parquet_rows(path) if path.lower().endswith(PARQUET_SUFFIXES) else _jsonl_rows(path)
+
+
+def dataset_ids(rows: Iterator[Row]) -> set[str]:
+    """Every row's id key, or a BlinkError naming the first id two rows share (resuming needs each id once)."""
+    seen: dict[str, str] = {}
+    for row in rows:
+        key = id_key(row.id)
+        if key in seen:
+            raise BlinkError(f"{row.where}: id {row.id!r:.80} is also the id of {seen[key]}; every id must be unique "
+                             "(a row without an id is known by its line number)")
+        seen[key] = row.where
+    return set(seen)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What OUT already holds: the ids answered or refused, the model that answered, where its last whole line ends
+    and whether a half-written line follows it."""
+
+    done: frozenset = frozenset()
+    model: str | None = None
+    end: int = 0
+    cut: bool = False
+
+
+def read_out(path: str) -> Resume:
+    """What an earlier run left in OUT (nothing when OUT does not exist); a whole line that is not a batch result is
+    refused, so a run never appends to some other file."""
+    if not os.path.exists(path):
+        return Resume()
+    done, model, end = set(), None, 0
+    with open_file(path, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            if not raw.endswith(b"\n"):  # a line cut short by a crash: answered again
+                break
+            end += len(raw)
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (ValueError, RecursionError):
+                record = None
+            if not isinstance(record, dict) or "id" not in record:
+                raise BlinkError(f"{path} line {n} is not a blink batch result; choose another --out")
+            done.add(id_key(record["id"]))
+            if not model and isinstance(record.get("meta"), dict):
+                model = record["meta"].get("model")
+    return Resume(frozenset(done), model, end, end < os.path.getsize(path))
+
+
+def row_chunks(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
+    """Rows in chunks of `size`, in order."""
+    chunk: list[Row] = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def chunk_asks(rows: list[Row]) -> list[tuple]:
+    """The decide_many requests of a chunk's readable rows: (state, questions, images)."""
+    return [(r.body.get("state"), r.body.get("questions"), r.body.get("images")) for r in rows if r.error is None]
+
+
+def outcome(result) -> dict:
+    """What OUT says for one decide_many result: {answers, meta}, or {error, loc} for a refused request. Any other
+    failure is the engine's, not the request's: it stops the run (and the row is tried again on resume)."""
+    if isinstance(result, BlinkError):
+        return {"error": str(result), "loc": result.loc}
+    if isinstance(result, Exception):
+        raise EngineFault(f"the engine failed: {type(result).__name__}: {result}") from result
+    return result
+
+
+def decide_outcomes(served: Deployment, asks: list[tuple], temperature: float | None,
+                    model: str | None) -> list[dict]:
+    """One chunk's requests answered together by decide_many (packed into shared forwards), one outcome each."""
+    return [outcome(r) for r in served.decide_many(asks, temperature, model)] if asks else []
+
+
+def chunk_records(rows: list[Row], outcomes: list[dict]) -> list[dict]:
+    """OUT's records for a chunk, in row order: each readable row's outcome, each unreadable row's refusal."""
+    answered = iter(outcomes)
+    return [{"id": r.id, **(next(answered) if r.error is None else {"error": str(r.error), "loc": r.error.loc})}
+            for r in rows]
+
+
+def jsonl_line(record: dict) -> bytes:
+    """One record as a UTF-8 JSON line (escaped to ASCII when it holds text no encoding can write)."""
+    try:
+        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(record) + "\n").encode("utf-8")
+
+
+def load_engine(served: Deployment, model: str | None) -> Engine:
+    """The served model's engine, loaded; a model that cannot load stops the run as an EngineFault naming why."""
+    try:
+        return served.engine(model)
+    except BlinkError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - missing files, no hub access, out of memory: all stop the run
+        raise EngineFault(f"the model could not be loaded: {type(exc).__name__}: {exc}") from exc
+
+
+def serial_outcomes(served: Deployment, chunks: Iterator[list[Row]], temperature: float | None,
+                    model: str | None) -> Iterator[tuple[list[Row], list[dict]]]:
+    """Each chunk with its outcomes, answered in this process."""
+    for rows in chunks:
+        yield rows, decide_outcomes(served, chunk_asks(rows), temperature, model)
+
+
+class RayWorker:
+    """One Ray Data worker: builds its own deployment from the driver's Settings once (on the hardware it was given),
+    then answers chunks, each a JSON list of (state, questions, images), with the same steps as a serial run."""
+
+    def __init__(self, settings: Settings, temperature: float | None, model: str | None):
+        self.served = Deployment(replace(settings, gpu=_cuda(), zero_gpu=False))
+        load_engine(self.served, model)  # now, not inside the first chunk
+        self.temperature, self.model = temperature, model
+
+    def __call__(self, table):
+        """A pyarrow table of chunks as JSON text -> a table of their outcomes as JSON text."""
+        import pyarrow as pa
+
+        return pa.table({"outcomes": [
+            json.dumps(decide_outcomes(self.served, json.loads(asks), self.temperature, self.model))
+            for asks in table.column("asks").to_pylist()]})
+
+
+def ray_connect(address: str | None):
+    """Ray, connected: to the cluster at `address` (blink.py shipped to its workers), else to a new local one."""
+    if importlib.util.find_spec("ray") is None:
+        raise BlinkError("--ray needs Ray: pip install 'ray[data]' (requirements-ci.txt pins the tested version)")
+    for name, value in (("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_DATA_DISABLE_PROGRESS_BARS", "1")):
+        os.environ.setdefault(name, value)
+    import ray
+
+    quiet = dict(logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        if address:
+            ray.init(address=address, runtime_env={"py_modules": [sys.modules[__name__]]}, **quiet)
+        else:  # "local": a cluster of this machine alone, never one another program started
+            ray.init(address="local", include_dashboard=False, **quiet)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise BlinkError(f"cannot start or join Ray{f' at {address}' if address else ''}: {exc}") from None
+    return ray
+
+
+def ray_worker_resources(cluster: Mapping[str, float], workers: int) -> tuple[float, float]:
+    """(CPUs, GPUs) each worker asks for: one GPU each when the cluster has GPUs (refused when too few); a share of
+    the CPUs that leaves one free for Ray Data's own tasks (an actor pool holding every CPU starves them)."""
+    gpus = cluster.get("GPU", 0)
+    if gpus and gpus < workers:
+        raise BlinkError(f"--ray {workers} needs a GPU per worker; the cluster has {gpus:g}")
+    cpus = min(1.0, max(0.1, (cluster.get("CPU", 1) - 1) / workers))
+    return round(cpus, 2), 1.0 if gpus else 0.0
+
+
+def ray_outcomes(settings: Settings, chunks: Iterator[list[Row]], temperature: float | None, model: str | None,
+                 workers: int, address: str | None) -> Iterator[tuple[list[Row], list[dict]]]:
+    """Each chunk with its outcomes, answered by `workers` Ray Data workers (one engine each) and returned in order.
+    Chunks and outcomes travel as JSON text, one string column: Arrow never infers a schema from a request (every
+    row's body came from JSON, or was checked to be JSON, so the text holds exactly what the serial run answers)."""
+    chunks = list(chunks)
+    if not chunks:
+        return
+    ray = ray_connect(address)
+    try:
+        import ray.data
+
+        logging.getLogger("ray.data").setLevel(logging.ERROR)
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+        cpus, gpus = ray_worker_resources(ray.cluster_resources(), workers)
+        items = [{"asks": json.dumps(chunk_asks(rows))} for rows in chunks]
+        answered = ray.data.from_items(items).map_batches(
+            RayWorker, fn_constructor_kwargs={"settings": settings, "temperature": temperature, "model": model},
+            batch_size=1, batch_format="pyarrow", num_cpus=cpus, num_gpus=gpus,
+            # one chunk at a time per worker: the worker whose model loaded first must not queue every chunk up
+            compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1))
+        landed = iter(chunks)
+        try:
+            for table in answered.iter_batches(batch_size=1, batch_format="pyarrow"):
+                for text in table.column("outcomes").to_pylist():
+                    yield next(landed), json.loads(text)
+        except ray.exceptions.RayError as exc:
+            raise EngineFault(f"the Ray job failed: {_first_line(exc)}") from None
+    finally:
+        ray.shutdown()
+
+
+def _first_line(exc: BaseException) -> str:
+    """The last line of an exception's message that names an error (Ray wraps the worker's traceback in its own)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line or "Exception" in line]
+    return (named or lines or [type(exc).__name__])[-1][:500]
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Where a batch run stands: rows to answer this run (`total`), rows written, refusals among them, rows skipped
+    because OUT had them, whether a half-written line was cut off, seconds since answering began (model loading
+    excluded for a serial run; a Ray run includes starting its workers) and until the first chunk landed, and the
+    model and engine that answered."""
+
+    total: int
+    rows: int = 0
+    errors: int = 0
+    skipped: int = 0
+    repaired: bool = False
+    seconds: float = 0.0
+    first_s: float | None = None
+    model: str = ""
+    engine: str = ""
+    fabricated: bool = False
+    workers: int = 0
+
+    @property
+    def rate(self) -> float:
+        """Rows written per second."""
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+    def eta_s(self) -> float | None:
+        """Seconds left at the current rate (None before the first rows)."""
+        return (self.total - self.rows) / self.rate if self.rate > 0 else None
+
+    def summary(self) -> str:
+        """The run's last line: rows, errors, speed, model and engine."""
+        engine = self.engine or "—"
+        if self.fabricated:
+            engine += " (fabricated numbers)"
+        if self.workers:
+            engine += f" on {self.workers} Ray worker{'s' * (self.workers > 1)}"
+        notes = [f"first rows after {self.first_s:.1f} s"] if self.first_s is not None else []
+        if self.skipped:
+            notes.append(f"{self.skipped} already in OUT")
+        if self.repaired:
+            notes.append("a half-written last line redone")
+        return (f"batch: {self.rows} rows, {self.errors} errors in {self.seconds:.1f} s ({self.rate:.1f} rows/s)"
+                + "".join(f"; {n}" for n in notes) + f"; model {self.model}, engine {engine}")
+
+
+def batch_steps(in_path: str, out_path: str, served: Deployment | None = None, temperature: float | None = None,
+                model: str | None = None, workers: int = 0, address: str | None = None) -> Iterator[BatchStats]:
+    """Answer every row of IN not yet in OUT and append it to OUT in input order, yielding where the run stands
+    after setting up and after each chunk. Bad rows become refusals in OUT; input that cannot be run at all (a
+    duplicate id, an unknown model, an OUT that is not a batch result) is refused before anything is written."""
+    served = served or deployment()
+    if temperature is not None:
+        check_temperature(temperature)
+    model_id = served.model_id(model)
+    if os.path.abspath(in_path) == os.path.abspath(out_path):
+        raise BlinkError("--out must be another file than the input")
+    ids = dataset_ids(read_rows(in_path))
+    resume = read_out(out_path)
+    if resume.model and resume.model != model_id:
+        raise BlinkError(f"{out_path} holds answers from {resume.model}; this run serves {model_id}: choose another "
+                         "--out")
+    skipped = len(ids & resume.done)
+    stats = BatchStats(len(ids) - skipped, skipped=skipped, repaired=resume.cut, model=model_id, workers=workers)
+    pending = (row for row in read_rows(in_path) if id_key(row.id) not in resume.done)
+    chunks = row_chunks(pending, served.settings.batch_max_requests)
+    with open_file(out_path, "ab") as fh:
+        fh.truncate(resume.end)  # a half-written last line goes; its row is answered again
+        yield stats
+        if workers:
+            answered = ray_outcomes(served.settings, chunks, temperature, model, workers, address)
+        else:
+            answered = serial_outcomes(served, chunks, temperature, model)
+            if stats.total:
+                load_engine(served, model)  # before the clock starts
+        t0 = time.perf_counter()
+        for rows, outcomes in answered:
+            records = chunk_records(rows, outcomes)
+            fh.write(b"".join(jsonl_line(r) for r in records))
+            fh.flush()
+            os.fsync(fh.fileno())
+            meta = next((r["meta"] for r in records if "meta" in r), {})
+            seconds = time.perf_counter() - t0
+            stats = replace(stats, rows=stats.rows + len(records), seconds=seconds,
+                            errors=stats.errors + sum("error" in r for r in records),
+                            first_s=seconds if stats.first_s is None else stats.first_s,
+                            engine=stats.engine or meta.get("engine", ""),
+                            fabricated=stats.fabricated or bool(meta.get("fabricated")))
+            yield stats
+
+
+def batch(in_path: str, out_path: str, served: Deployment | None = None, temperature: float | None = None,
+          model: str | None = None, workers: int = 0, address: str | None = None) -> BatchStats:
+    """batch_steps run to the end: the final BatchStats."""
+    stats = None
+    for stats in batch_steps(in_path, out_path, served, temperature, model, workers, address):
+        pass
+    return stats
+
+
+def _clock(seconds: float | None) -> str:
+    """Seconds as h:mm:ss or m:ss ("--" when unknown)."""
+    if seconds is None or not math.isfinite(seconds):
+        return "--"
+    m, s = divmod(int(seconds + 0.5), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+
+
+def progress_line(stats: BatchStats, width: int = 24) -> str:
+    """One progress line: a bar, rows done of all, rows/s, errors and the time left."""
+    done = stats.rows / stats.total if stats.total else 1.0
+    bar = "#" * int(done * width) + "-" * (width - int(done * width))
+    return (f"batch [{bar}] {stats.rows}/{stats.total} rows  {stats.rate:.1f} rows/s  {stats.errors} errors  "
+            f"ETA {_clock(stats.eta_s())}")
+
+
+class Progress:
+    """Draws BatchStats on a stream: one line redrawn in place on a terminal, a new line every PROGRESS_EVERY_S
+    seconds otherwise; nothing when quiet."""
+
+    def __init__(self, stream, quiet: bool = False):
+        self.stream, self.quiet = stream, quiet
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.shown_at = -math.inf
+
+    def show(self, stats: BatchStats) -> None:
+        """Draw the progress line if it is time to."""
+        now = time.monotonic()
+        if self.quiet or now - self.shown_at < (0.1 if self.tty else PROGRESS_EVERY_S):
+            return
+        self.shown_at = now
+        self.stream.write(f"\r{progress_line(stats)}\033[K" if self.tty else progress_line(stats) + "\n")
+        self.stream.flush()
+
+    def end(self, stats: BatchStats | None, stopped: str | None = None) -> None:
+        """The summary line (and why the run stopped, with how to resume)."""
+        if self.quiet and not stopped:
+            return
+        lines = [stats.summary()] if stats is not None and not self.quiet else []
+        if stopped:
+            lines.append(f"{stopped}; run the same command again to resume")
+        self.stream.write(("\r\033[K" if self.tty else "") + "".join(line + "\n" for line in lines))
+        self.stream.flush()
+
+
+# ==================================================================================================================
 # Command line
 # ==================================================================================================================
 
@@ -3876,13 +4355,36 @@ def record(model_id: str | None = None, path: str | None = None, settings: Setti
     return data
 
 
+def run_batch(args: argparse.Namespace) -> int:
+    """`python blink.py batch IN --out OUT`: progress on stderr, then the summary line; 130 when interrupted, 1 when
+    the engine failed (what was written stays: the same command resumes)."""
+    show = Progress(sys.stderr, args.quiet)
+    if args.quiet:  # nor the bar transformers draws while the model loads
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    stats = None
+    try:
+        for stats in batch_steps(args.data, args.out, deployment(), args.temperature, args.model, args.ray,
+                                 args.ray_address):
+            show.show(stats)
+    except KeyboardInterrupt:
+        show.end(stats, f"interrupted: {stats.rows if stats else 0} rows of this run are in {args.out}")
+        return 130
+    except EngineFault as exc:
+        show.end(stats, f"stopped: {exc}")
+        return 1
+    show.end(stats)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """python blink.py --state S --questions Q | record | prepare | calibrate DATA.jsonl | export DIR"""
+    """python blink.py --state S --questions Q | batch IN --out OUT | record | prepare | calibrate DATA.jsonl |
+    export DIR"""
     parser = argparse.ArgumentParser(prog="blink.py", description="one-pass typed decisions from a language model")
-    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare", "calibrate", "export"),
-                        default="decide")
-    parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line; export: the "
-                                                "folder to write decision.json and decision_template.jinja to")
+    parser.add_argument("command", nargs="?",
+                        choices=("decide", "batch", "record", "prepare", "calibrate", "export"), default="decide")
+    parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line; batch: the "
+                                                "requests, JSON Lines or Parquet; export: the folder to write "
+                                                "decision.json and decision_template.jinja to")
     parser.add_argument("--state", help="evidence: a file, inline text or JSON")
     parser.add_argument("--questions", help="questions JSON: a file or inline")
     parser.add_argument("--image", action="append", default=None, metavar="FILE",
@@ -3890,7 +4392,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--model", default=None, help="one of the served models (BLINK_MODELS)")
     parser.add_argument("--out", default=None,
-                        help="record: where to write the recording; calibrate: where to write the temperatures")
+                        help="record: where to write the recording; calibrate: where to write the temperatures; "
+                             "batch: the JSON Lines file answers are appended to (required)")
+    parser.add_argument("--quiet", action="store_true", help="batch: no progress bar and no summary line")
+    parser.add_argument("--ray", type=int, default=0, metavar="N",
+                        help="batch: answer on N Ray Data workers, one engine each (one GPU each where there are GPUs)")
+    parser.add_argument("--ray-address", default=None, metavar="ADDR",
+                        help="batch --ray: join the Ray cluster at ADDR (host:port, or auto) instead of starting one "
+                             "on this machine")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
@@ -3909,6 +4418,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"choice labels, temperature {done['temperature']:g}; {done['probe_prompts']} probe prompts render "
                   "the same token ids in transformers)")
             return 0
+        if args.command == "batch":
+            if args.data is None or args.out is None:
+                parser.error("batch needs the requests and --out: python blink.py batch IN.jsonl --out OUT.jsonl")
+            if args.ray < 0 or (args.ray_address and not args.ray):
+                parser.error("--ray takes a number of workers of at least 1; --ray-address needs --ray")
+            return run_batch(args)
         if args.command == "record":
             data = record(args.model, args.out)
             print(f"recorded {len(data['requests'])} examples with {data['model']} on {data['hardware']}")
@@ -3926,4 +4441,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import blink  # run as the importable module, so what Ray ships to its workers is named blink.X, not __main__.X
+
+    sys.exit(blink.main())

@@ -269,6 +269,18 @@ def test_hybrid_serves_recordings_and_runs_the_rest_on_vllm(fake_vllm, standin):
     assert_same_answers(saved["answers"], live["answers"], tol=1e-3)  # the recording was made by the torch engine
 
 
+def test_a_batch_ray_worker_answers_on_vllm_when_the_settings_say_so(fake_vllm, standin):
+    pa = pytest.importorskip("pyarrow")
+    settings = blink.Settings.from_env({"BLINK_BACKEND": "vllm", "BLINK_ENGINE": "torch"}, gpu=False)
+    worker = blink.RayWorker(settings, None, None)  # what each `batch --ray` worker builds from the driver's settings
+    asks = [(SMALL["state"], SMALL["questions"], None)]
+    (text,) = worker(pa.table({"asks": [json.dumps(asks)]})).column("outcomes").to_pylist()
+    (outcome,) = json.loads(text)
+    assert isinstance(worker.served.engine(), blink.VllmEngine) and outcome["meta"]["engine"] == "vllm"
+    torch_answer = blink.Deployment.serving(standin).decide(SMALL["state"], SMALL["questions"])
+    assert_same_answers(torch_answer["answers"], outcome["answers"])
+
+
 def test_vllm_arguments_may_not_set_what_blink_sets(fake_vllm):
     settings = dataclasses.replace(DEFAULTS, backend="vllm", engine="torch", vllm_args='{"logprobs_mode": "raw_logits"}')
     with pytest.raises(blink.BlinkError, match="BLINK_VLLM_ARGS may not set logprobs_mode"):
