@@ -243,7 +243,8 @@ class Settings:
     # evidence seen moments ago runs only its questions' tails.
     prefix_cache: bool | None = setting("BLINK_PREFIX_CACHE", None, kind=bool)
     prefix_min_tokens: int = setting("BLINK_PREFIX_MIN_TOKENS", 256, 1)  # evidence shorter than this is not kept
-    prefix_kv_tokens: int = setting("BLINK_PREFIX_KV_TOKENS", 131072, 1)  # prefix copies x length held at once
+    prefix_kv_tokens: int | None = setting("BLINK_PREFIX_KV_TOKENS", None, 1, kind=int)  # prefix copies x length
+    # held at once: bounds how many tails run against one prefix per forward
     prefix_cache_mb: int | None = setting("BLINK_PREFIX_CACHE_MB", None, 0, kind=int)  # prefixes kept across requests
     readout: str = setting("BLINK_READOUT", "rows", choices=READOUTS)  # per-question GEMVs, or one matmul
     gpu_duration: int = setting("BLINK_GPU_DURATION", 60, 1)  # the most seconds one ZeroGPU call reserves
@@ -286,11 +287,14 @@ class Settings:
     def derived_defaults(self) -> dict:
         """The defaults that depend on the hardware and dtype (each measured by a bench/ command, see README):
         shared prefixes on in float32 and bfloat16 (PREFIX_DEFAULT_DTYPES); 4,096 padded tokens per forward on a
-        CPU (bench/budget.py: no slower than 32,768 there, and it holds less memory), 32,768 on a GPU; 1 GB of
+        CPU (bench/budget.py: no slower than 32,768 there, and it holds less memory), 32,768 on a GPU; 8,192 prefix
+        copies x length at once on a CPU (bench/budget.py: tails against a long prefix run faster a few at a time
+        there, their attention working set staying in cache), 131,072 on a GPU; 1 GB of
         prefixes kept across requests, none on ZeroGPU (each call runs in a forked worker whose memory is dropped
         when it returns, so a kept prefix could never be read again)."""
         return {"prefix_cache": self.compute_dtype in PREFIX_DEFAULT_DTYPES,
                 "token_budget": 32768 if self.gpu else 4096,
+                "prefix_kv_tokens": 131072 if self.gpu else 8192,
                 "prefix_cache_mb": 0 if self.zero_gpu else 1024}
 
     @property

@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
            "duration_s": round(time.perf_counter() - started, 1),
            "notes": ["Reference: the plain path in float32. Probabilities are each question's softmax over its labels "
                      "at temperature 1; picks are the top label.",
-                     "bf16_prefix: the evidence encoded once and kept (cold); bf16_prefix_kept: the same request again, "
-                     "its evidence read from the kept prefix.",
+                     "bf16_prefix: the evidence encoded once and kept (cold); bf16_prefix_kept: the same request "
+                     "again, its evidence read from the kept prefix.",
                      "Measured on a CPU (no GPU here): CUDA's bfloat16 kernels round differently, so rerun this on "
                      "the GPU a deployment uses before relying on the figures there."]}
     os.makedirs(args.out, exist_ok=True)

@@ -370,9 +370,10 @@ def test_copy_cache_copies_every_state(tiny_qwen):
 
 def test_defaults_follow_the_hardware():
     cpu = blink.Settings()
-    assert (cpu.prefix_cache, cpu.token_budget, cpu.prefix_cache_mb) == (True, 4096, 1024)
+    assert (cpu.prefix_cache, cpu.token_budget, cpu.prefix_kv_tokens, cpu.prefix_cache_mb) == (True, 4096, 8192, 1024)
     gpu = blink.Settings(gpu=True)
-    assert gpu.compute_dtype == "bfloat16" and gpu.token_budget == 32768 and gpu.prefix_cache_mb == 1024
+    assert gpu.compute_dtype == "bfloat16" and (gpu.token_budget, gpu.prefix_kv_tokens) == (32768, 131072)
+    assert gpu.prefix_cache_mb == 1024
     assert gpu.prefix_cache == ("bfloat16" in blink.PREFIX_DEFAULT_DTYPES)
     assert blink.Settings(gpu=True, zero_gpu=True).prefix_cache_mb == 0  # a forked worker's memory never returns
     assert blink.Settings(dtype="float16").prefix_cache is ("float16" in blink.PREFIX_DEFAULT_DTYPES)
