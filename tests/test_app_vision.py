@@ -84,3 +84,44 @@ def test_uploaded_images_reach_the_model(vision_app):
                               api_name="/decide")
     assert red["meta"]["image_pixels"] > 0
     assert red["answers"]["color"]["probabilities"] != blue["answers"]["color"]["probabilities"]
+
+
+def test_wire_images_reach_the_model(vision_app):
+    """System One assets (typesafe-sdk's multipart form, and inline data_base64) and Decisions image parts are read
+    by the vision model where they stand."""
+    import base64
+
+    import httpx
+    from openai import OpenAI
+    from typesafe_sdk import Choice, Image, RetryPolicy, TypeSafeClient
+
+    url = vision_app.src.rstrip("/")
+    colors = {"red": (230, 20, 20), "blue": (20, 20, 230)}
+    pngs = {name: base64.b64decode(png_uri(solid(rgb)).split(",", 1)[1]) for name, rgb in colors.items()}
+    question = {"color": Choice(instructions="Main color of the chart?", criteria={"red": None, "blue": None})}
+    got = {}
+    with TypeSafeClient(api_key="k", base_url=url, retry=RetryPolicy(max_retries=0), timeout=120) as ts:
+        for name, raw in pngs.items():
+            r = ts.system_one(state={"note": "the chart", "chart": Image(raw)}, questions=question)
+            meta = r.raw_http_response.json()["x_meta"]
+            assert meta["engine"] == "torch" and meta["image_pixels"] > 0 and meta["visual_tokens"] > 0
+            got[name] = r.choices["color"].probabilities
+        # an alias named only in the instructions: the image is listed after the state and named [image 1] there
+        aliased = ts.system_one(state="a chart", assets={"pic": Image(pngs["red"])}, questions={
+            "color": Choice(instructions="Main color of pic?", criteria={"red": None, "blue": None})})
+        assert aliased.raw_http_response.json()["x_meta"]["image_pixels"] > 0
+    assert got["red"] != got["blue"]
+    inline = httpx.post(url + "/v1/systemone", timeout=120, json={
+        "model": "jev-latest", "state": {"note": "the chart", "chart": "img1"},
+        "questions": {"color": {"type": "choice", "instructions": "Main color of the chart?",
+                                "criteria": {"red": None, "blue": None}}},
+        "assets": {"img1": {"type": "image", "format": "png", "data_base64": base64.b64encode(pngs["red"]).decode()}}})
+    assert inline.status_code == 200, inline.text
+    assert inline.json()["answers"]["color"]["probabilities"] == pytest.approx(got["red"], abs=1e-5)
+    d = OpenAI(base_url=url + "/v1", api_key="k", max_retries=0).decisions.create(
+        model="jev-latest", input=[{"role": "user", "content": [{"type": "input_text", "text": "the chart"},
+                                                                {"type": "input_image", "image_url": png_uri(
+                                                                    solid(colors["red"]))}]}],
+        questions=[{"type": "choice", "instructions": "Main color of the chart?",
+                    "choices": [{"value": "red"}, {"value": "blue"}]}])
+    assert d.answers[0].type == "choice" and d.to_dict()["x_meta"]["image_pixels"] > 0

@@ -1,9 +1,12 @@
-"""The benchmark's peers compute what they claim, on the tiny Qwen3.5 model (no timing here: bench/ measures)."""
+"""The benchmark's peers compute what they claim, on the tiny Qwen3.5 model, and the model comparison grades what
+blink answers, on the stand-in (no timing here: bench/ measures)."""
 
 from __future__ import annotations
 
 import os
 import sys
+
+from collections import Counter
 
 import pytest
 import torch
@@ -13,7 +16,9 @@ import blink
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import arms  # noqa: E402
+import blink  # noqa: E402
 import limits  # noqa: E402
+import models  # noqa: E402
 import order  # noqa: E402
 import peers  # noqa: E402
 import run  # noqa: E402
@@ -164,3 +169,44 @@ def test_order_arm_maps_every_rotation_back_to_the_option_keys(tiny_qwen):
     assert full["requests"] == plain["requests"] == k and full["prompts"] == k * k and plain["prompts"] == k
     assert full["flip_rate"] == 0 and full["model_ms"] > 0  # the same K rotations averaged whatever the listed order
     assert full["per_question"][0]["picks"][0] in question[0][2]
+
+
+def test_clear_cut_set_puts_the_correct_option_at_every_position_alike():
+    items = models.labelled(models.CLEARCUT, blink.Settings())
+    positions: dict[int, Counter] = {}
+    for request, labels in items:
+        for q in request.questions:
+            if q.type == "choice":
+                positions.setdefault(len(q.options), Counter())[q.keys.index(labels[q.key])] += 1
+    for n, seen in positions.items():
+        counts = [seen[i] for i in range(n)]
+        assert max(counts) - min(counts) <= 1, (n, counts)  # "always pick A" scores chance, not more
+    yes_no = Counter(labels[q.key] for request, labels in items for q in request.questions if q.type == "noul")
+    assert yes_no["yes"] == yes_no["no"] > 10
+    (document, labels), = models.labelled(models.INCIDENT, blink.Settings())
+    assert len(labels) == len(document.questions) == 8
+
+
+def test_model_comparison_grades_what_decide_answers(standin, served):
+    items = models.labelled(models.CLEARCUT, blink.Settings())
+    pair = next(i for i in items if len(i[0].questions[0].options) == 2 and i[0].questions[0].keys[0] != i[1][
+        i[0].questions[0].key])  # a two-option choice whose correct option is shown second
+    few = [pair] + [next(i for i in items if i[0].questions[0].type == t) for t in ("noul", "score")]
+    out = models.compare({"stand-in": standin}, few, few[1], few[1], (1, 1))["stand-in"]
+    answers = out["quality"]["answers"]
+    decided = served(standin).decide_many([[r.state, r.spec] for r, _ in few], temperature=1.0)
+    for a, result in zip(answers, decided, strict=True):
+        probs = result["answers"][a["key"]]["probabilities"]  # in request order: max() keeps the earlier on a tie
+        assert a["pick"] == max(probs, key=probs.get) and abs(a["label_mass"] - result["answers"][a["key"]][
+            "label_mass"]) < 1e-5 and a["p_correct"] == pytest.approx(probs[a["label"]], abs=1e-5)
+    written = out["quality"]["as_written"]
+    assert written["correct"] == sum(a["pick"] == a["label"] for a in answers) and written["choice_first_correct"] == 0
+    assert out["document"]["correct"] == (answers[1]["pick"] == answers[1]["label"])  # timed run, graded alike
+    (g,) = out["quality"]["order_answers"]  # only the choice question is asked again: once per order
+    assert sorted(shown[0] for shown in g["shown"]) == sorted(g["shown"][0]) and len(g["picks"]) == 2
+    orders = out["quality"]["every_order"]
+    last = next(pick for shown, pick in zip(g["shown"], g["picks"]) if shown[-1] == g["label"])
+    assert orders["accuracy_correct_last"] == (last == g["label"]) and orders["first_fair_share"] == 0.5
+    assert out["speed"]["short"]["cpu_ms"] > 0 and out["speed"]["short"]["prompt_tokens"] > 50
+    tables = models.quality_table({"stand-in": out}) + models.speed_table({"stand-in": out})
+    assert f"| stand-in | {100 * written['accuracy']:.0f}% ({written['correct']}/3) |" in tables

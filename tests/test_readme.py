@@ -4,6 +4,7 @@ drift from the code."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 from dataclasses import fields
@@ -86,6 +87,8 @@ def another_value(f, default) -> tuple[str, object]:
     if m["choices"]:
         value = next(c for c in m["choices"] if c != default)
         return value.upper(), value  # any case
+    if m["json_object"]:
+        return '{"seed": 1}', '{"seed": 1}'
     return "/tmp/elsewhere", "/tmp/elsewhere"
 
 
@@ -186,3 +189,46 @@ def test_the_variables_table_shows_the_defaults_of_the_code():
     assert blink.Settings.from_env({"SPACE_ID": "x"}, gpu=False).default_model == blink.PRODUCTION_MODEL
     assert blink.Settings.from_env({}, gpu=True).default_model == blink.PRODUCTION_MODEL
     assert blink.Settings.from_env({}, gpu=False).default_model == blink.STANDIN_MODEL
+
+
+def code_blocks(title: str) -> list[tuple[str, str]]:
+    """The fenced code blocks of one README section: (language, code)."""
+    return re.findall(r"```(\w+)\n(.*?)```", section(title), re.S)
+
+
+def test_the_wire_examples_run_against_the_launched_app(launched, tmp_path):
+    """Every curl, typesafe-sdk, openai and MCP example of the wire section, run as written against the launched
+    app (on the mock engine, standing in for a model that reads images), prints answers."""
+    import subprocess
+    import sys
+
+    from conftest import serving
+
+    app, url = launched
+    blocks = code_blocks("System One and OpenAI Decisions clients")
+    assert [lang for lang, _ in blocks] == ["bash", "python", "python", "python", "bash"]
+    reader = blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)
+    reader.reads_images = True
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    outputs = []
+    with serving(app, reader):
+        for lang, code in blocks:
+            code = code.replace("http://127.0.0.1:7860", url.rstrip("/"))
+            command = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+            done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, (code, done.stdout, done.stderr)
+            out = done.stdout
+            outputs.append(out)
+            if lang == "bash":  # curl prints the System One response
+                answers = json.loads(out)["answers"]
+                assert answers and all("type" in a for a in answers.values()), out
+            else:
+                assert out.strip() and "Error" not in out, out
+    assert "decide" in outputs[3] and "'answers'" in outputs[3]  # the MCP example listed the tools, called decide
+
+
+def test_the_space_installs_the_mcp_extra_of_its_own_gradio():
+    pinned = re.search(r"^gradio\[mcp\]==(\S+)", source("requirements.txt"), re.M)
+    sdk = re.search(r"^sdk_version: (\S+)", source("README.md"), re.M)
+    assert pinned and sdk and pinned.group(1) == sdk.group(1)
+    assert re.search(r"^backports\.zstd", source("requirements.txt"), re.M)  # zstd request bodies

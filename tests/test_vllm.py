@@ -1,0 +1,313 @@
+"""The vLLM backend through its seam, on the CPU: a stand-in with vllm.LLM's generate() interface computes the
+full-vocabulary log-probs of exactly the token ids it receives with a real transformers model. It must receive
+exactly the prompt ids and label ids blink renders, and its log-probs must become the torch engine's answers.
+On a GPU with vllm installed, bench/vllm_check.py runs the real engine (here it only says why it skipped)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.machinery
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import types
+from types import SimpleNamespace
+
+import pytest
+import systemone_requests as gen
+import torch
+from conftest import DEFAULTS, ROOT, serving
+
+import blink
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import vllm_check  # noqa: E402
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """The fields of vllm.SamplingParams blink sets, with vLLM's own check on the label ids."""
+
+    max_tokens: int
+    temperature: float
+    logprob_token_ids: list[int]
+    detokenize: bool = True
+
+    def __post_init__(self):
+        if len(self.logprob_token_ids) > 128:
+            raise ValueError(f"Requested logprob_token_ids of length {len(self.logprob_token_ids)}, at most 128")
+
+
+class TransformersLLM:
+    """vllm.LLM's generate() on a transformers model: each prompt's next-token log-softmax over the full vocabulary
+    (raw_logprobs), returned for the sampled (greedy) token and exactly the asked ids. Records every call."""
+
+    def __init__(self, model, max_model_len: int = 8192, logprobs_mode: str = "raw_logprobs", refuse=None):
+        self.model = model
+        self.model_config = SimpleNamespace(max_model_len=max_model_len, logprobs_mode=logprobs_mode)
+        self.calls: list[tuple[list[dict], list[SamplingParams]]] = []
+        self.refuse = refuse  # ids -> True to fail the whole call, as an engine error would
+        self.computed: dict[tuple, torch.Tensor] = {}  # log-probs by prompt: a repeated prompt is computed once
+
+    def generate(self, prompts, sampling_params, *, use_tqdm=True):
+        assert use_tqdm is False and len(prompts) == len(sampling_params)
+        self.calls.append((prompts, sampling_params))
+        if self.refuse and any(self.refuse(p["prompt_token_ids"]) for p in prompts):
+            raise RuntimeError("the engine failed on this batch")
+        outputs = []
+        for prompt, params in zip(prompts, sampling_params):
+            logprobs = self.logprobs(prompt["prompt_token_ids"])
+            sampled = int(logprobs.argmax())
+            position = {t: SimpleNamespace(logprob=float(logprobs[t])) for t in [sampled, *params.logprob_token_ids]}
+            outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=[sampled], logprobs=[position])],
+                                           num_cached_tokens=0))
+        return outputs
+
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        """The next-token log-softmax over the full vocabulary after `ids`, in float64."""
+        if tuple(ids) not in self.computed:
+            with torch.no_grad():
+                logits = self.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+            self.computed[tuple(ids)] = torch.log_softmax(logits.double(), -1)
+        return self.computed[tuple(ids)]
+
+    def sent(self) -> list[tuple[list[int], list[int]]]:
+        """(prompt ids, label ids) of every request received, in order."""
+        return [(p["prompt_token_ids"], s.logprob_token_ids) for prompts, params in self.calls
+                for p, s in zip(prompts, params)]
+
+
+def vllm_engine(torch_engine: blink.TorchEngine, **llm) -> tuple[blink.VllmEngine, TransformersLLM]:
+    """A vLLM-backend engine for the torch engine's model, computing through the stand-in LLM."""
+    fake = TransformersLLM(torch_engine.model, **llm)
+    return blink.VllmEngine(torch_engine.model_id, settings=DEFAULTS, llm=fake, sampling_params=SamplingParams), fake
+
+
+def assert_same_answers(ours: dict, theirs: dict, tol: float = 1e-4) -> None:
+    """Two answer maps agree: the same picks, probabilities and label mass within tol."""
+    assert ours.keys() == theirs.keys()
+    for key, a in ours.items():
+        b = theirs[key]
+        assert a.keys() == b.keys(), key
+        for field, value in a.items():
+            if isinstance(value, float):
+                assert abs(value - b[field]) < tol, (key, field, value, b[field])
+            elif field == "probabilities":
+                assert all(abs(value[k] - b[field][k]) < tol for k in value), (key, value, b[field])
+            elif not isinstance(value, (dict, list)) or field in ("choices", "rotation_choices"):
+                assert value == b[field], (key, field)
+
+
+EXTRAS = {"state": "The invoice was paid twice; the customer wants one refund before Friday.",
+          "questions": {"rot": {"type": "choice", "criteria": {"refund": "Give money back", "wait": None, "ask": "More"},
+                                "permute": 3},
+                        "multi": {"type": "choice", "criteria": ["billing", "shipping", "tech"], "multi": True},
+                        "gate": {"type": "noul", "instructions": "Is it urgent?", "abstain": {"min_label_mass": 0.9}}}}
+
+SMALL = {"state": "Charged twice for order 4417.", "questions": {
+    "tone": {"type": "choice", "criteria": {"calm": None, "angry": "Upset, demanding"}}, "spam": {"type": "noul"}}}
+
+
+@pytest.mark.parametrize("name", ["standin", "tiny_qwen"])
+def test_receives_blinks_ids_and_answers_as_the_torch_engine(name, request, served):
+    engine = request.getfixturevalue(name)
+    vllm, fake = vllm_engine(engine)
+    requests = gen.requests(2, seed=21, max_options=30) if name == "standin" else (
+        gen.requests(15, seed=21, max_options=30) + [EXTRAS])  # permute, multi and abstain run through vLLM too
+    for req in requests:
+        parsed = blink.parse_request(req["state"], req["questions"], settings=DEFAULTS)
+        fake.calls.clear()
+        theirs = served(vllm).decide(req["state"], req["questions"])
+        assert [(p.ids, p.cand) for p in engine.render(parsed)] == fake.sent()  # one request per prompt
+        assert len(fake.calls) == 1  # every prompt of the request in one generate call
+        assert all((s.max_tokens, s.temperature, s.detokenize) == (1, 0.0, False) for s in fake.calls[0][1])
+        ours = served(engine).decide(req["state"], req["questions"])
+        assert_same_answers(ours["answers"], theirs["answers"])
+        assert theirs["meta"]["engine"] == "vllm" and theirs["meta"]["input_tokens"] == ours["meta"]["input_tokens"]
+        assert theirs["meta"]["prefill_tokens"] == ours["meta"]["input_tokens"]  # nothing came from a prefix cache
+
+
+def test_more_than_128_options_go_in_runs_of_128_label_ids(tiny_qwen, served):
+    vllm, fake = vllm_engine(tiny_qwen)
+    wide = {"type": "choice", "instructions": "Which code?", "criteria": {f"c{i}": None for i in range(130)}}
+    questions = {"w": wide, "n": {"type": "noul"}}
+    theirs = served(vllm).decide("refund", questions)
+    prompt = tiny_qwen.render(blink.parse_request("refund", questions, settings=DEFAULTS))[0]
+    sent = fake.sent()
+    assert [len(ids) for _, ids in sent] == [128, 2, 2]
+    assert sent[0][0] == sent[1][0] == prompt.ids and sent[0][1] + sent[1][1] == prompt.cand == tiny_qwen.label_ids[:130]
+    assert_same_answers(served(tiny_qwen).decide("refund", questions)["answers"], theirs["answers"])
+    with pytest.raises(ValueError, match="at most 128"):  # what vLLM does with more ids in one request
+        SamplingParams(1, 0.0, list(range(129)))
+
+
+def test_requests_packed_into_one_generate_call_keep_their_own_answers(tiny_qwen, served):
+    vllm, fake = vllm_engine(tiny_qwen)
+    requests = gen.requests(6, seed=5, max_options=10)
+    pairs = [[r["state"], r["questions"]] for r in requests]
+    packed = served(vllm).decide_many(pairs)
+    assert len(fake.calls) == 1
+    assert all(result["meta"]["batched_requests"] == len(pairs) for result in packed)
+    for pair, result in zip(pairs, packed):
+        assert_same_answers(served(tiny_qwen).decide(*pair)["answers"], result["answers"])
+
+
+def test_concurrent_callers_through_the_batcher(tiny_qwen):
+    vllm, fake = vllm_engine(tiny_qwen)
+    dep = blink.Deployment.serving(vllm, dataclasses.replace(DEFAULTS, batch_window_ms=50.0))
+    requests = gen.requests(8, seed=9, max_options=10)
+    alone = [blink.Deployment.serving(tiny_qwen).decide(r["state"], r["questions"]) for r in requests]
+    results: list = [None] * len(requests)
+
+    def call(i: int) -> None:
+        results[i] = dep.submit(dep.request(requests[i]["state"], requests[i]["questions"]))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for one, result in zip(alone, results):
+        assert_same_answers(one["answers"], result["answers"])
+    assert len(fake.calls) < len(requests)  # the Batcher packed callers into shared generate calls
+
+
+def test_one_failing_request_does_not_sink_the_others(tiny_qwen, served):
+    vllm, fake = vllm_engine(tiny_qwen, refuse=lambda ids: len(ids) > 300)
+    long_state = " ".join(["refund"] * 400)
+    results = served(vllm).decide_many([["short", {"q": {"type": "noul"}}], [long_state, {"q": {"type": "noul"}}],
+                                        ["also short", {"q": {"type": "noul"}}]])
+    assert isinstance(results[1], RuntimeError) and "engine failed" in str(results[1])
+    assert all(isinstance(r, dict) for r in results[::2])
+    assert len(fake.calls) == 4  # packed, then each request alone
+
+
+def test_prompts_past_vllms_context_are_refused_before_any_call(tiny_qwen, served):
+    vllm, fake = vllm_engine(tiny_qwen, max_model_len=200)
+    assert vllm.max_input_tokens == 199  # vLLM needs room for the one token it samples
+    with pytest.raises(blink.BlinkError, match="over the maximum context length of 199"):
+        served(vllm).decide(" ".join(["refund"] * 300), {"q": {"type": "noul"}})
+    assert fake.calls == []
+
+
+def test_a_missing_label_log_prob_is_an_error_not_an_answer(tiny_qwen, served):
+    vllm, fake = vllm_engine(tiny_qwen)
+    generate = fake.generate
+
+    def drop_b(prompts, params, **kw):
+        outputs = generate(prompts, params, **kw)
+        for out, p in zip(outputs, params):
+            out.outputs[0].logprobs[0].pop(p.logprob_token_ids[1], None)
+        return outputs
+
+    fake.generate = drop_b
+    with pytest.raises(RuntimeError, match="no log-probability for label tokens"):
+        served(vllm).decide("x", {"q": {"type": "noul"}})
+
+
+def test_an_engine_returning_logits_is_refused(tiny_qwen):
+    with pytest.raises(blink.BlinkError, match="raw_logits; label mass needs raw_logprobs"):
+        vllm_engine(tiny_qwen, logprobs_mode="raw_logits")
+
+
+def test_settings_read_the_backend_and_the_engine_arguments():
+    settings = blink.Settings.from_env({"BLINK_BACKEND": "VLLM", "BLINK_VLLM_ARGS": '{"tensor_parallel_size": 2}'},
+                                       gpu=False)
+    assert settings.backend == "vllm" and settings.vllm_engine_args == {"tensor_parallel_size": 2}
+    assert blink.Settings.from_env({}, gpu=False).backend == "torch"
+    for raw, message in (("{tensor_parallel_size: 2}", "BLINK_VLLM_ARGS is not valid JSON"),
+                         ("[2]", "BLINK_VLLM_ARGS must be a JSON object")):
+        with pytest.raises(blink.BlinkError, match=message):
+            blink.Settings.from_env({"BLINK_VLLM_ARGS": raw}, gpu=False)
+    with pytest.raises(blink.BlinkError, match="BLINK_BACKEND must be one of torch, vllm"):
+        blink.Settings.from_env({"BLINK_BACKEND": "sglang"}, gpu=False)
+
+
+@pytest.fixture()
+def fake_vllm(monkeypatch, standin):
+    """A `vllm` module whose LLM records its arguments and computes with the stand-in's weights."""
+    module = types.ModuleType("vllm")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    module.built = []
+
+    def llm(**kwargs):
+        module.built.append(kwargs)
+        return TransformersLLM(standin.model)
+
+    module.LLM, module.SamplingParams = llm, SamplingParams
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+def test_the_deployment_builds_the_vllm_backend_from_its_settings(fake_vllm, standin):
+    settings = blink.Settings.from_env({"BLINK_BACKEND": "vllm", "BLINK_ENGINE": "torch",
+                                        "BLINK_VLLM_ARGS": '{"tensor_parallel_size": 2, "max_model_len": 4096}'},
+                                       gpu=False)
+    dep = blink.Deployment(settings)
+    engine = dep.engine()
+    assert isinstance(engine, blink.VllmEngine)
+    (args,) = fake_vllm.built
+    assert args == {"model": standin.source, "revision": None, "logprobs_mode": "raw_logprobs", "dtype": "bfloat16",
+                    "enable_prefix_caching": True, "tensor_parallel_size": 2, "max_model_len": 4096}
+    state, questions = SMALL["state"], SMALL["questions"]
+    theirs = dep.decide(state, questions)
+    assert theirs["meta"]["engine"] == "vllm"
+    assert_same_answers(blink.Deployment.serving(standin).decide(state, questions)["answers"], theirs["answers"])
+
+
+def test_hybrid_serves_recordings_and_runs_the_rest_on_vllm(fake_vllm, standin):
+    dep = blink.Deployment(dataclasses.replace(DEFAULTS, backend="vllm"))
+    assert dep.engine_kind() == "hybrid" and isinstance(dep.engine().live, blink.VllmEngine)
+    example = blink.load_example(blink.example_files()[0])
+    saved = dep.decide(example["state"], example["questions"], prefer="saved")
+    live = dep.decide(example["state"], example["questions"])
+    assert (saved["meta"]["engine"], live["meta"]["engine"]) == ("replay", "vllm")
+    assert_same_answers(saved["answers"], live["answers"], tol=1e-3)  # the recording was made by the torch engine
+
+
+def test_vllm_arguments_may_not_set_what_blink_sets(fake_vllm):
+    settings = dataclasses.replace(DEFAULTS, backend="vllm", engine="torch", vllm_args='{"logprobs_mode": "raw_logits"}')
+    with pytest.raises(blink.BlinkError, match="BLINK_VLLM_ARGS may not set logprobs_mode"):
+        blink.Deployment(settings).engine()
+    assert fake_vllm.built == []
+
+
+def test_vision_needs_the_torch_backend():
+    settings = blink.Settings(backend="vllm", engine="torch", vision=True, models=(("org/Qwen3.5-4B", None),))
+    with pytest.raises(blink.BlinkError, match="the vLLM backend reads text only"):
+        blink.Deployment(settings).engine()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_without_vllm_the_backend_says_how_to_get_it():
+    settings = dataclasses.replace(DEFAULTS, backend="vllm", engine="torch")
+    with pytest.raises(blink.BlinkError, match=r"BLINK_BACKEND=vllm needs the vllm package \(pip install 'vllm>=0.33'"):
+        blink.Deployment(settings).engine()
+
+
+def test_the_page_and_api_answer_through_the_vllm_backend(launched, client, standin):
+    app, _ = launched
+    vllm, fake = vllm_engine(standin)
+    with serving(app, vllm):
+        result = client.predict(SMALL["state"], SMALL["questions"], 1.0, "", api_name="/decide")
+    assert result["meta"]["engine"] == "vllm" and len(fake.calls) == 1
+    assert_same_answers(blink.Deployment.serving(standin).decide(SMALL["state"], SMALL["questions"])["answers"],
+                        result["answers"])
+    assert "Live: the model ran" in app.render_meta(result["meta"])
+
+
+def test_the_gpu_check_compares_engines_here_and_skips_without_cuda_and_vllm(standin):
+    vllm, _ = vllm_engine(standin)
+    parity = vllm_check.compare(standin, vllm, gen.requests(2, seed=1, max_options=6))  # its code, on the CPU
+    assert parity["ok"] and parity["max_abs_probability_gap"] < 1e-5 and parity["questions"] >= 2
+    if vllm_check.missing() is None:
+        pytest.skip("CUDA and vllm are here: run python bench/vllm_check.py")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vllm_check.py")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.startswith("skipped: the vLLM check needs CUDA and vllm"), done
+    assert not os.path.exists(os.path.join(ROOT, "bench", "results", "vllm.json"))
+    json.dumps(parity)  # what the check writes is JSON
