@@ -291,7 +291,9 @@ def http_drive(url: str, model: str, requests: list[dict], clients: int, per_cli
 
     try:
         call(0, 0)  # answers at all, and warm, before the clock starts
-        return throughput.drive(call, clients, per_client)
+        row = throughput.drive(call, clients, per_client)
+        row.pop("mean_batched_requests")  # a System One answer has no meta to read it from
+        return row
     finally:
         for conn in conns:
             conn.close()
@@ -319,7 +321,8 @@ def http_rows(engine: blink.TorchEngine, cfg: dict, threads: int, export_dir: st
                                                                engine.source)
         why = stack.enter_context(server(b_cmd, f"http://127.0.0.1:{b_port}/", threads,
                                          os.path.join(log_dir, "blink-app.log"),
-                                         {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(b_port)}))
+                                         {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(b_port),
+                                          "BLINK_MODEL": engine.model_id}))  # the same model; nothing else set
         if why is None:
             why = systemone_probe(f"http://127.0.0.1:{b_port}/v1/systemone", engine.model_id, requests[0])
         if why:

@@ -23,6 +23,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import replace
 
@@ -395,7 +396,7 @@ def summary_line(res: dict, path: str) -> str:
     return "; ".join(parts)
 
 
-def decision_part(engine: blink.TorchEngine, mode: str, threads: int, out_dir: str) -> tuple[dict, list, list]:
+def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[dict, list, list]:
     """The decision peers: the three cases against pipeline("decision") (its own prompt, and blink's exported
     config when there is one), over HTTP against `transformers serve` (not in --quick), and vLLM."""
     def run(export_dir: str | None, why: str | None) -> tuple[dict, list, list]:
@@ -412,8 +413,12 @@ def decision_part(engine: blink.TorchEngine, mode: str, threads: int, out_dir: s
                   f"(CPU time x{row['vs_pipeline']['cpu']}); prefill {row['prefill_tokens']} of "
                   f"{row['prompt_tokens']} tokens, {row['cached_tokens']} from the cache; differ from unbatched "
                   f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']}", flush=True)
-        http = ([{"target": "HTTP /v1/systemone", "skipped": "full and --decision runs only"}] if mode == "quick"
-                else peers.http_rows(engine, HTTP, threads, export_dir, out_dir))
+        if mode == "quick":
+            http = [{"target": "HTTP /v1/systemone", "skipped": "full and --decision runs only"}]
+        else:
+            logs = tempfile.mkdtemp(prefix="blink-bench-servers-")
+            print(f"server logs in {logs}", flush=True)
+            http = peers.http_rows(engine, HTTP, threads, export_dir, logs)
         for r in http:
             print(f"http {r['target']} {r.get('clients', '')}: {r.get('requests_per_s', r.get('skipped'))} req/s "
                   f"p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms", flush=True)
@@ -455,8 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}: {bench.params / 1e6:.1f}M parameters, {engine.model.dtype}, {device}, "
           f"{threads['threads']} thread(s) ({threads['how']}), matmul {matmul_start / 1e9:.1f} GFLOP/s", flush=True)
 
-    decision, http, peers_skipped = decision_part(engine, "quick" if args.quick else "full", threads["threads"],
-                                                  args.out)
+    decision, http, peers_skipped = decision_part(engine, "quick" if args.quick else "full", threads["threads"])
     cells = []
     if mode != "decision":
         warm_up(engine)
