@@ -3,7 +3,9 @@
 A request is a `state` (the evidence) plus a map of typed questions. Every question is rendered on its own with
 the fixed template the model was trained on, all questions run as right-padded prefills packed into batches of at
 most BLINK_TOKEN_BUDGET padded tokens, and the answer is read from the next-token distribution over the offered
-option labels. No tokens are generated.
+option labels. No tokens are generated. The template header every prompt starts with, and the evidence a request's
+questions share, are encoded once and kept across requests (BLINK_PREFIX_CACHE, BLINK_PREFIX_CACHE_MB): a request
+over evidence seen moments ago runs only its questions' tails.
 
 Every answer carries `label_mass`, the share of the model's whole next-token distribution that fell on the offered
 labels (a low mass: the model wanted to say something else). Opt-in per question: `permute` (order-robust average
@@ -18,9 +20,9 @@ and meta from those two. A Deployment owns the settings, one engine per served m
 concurrent requests into shared forwards.
 
 Sections, in order: errors · settings · request schema · rendering · answers · images · engines (the interface,
-mock, replay, torch, vLLM, hybrid) · forward pass · deployment: engine selection, decide() and answers · batching ·
-wire protocols: System One and OpenAI Decisions · calibration · export (blink's prompt as a transformers
-DecisionConfig) · bulk decisions (a dataset in, answers out; on Ray when one machine is not enough) ·
+mock, replay, torch, vLLM, hybrid) · prefix cache · forward pass · deployment: engine selection, decide() and
+answers · batching · wire protocols: System One and OpenAI Decisions · calibration · export (blink's prompt as a
+transformers DecisionConfig) · bulk decisions (a dataset in, answers out; on Ray when one machine is not enough) ·
 command line.
 
 Wire protocols: TypeSafe's System One API (POST /v1/systemone, GET /v1/models; client typesafe-sdk) and OpenAI's
@@ -43,6 +45,8 @@ its own vision tower, BLINK_VISION_TOWER to graft blink-4b onto its base's tower
 from __future__ import annotations
 
 import argparse
+import bisect
+import collections
 import concurrent.futures
 import contextvars
 import copy
@@ -123,6 +127,11 @@ BACKENDS = ("torch", "vllm")  # what runs a live model: transformers in this pro
 READOUTS = ("rows", "batched")
 IMAGE_LAYOUTS = ("inline", "first")
 DTYPES = ("bfloat16", "float16", "float32")
+# Where shared prefixes are on by default. float32: the prefix path equals the plain one within float rounding.
+# bfloat16: neither path is exact, and `python bench/drift.py` measured the prefix path as close to the float32
+# answers as the plain path (largest probability difference 0.022 against 0.022 on an 18,000-token document, no
+# pick changed). float16 is not measured, so it stays off.
+PREFIX_DEFAULT_DTYPES = ("float32", "bfloat16")
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
@@ -149,10 +158,12 @@ def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise BlinkError(f"{name} must be 1/0, true/false, yes/no or on/off (got {env[name]!r})")
 
 
-def env_number(env: Mapping[str, str], name: str, default, lo: float, hi: float | None = None, above: bool = False):
-    """A number variable from lo (above lo when `above`) to hi (no upper bound when hi is None), whole when the
-    default is an int. Unset or empty keeps the default."""
-    raw, whole = env.get(name, "").strip(), isinstance(default, int)
+def env_number(env: Mapping[str, str], name: str, default, lo: float, hi: float | None = None, above: bool = False,
+               whole: bool | None = None):
+    """A number variable from lo (above lo when `above`) to hi (no upper bound when hi is None), whole when `whole`
+    (default: when the default is an int). Unset or empty keeps the default."""
+    raw = env.get(name, "").strip()
+    whole = isinstance(default, int) if whole is None else whole
     if not raw:
         return default
     lo_text, hi_text = (f"{v:d}" if whole else f"{v:g}" for v in (lo, hi if hi is not None else lo))
@@ -221,22 +232,23 @@ def env_json_object(env: Mapping[str, str], name: str, default: str) -> str:
 
 
 def setting(variable: str, default, lo: float | None = None, hi: float | None = None, choices: tuple = (),
-            above: bool = False, secret: bool = False, json_object: bool = False):
+            above: bool = False, secret: bool = False, json_object: bool = False, kind: type | None = None):
     """A Settings field read from one environment variable: on/off for a bool, a number from lo (or above it) to hi
     for an int or a float, one of `choices`, a JSON object's text (`json_object`) or any text for a string. A secret
-    is left out of the settings' repr."""
+    is left out of the settings' repr. `kind` names the type of a field whose default is None (derived from the
+    hardware when the Settings is built)."""
     return field(default=default, repr=not secret,
                  metadata={"env": variable, "lo": lo, "hi": hi, "choices": choices, "above": above,
-                           "json_object": json_object})
+                           "json_object": json_object, "kind": kind or type(default)})
 
 
 def _read_setting(env: Mapping[str, str], f):
     """One Settings field's value from its environment variable."""
     m = f.metadata
-    if isinstance(f.default, bool):
+    if m["kind"] is bool:
         return env_flag(env, m["env"], f.default)
-    if isinstance(f.default, (int, float)):
-        return env_number(env, m["env"], f.default, m["lo"], m["hi"], m["above"])
+    if m["kind"] in (int, float):
+        return env_number(env, m["env"], f.default, m["lo"], m["hi"], m["above"], whole=m["kind"] is int)
     if m["json_object"]:
         return env_json_object(env, m["env"], f.default)
     return env_word(env, m["env"], f.default, m["choices"])
@@ -253,16 +265,20 @@ class Settings:
     vllm_args: str = setting("BLINK_VLLM_ARGS", "{}", json_object=True)  # vLLM engine arguments, a JSON object
     temperature: float = setting("BLINK_TEMPERATURE", 1.0, 0.0, 1e6, above=True)  # the release temperature, not fitted
     dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: bfloat16 on a GPU, float32 on a CPU
-    token_budget: int = setting("BLINK_TOKEN_BUDGET", 32768, 1)  # padded tokens per forward
+    token_budget: int | None = setting("BLINK_TOKEN_BUDGET", None, 1, kind=int)  # padded tokens per forward
     max_input_tokens: int = setting("BLINK_MAX_INPUT_TOKENS", 131072, 1)  # per question, as evaluated
     max_request_tokens: int = setting("BLINK_MAX_REQUEST_TOKENS", 1048576, 1)  # all of a request's prompts
     max_request_chars: int = setting("BLINK_MAX_REQUEST_CHARS", 32 * 1024 * 1024, 1)  # text in state and questions
     max_json_depth: int = setting("BLINK_MAX_JSON_DEPTH", 64, 1, 10_000)  # nesting of state and questions
-    # Shared-prefix prefill: the questions of one request share the system prompt and the evidence, so that prefix
-    # is encoded once and each question runs only its own tail against a copy of the cached prefix.
-    prefix_cache: bool = setting("BLINK_PREFIX_CACHE", False)
-    prefix_min_tokens: int = setting("BLINK_PREFIX_MIN_TOKENS", 256, 1)  # below this the plain path is as fast
-    prefix_kv_tokens: int = setting("BLINK_PREFIX_KV_TOKENS", 131072, 1)  # prefix copies x length held at once
+    # Shared prefixes: every prompt starts with the system prompt and template header, and the questions of one
+    # request share its evidence, so those prefixes are encoded once and each question runs only its own tail
+    # against a copy. Encoded prefixes are also kept across requests (up to prefix_cache_mb), so a request over
+    # evidence seen moments ago runs only its questions' tails.
+    prefix_cache: bool | None = setting("BLINK_PREFIX_CACHE", None, kind=bool)
+    prefix_min_tokens: int = setting("BLINK_PREFIX_MIN_TOKENS", 256, 1)  # evidence shorter than this is not kept
+    prefix_kv_tokens: int | None = setting("BLINK_PREFIX_KV_TOKENS", None, 1, kind=int)  # prefix copies x length
+    # held at once: bounds how many tails run against one prefix per forward
+    prefix_cache_mb: int | None = setting("BLINK_PREFIX_CACHE_MB", None, 0, kind=int)  # prefixes kept across requests
     readout: str = setting("BLINK_READOUT", "rows", choices=READOUTS)  # per-question GEMVs, or one matmul
     gpu_duration: int = setting("BLINK_GPU_DURATION", 60, 1)  # the most seconds one ZeroGPU call reserves
     vision: bool = setting("BLINK_VISION", False)  # the model has its own vision tower
@@ -295,6 +311,27 @@ class Settings:
         if not self.models:  # blink-4b on a Space or a GPU; the embedded stand-in on a machine that has neither
             object.__setattr__(self, "models", ((PRODUCTION_MODEL if self.on_space or self.gpu else STANDIN_MODEL,
                                                  None),))
+        for name, value in self.derived_defaults().items():  # a field left at None takes its hardware default
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The weights' dtype: BLINK_DTYPE if set; bfloat16 on a GPU, float32 on a CPU."""
+        return self.dtype or ("bfloat16" if self.gpu else "float32")
+
+    def derived_defaults(self) -> dict:
+        """The defaults that depend on the hardware and dtype (each measured by a bench/ command, see README):
+        shared prefixes on in float32 and bfloat16 (PREFIX_DEFAULT_DTYPES); 4,096 padded tokens per forward on a
+        CPU (bench/budget.py: no slower than 32,768 there, and it holds less memory), 32,768 on a GPU; 8,192 prefix
+        copies x length at once on a CPU (bench/budget.py: tails against a long prefix run faster a few at a time
+        there, their attention working set staying in cache), 131,072 on a GPU; 1 GB of
+        prefixes kept across requests, none on ZeroGPU (each call runs in a forked worker whose memory is dropped
+        when it returns, so a kept prefix could never be read again)."""
+        return {"prefix_cache": self.compute_dtype in PREFIX_DEFAULT_DTYPES,
+                "token_budget": 32768 if self.gpu else 4096,
+                "prefix_kv_tokens": 131072 if self.gpu else 8192,
+                "prefix_cache_mb": 0 if self.zero_gpu else 1024}
 
     @property
     def image_limits(self) -> ImageLimits:
@@ -746,16 +783,25 @@ def request_key(state, questions: dict) -> str:
 # ==================================================================================================================
 
 
+EVIDENCE_OPEN = '{"evidence": '  # how every user turn starts; the evidence's JSON follows
+CRITERION_OPEN = ', "criterion": '  # what follows the evidence in every user turn
+
+
+def evidence_json(state) -> str:
+    """The evidence as the user turn writes it (encoded once per request, however many prompts show it)."""
+    return json.dumps(state, ensure_ascii=False)
+
+
+def user_text(evidence: str, row: PromptRow, labels: list[str]) -> str:
+    """The user turn from the evidence's JSON text: exactly json.dumps of {evidence, criterion, options}."""
+    options = [{"letter": lab, "description": o.text} for lab, o in zip(labels, row.shown)]
+    rest = json.dumps({"criterion": row.criterion, "options": options}, ensure_ascii=False)
+    return EVIDENCE_OPEN + evidence + ", " + rest[1:]
+
+
 def user_message(state, row: PromptRow, labels: list[str]) -> str:
     """The user turn: evidence, criterion and lettered options as one JSON object."""
-    return json.dumps(
-        {
-            "evidence": state,
-            "criterion": row.criterion,
-            "options": [{"letter": lab, "description": o.text} for lab, o in zip(labels, row.shown)],
-        },
-        ensure_ascii=False,
-    )
+    return user_text(evidence_json(state), row, labels)
 
 
 def chat(user) -> list[dict]:
@@ -1265,6 +1311,7 @@ class Forward:
     source: str
     model_ms: float | None = None  # forward passes only; excludes any wait for a device
     prefill_tokens: int | None = None  # tokens the model computed; input_tokens counts every prompt's
+    cached_tokens: int | None = None  # prompt tokens read from prefixes encoded by earlier calls
     batched_requests: int | None = None
     recorded_on: str | None = None
     recorded_ms: float | None = None
@@ -1591,10 +1638,10 @@ def model_source(model_id: str, cache_dir: str) -> str:
 
 
 def torch_dtype(settings: Settings):
-    """BLINK_DTYPE if set; bfloat16 on a GPU, float32 on a CPU."""
+    """The torch dtype of Settings.compute_dtype."""
     import torch
 
-    return getattr(torch, settings.dtype or ("bfloat16" if settings.gpu else "float32"))
+    return getattr(torch, settings.compute_dtype)
 
 
 def load_pretrained(auto_class, source: str, revision: str | None, settings: Settings):
@@ -1726,6 +1773,7 @@ class Prompt:
     ids: list[int]
     cand: list[int]
     order: tuple[int, ...] = ()
+    cuts: tuple[int, ...] = ()  # token counts after which the prompt's shared parts end: header, evidence
 
 
 @dataclass
@@ -1775,6 +1823,19 @@ def context_length(config) -> int | float:
     return getattr(text_config, "max_position_embeddings", None) or math.inf
 
 
+def shared_parts(prompt: str, user: str, evidence: str) -> tuple[int, ...]:
+    """Where a rendered prompt's shared parts end, as character offsets: the template header (through
+    `{"evidence":`, the same in every prompt) and the evidence (through `"criterion":`, the same in every prompt
+    over that evidence). The text after each offset starts with a space, where pre-tokenizers split, so the tokens
+    before it do not depend on what follows (and prefixes are reused by their token ids, so a tokenizer that merges
+    across a cut only loses the reuse). () when the chat template did not keep the user turn as it was given."""
+    start = prompt.find(user)
+    if start < 0:
+        return ()
+    header = start + len(EVIDENCE_OPEN) - 1
+    return header, header + 1 + len(evidence) + len(CRITERION_OPEN) - 1
+
+
 HEAD_CHARS_PER_TOKEN = 8  # a prompt over this many characters per allowed token is measured on its head first
 HEAD_SLACK_TOKENS = 1024  # tokens a cut at the head's end can add that the whole prompt does not have
 
@@ -1815,9 +1876,10 @@ class PromptEngine(Engine):
             raise BlinkError(f"the request renders to {total} tokens over all questions, over the limit of {limit}",
                              ["body"])
 
-    def _tokens(self, q: Question, prompt: str) -> list[int]:
-        """A prompt's token ids, refused past the per-question limit. A prompt far longer than the limit in
-        characters is first measured on its head alone, so a huge request is refused without tokenizing all of it."""
+    def _tokens(self, q: Question, prompt: str, chars: tuple[int, ...] = ()) -> tuple[list[int], tuple[int, ...]]:
+        """A prompt's token ids, refused past the per-question limit, and how many of its tokens end at or before
+        each of the character offsets `chars`. A prompt far longer than the limit in characters is first measured on
+        its head alone, so a huge request is refused without tokenizing all of it."""
         limit = self.max_input_tokens
         if len(prompt) > HEAD_CHARS_PER_TOKEN * limit:
             # the whole prompt has at least the head's tokens, less the few of a word cut at the end of the head
@@ -1825,18 +1887,30 @@ class PromptEngine(Engine):
             if head - HEAD_SLACK_TOKENS > limit:
                 raise BlinkError(f"question {q.key!r} renders to over {head - HEAD_SLACK_TOKENS} tokens, over the "
                                  f"maximum context length of {limit}", q.loc)
-        ids = self.tok(prompt, add_special_tokens=False)["input_ids"]
+        try:
+            enc = self.tok(prompt, add_special_tokens=False, return_offsets_mapping=bool(chars))
+        except NotImplementedError:  # a tokenizer without offsets: no cut points, the prompt runs whole
+            enc, chars = self.tok(prompt, add_special_tokens=False), ()
+        ids = enc["input_ids"]
         self._check_length(q, len(ids))
-        return ids
+        if not chars:
+            return ids, ()
+        ends = [end for _, end in enc["offset_mapping"]]
+        return ids, tuple(min(bisect.bisect_right(ends, c), len(ids) - 1) for c in chars)
 
     def render(self, request: Request) -> list[Prompt]:
-        """Every prompt's ids (one per question, more with permute or multi), checked against the token limits."""
+        """Every prompt's ids (one per question, more with permute or multi) with its cut points, checked against
+        the token limits. The evidence is written as JSON once for all of them."""
         prompts = []
+        evidence = evidence_json(request.state)
         for q in request.questions:
             self._check_options(q)
             for row in q.rows:
-                ids = self._tokens(q, wrap(self.tok, user_message(request.state, row, self.labels[: len(row.shown)])))
-                prompts.append(Prompt(q.key, [o.key for o in row.shown], ids, self.label_ids[: len(row.shown)]))
+                user = user_text(evidence, row, self.labels[: len(row.shown)])
+                prompt = wrap(self.tok, user)
+                ids, cuts = self._tokens(q, prompt, shared_parts(prompt, user, evidence))
+                prompts.append(Prompt(q.key, [o.key for o in row.shown], ids, self.label_ids[: len(row.shown)],
+                                      cuts=cuts))
         self._check_total(prompts)
         return prompts
 
@@ -1868,6 +1942,7 @@ class TorchEngine(PromptEngine):
         self.model.eval()
         self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)
         self.key = id(self)
         _LIVE[self.key] = self
 
@@ -1996,8 +2071,9 @@ class TorchEngine(PromptEngine):
         """Text jobs packed into the same forwards, split back per job."""
         seqs = [p.ids for job in jobs for p in job.work]
         cands = [p.cand for job in jobs for p in job.work]
-        rows, model_ms = _forward(self.key, seqs, cands) if seqs else ([], 0.0)
-        return _split_forwards(self.name, jobs, rows, model_ms, _prefill_tokens(seqs, self.settings))
+        cuts = [p.cuts for job in jobs for p in job.work]
+        rows, done = _forward(self.key, seqs, cands, cuts) if seqs else ([], Prefill(0.0, 0, []))
+        return _split_forwards(self.name, jobs, rows, done.model_ms, done.computed, done.cached)
 
     def _run_image(self, job: Job) -> Forward:
         """One image job: the vision tower once, then each prompt."""
@@ -2041,14 +2117,15 @@ def _run_packed(run: Callable[[list[Job]], list[Forward]], jobs: list[Job]) -> l
 
 
 def _split_forwards(engine: str, jobs: list[Job], rows: list[tuple[list[float], float]], model_ms: float,
-                    prefill: int) -> list[Forward]:
+                    prefill: int, cached: list[int] | None = None) -> list[Forward]:
     """The packed run's (label scores, lse) rows, in prompt order over all jobs, split back into one Forward per
-    job."""
+    job; `cached`: per prompt, the tokens read from prefixes kept by earlier calls (None: not known)."""
     out, k = [], 0
     for job in jobs:
         n = len(job.work)
         out.append(Forward(_readouts(job.work, rows[k:k + n]), sum(len(p.ids) for p in job.work), engine, LIVE,
-                           model_ms=model_ms, prefill_tokens=prefill, batched_requests=len(jobs)))
+                           model_ms=model_ms, prefill_tokens=prefill, batched_requests=len(jobs),
+                           cached_tokens=None if cached is None else sum(cached[k:k + n])))
         k += n
     return out
 
@@ -2182,6 +2259,101 @@ class HybridEngine(Engine):
 
 
 # ==================================================================================================================
+# Prefix cache: encoded prompt prefixes, kept across requests
+# ==================================================================================================================
+# Every prompt starts with the same system prompt and template header, and the prompts over one piece of evidence
+# share it up to their criterion. Such a prefix is encoded once into a snapshot of the model's cache (full-attention
+# keys and values; Qwen3.5's linear-attention conv and recurrent states) and each prompt that starts with exactly
+# those token ids runs only the rest, at the same positions, against a copy: the answers are the cold run's within
+# float rounding. Snapshots are taken only at a prompt's cut points (after the header, after the evidence: see
+# shared_parts), kept by their exact token ids and dropped least recently used once BLINK_PREFIX_CACHE_MB is
+# full, so a request over evidence seen moments ago (a person editing only the questions) runs only its tails.
+# Anchors: SGLang's radix cache and vLLM's automatic prefix caching (there by token blocks; here by cut points,
+# because a linear-attention state cannot be cut back to a shorter prefix).
+#
+# Threads: the Batcher's worker and direct decide() calls may run forwards on one engine at once. The store's
+# table is guarded by a lock; a snapshot is never written once stored (every reader copies it), so readers need
+# no lock. Two calls that miss the same prefix at once both encode it; the first stored is kept.
+# ZeroGPU: each call runs in a forked worker whose memory is dropped when it returns, so nothing stored there
+# reaches the next call; BLINK_PREFIX_CACHE_MB defaults to 0 there, and prefixes are shared within a call only.
+
+
+class PrefixStore:
+    """Encoded prefixes of one engine, by token ids, least recently used dropped first past `budget` bytes."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._held: collections.OrderedDict[tuple[int, ...], tuple[object, int]] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def keeps(self) -> bool:
+        """True when prefixes outlive the call that encoded them."""
+        return self.budget > 0
+
+    def held_bytes(self) -> int:
+        """Memory the kept snapshots hold."""
+        with self._lock:
+            return self._bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def clear(self) -> None:
+        """Drop every kept prefix (the next request runs cold)."""
+        with self._lock:
+            self._held.clear()
+            self._bytes = 0
+
+    def get(self, ids: tuple[int, ...]):
+        """The snapshot of exactly these token ids, or None; a hit becomes the most recently used."""
+        with self._lock:
+            entry = self._held.get(ids)
+            if entry is None:
+                return None
+            self._held.move_to_end(ids)
+            return entry[0]
+
+    def put(self, ids: tuple[int, ...], cache) -> None:
+        """Keep a snapshot (never written to again), dropping the least recently used ones to make room; one
+        larger than the whole budget is not kept."""
+        size = cache_bytes(cache)
+        if not self.keeps or size > self.budget:
+            return
+        with self._lock:
+            if ids in self._held:
+                self._held.move_to_end(ids)
+                return
+            while self._bytes + size > self.budget:
+                _, (_, dropped) = self._held.popitem(last=False)
+                self._bytes -= dropped
+            self._held[ids] = (cache, size)
+            self._bytes += size
+
+    def prefix(self, engine: TorchEngine, ids: list[int], points: list[int]) -> tuple[object, int, int]:
+        """A cache holding exactly `ids`: kept, or encoded from the longest kept one of the shorter cut points
+        `points` (each cut point on the way kept too). Returns it with the tokens read from kept snapshots and
+        the tokens encoded."""
+        found = self.get(tuple(ids))
+        if found is not None:
+            return found, len(ids), 0
+        start, cache = 0, None
+        for p in reversed(points):
+            cache = self.get(tuple(ids[:p]))
+            if cache is not None:
+                start = p
+                break
+        read = start
+        for end in [p for p in points if p > start] + [len(ids)]:
+            cache = _encode(engine, ids[start:end], cache)
+            self.put(tuple(ids[:end]), cache)
+            start = end
+        return cache, read, len(ids) - read
+
+
+# ==================================================================================================================
 # Forward pass
 # ==================================================================================================================
 
@@ -2203,72 +2375,74 @@ def _batches(lengths: list[int], budget: int, max_rows: int | None = None) -> It
         yield batch
 
 
-def _shared_prefix_len(seqs: list[list[int]]) -> int:
-    """Length of the token prefix common to every sequence, leaving each at least one token of its own."""
-    if len(seqs) < 2:
-        return 0
-    lo, hi = min(seqs), max(seqs)  # the common prefix of all = the common prefix of the lexicographic extremes
-    n = min(len(lo), len(hi))
-    p = 0
-    while p < n and lo[p] == hi[p]:
-        p += 1
-    return min(p, min(len(s) for s in seqs) - 1)
-
-
-def _prefix_groups(seqs: list[list[int]], settings: Settings) -> list[tuple[list[int], int]]:
-    """The sequences (by index) grouped by a shared prefix worth encoding once (at least prefix_min_tokens), each
-    group with that prefix's length; the rest together in one group with length 0 (the plain path). Sorted ids put
-    prompts with a long common prefix side by side; a group ends where neighbours share less, so requests packed
-    into one forward (decide_many, Batcher) each keep their own evidence as their prefix."""
-    if not settings.prefix_cache or len(seqs) < 2:
+def _prefix_groups(seqs: list[list[int]], cuts: list[tuple[int, ...]], settings: Settings,
+                   keep: bool) -> list[tuple[list[int], int]]:
+    """The prompts (by index) grouped by the prefix they run from, each group with its length: the evidence when it
+    reaches prefix_min_tokens, else the template header when prefixes are kept across calls (`keep`); prompts with
+    neither run whole, together in a group with length 0 (the plain path). Prompts of one request share their
+    evidence; requests packed into one forward (decide_many, the Batcher) each keep their own, and share the header.
+    Without `keep` a prefix that only one prompt reads is not worth encoding apart: that prompt runs whole."""
+    if not settings.prefix_cache:
         return [(list(range(len(seqs))), 0)] if seqs else []
-    least = settings.prefix_min_tokens
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i])
-    runs = [[order[0]]]
-    for prev, i in zip(order, order[1:]):
-        if _shared_prefix_len([seqs[prev], seqs[i]]) >= least:
-            runs[-1].append(i)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (seq, points) in enumerate(zip(seqs, cuts)):
+        usable = [c for c in points if c >= settings.prefix_min_tokens or (keep and c == points[0])]
+        groups.setdefault(tuple(seq[: usable[-1]]) if usable else (), []).append(i)
+    plain = groups.pop((), [])
+    out = []
+    for prefix, rows in groups.items():
+        if keep or len(rows) > 1:
+            out.append((rows, len(prefix)))
         else:
-            runs.append([i])
-    groups, plain = [], []
-    for run in runs:
-        shared = _shared_prefix_len([seqs[i] for i in run])
-        if shared >= least:
-            groups.append((sorted(run), shared))
-        else:
-            plain.extend(run)
-    return groups + ([(sorted(plain), 0)] if plain else [])
+            plain += rows
+    return out + ([(sorted(plain), 0)] if plain else [])
 
 
-def _prefill_tokens(seqs: list[list[int]], settings: Settings) -> int:
-    """Tokens the model actually computes for these prompts: each group's shared prefix once when it is reused."""
-    saved = sum((len(rows) - 1) * shared for rows, shared in _prefix_groups(seqs, settings))
-    return sum(len(s) for s in seqs) - saved
+def _copy_cache(cache, repeats: int = 1):
+    """A copy of a batch-1 cache, repeated `repeats` times along the batch axis: every per-sequence tensor of every
+    layer (full-attention keys/values, linear-attention conv and recurrent states) is a new tensor and every dict of
+    flags a new dict, since the forward writes into both; the library's batch_repeat_interleave covers only
+    keys/values. A shallow copy of the rest: a deep copy of 30 layers' structure costs more than a short tail."""
+    copied = copy.copy(cache)
+    copied.layers = [_copy_layer(layer, repeats) for layer in cache.layers]
+    return copied
 
 
-def _expand_cache(cache, repeats: int):
-    """A deep copy of a batch-1 cache repeated along the batch axis: full-attention keys/values and the
-    linear-attention conv and recurrent states (the library's batch_repeat_interleave covers only keys/values)."""
+def _copy_layer(layer, repeats: int):
+    """One cache layer copied: tensors of two or more dimensions (batch first) repeated, other tensors cloned, dicts
+    and lists of them rebuilt."""
     import torch
 
-    cache = copy.deepcopy(cache)
-    if repeats == 1:
-        return cache
+    def fresh(x):
+        if not torch.is_tensor(x):
+            return x
+        return x.repeat_interleave(repeats, dim=0) if x.dim() >= 2 and repeats > 1 else x.clone()
 
-    def rep(x):
-        return x.repeat_interleave(repeats, dim=0) if torch.is_tensor(x) and x.numel() else x
+    copied = copy.copy(layer)
+    for name, value in vars(layer).items():
+        if isinstance(value, dict):
+            setattr(copied, name, {k: fresh(v) for k, v in value.items()})
+        elif isinstance(value, list):
+            setattr(copied, name, [fresh(v) for v in value])
+        else:
+            setattr(copied, name, fresh(value))
+    return copied
 
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            if torch.is_tensor(getattr(layer, name, None)):
-                setattr(layer, name, rep(getattr(layer, name)))
-        for name in ("conv_states", "recurrent_states"):
-            held = getattr(layer, name, None)
-            if isinstance(held, dict):
-                setattr(layer, name, {k: rep(v) for k, v in held.items()})
-            elif isinstance(held, (list, tuple)):
-                setattr(layer, name, type(held)(rep(v) for v in held))
-    return cache
+
+def _state_tensors(layer) -> list:
+    """The tensors a cache layer holds (directly, or in a dict or list)."""
+    import torch
+
+    out = []
+    for value in vars(layer).values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+        out += [v for v in items if torch.is_tensor(v)]
+    return out
+
+
+def cache_bytes(cache) -> int:
+    """Memory a batch-1 cache holds."""
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in _state_tensors(layer))
 
 
 def _last_hidden(h, lengths: list[int]):
@@ -2301,11 +2475,12 @@ _READERS = {"rows": _read_rows, "batched": _read_batched}
 
 def _vocab_lse(head, hs) -> list[float]:
     """Per row, the log-sum-exp of the full FP32 vocabulary logits hs @ lm_head.T (the label mass denominator),
-    upcasting LSE_CHUNK rows of lm_head at a time so a large vocabulary never needs a whole FP32 copy."""
+    upcasting LSE_CHUNK rows of lm_head at a time so a large vocabulary never needs a whole FP32 copy (an FP32
+    lm_head is read in one product)."""
     import torch
 
-    parts = [torch.logsumexp(hs @ head[i:i + LSE_CHUNK].float().T, dim=-1)
-             for i in range(0, head.shape[0], LSE_CHUNK)]
+    step = head.shape[0] if head.dtype == torch.float32 else LSE_CHUNK  # an FP32 head needs no upcast copy
+    parts = [torch.logsumexp(hs @ head[i:i + step].float().T, dim=-1) for i in range(0, head.shape[0], step)]
     return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1).tolist()
 
 
@@ -2332,24 +2507,30 @@ def _run_batches(engine: TorchEngine, seqs: list[list[int]], cands: list[list[in
         if cache is None:
             h = backbone(input_ids=ids, use_cache=False).last_hidden_state
         else:
-            h = backbone(input_ids=ids, cache=_expand_cache(cache, len(b)), use_cache=True).last_hidden_state
+            h = backbone(input_ids=ids, cache=_copy_cache(cache, len(b)), use_cache=True).last_hidden_state
         hs = _last_hidden(h, [len(seqs[i]) for i in b])
         rows = read(head, hs, [cands[i] for i in b])
         for i, row, lse in zip(b, rows, _vocab_lse(head, hs)):
             out[i] = (row, lse)
 
 
-def _forward_shared(engine: TorchEngine, seqs: list[list[int]], cands: list[list[int]], prefix_len: int,
-                    out: list) -> None:
-    """Encode the shared prefix once, then run every tail against an expanded copy of that cache."""
+def _encode(engine: TorchEngine, ids: list[int], cache=None):
+    """The cache after `ids`, continuing a copy of `cache` (the positions follow on from it) or from nothing."""
     import torch
 
-    device = engine.model.lm_head.weight.device
-    prefix = torch.tensor([seqs[0][:prefix_len]], dtype=torch.long, device=device)
-    cache = engine.backbone()(input_ids=prefix, use_cache=True).cache
-    tails = [s[prefix_len:] for s in seqs]
-    rows_cap = max(1, engine.settings.prefix_kv_tokens // (prefix_len + max(len(t) for t in tails)))
-    _run_batches(engine, tails, cands, out, cache=cache, max_rows=rows_cap)
+    ids_t = torch.tensor([ids], dtype=torch.long, device=engine.model.lm_head.weight.device)
+    past = _copy_cache(cache) if cache is not None else None
+    return engine.backbone()(input_ids=ids_t, cache=past, use_cache=True).cache
+
+
+@dataclass
+class Prefill:
+    """What one forward call did besides its readouts: model ms, tokens it computed, and per prompt the tokens it
+    read from prefixes kept by earlier calls."""
+
+    model_ms: float
+    computed: int
+    cached: list[int]
 
 
 # Prefill rate assumed when reserving ZeroGPU time: far below what a 4B model reaches on one GPU, so a call is not
@@ -2358,9 +2539,9 @@ GPU_RESERVE_TOKENS_PER_S = 5000
 GPU_RESERVE_BASE_S = 10
 
 
-def _gpu_seconds(key: int, seqs: list[list[int]], cands: list[list[int]]) -> int:
+def _gpu_seconds(key: int, seqs: list[list[int]], *args) -> int:
     """Seconds of GPU one forward call reserves: sized by its tokens, at most BLINK_GPU_DURATION."""
-    del cands
+    del args
     tokens = sum(len(s) for s in seqs)
     return min(_LIVE[key].settings.gpu_duration, GPU_RESERVE_BASE_S + math.ceil(tokens / GPU_RESERVE_TOKENS_PER_S))
 
@@ -2372,26 +2553,38 @@ def _gpu_limit(key: int, *args) -> int:
 
 
 @_gpu(_gpu_seconds)
-def _forward(key: int, seqs: list[list[int]], cands: list[list[int]]) -> tuple[list[tuple[list[float], float]],
-                                                                             float]:
+def _forward(key: int, seqs: list[list[int]], cands: list[list[int]],
+             cuts: list[tuple[int, ...]]) -> tuple[list[tuple[list[float], float]], Prefill]:
     """Right-padded maskless prefill; every layer is causal, so padding cannot reach the last real position.
-    lm_head is applied in FP32. Returns per sequence (label logits, full-vocabulary log-sum-exp) and the model ms."""
+    Prompts that share a prefix (the header, a request's evidence) run only their tails against copies of that
+    prefix's cache, taken from the engine's prefix store or encoded once here (see _prefix_groups). lm_head is
+    applied in FP32. Returns per sequence (label logits, full-vocabulary log-sum-exp), and what the call did."""
     import torch
 
     engine = _LIVE[key]
+    store = engine.prefixes
     out: list = [None] * len(seqs)
+    cached = [0] * len(seqs)
+    computed = 0
     t0 = time.perf_counter()
-    with torch.no_grad():
-        for rows, shared in _prefix_groups(seqs, engine.settings):
+    with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
+        for rows, shared in _prefix_groups(seqs, cuts, engine.settings, store.keeps):
             part: list = [None] * len(rows)
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
             if shared:
-                _forward_shared(engine, group, group_cands, shared, part)
+                points = [c for c in cuts[rows[0]] if c < shared] if store.keeps else []
+                cache, read, encoded = store.prefix(engine, group[0][:shared], points)
+                tails = [s[shared:] for s in group]
+                cap = max(1, engine.settings.prefix_kv_tokens // (shared + max(map(len, tails))))
+                _run_batches(engine, tails, group_cands, part, cache=cache, max_rows=cap)
+                computed += encoded + sum(map(len, tails))
             else:
+                read = 0
                 _run_batches(engine, group, group_cands, part)
+                computed += sum(map(len, group))
             for i, row in zip(rows, part):
-                out[i] = row
-    return out, round((time.perf_counter() - t0) * 1000, 1)
+                out[i], cached[i] = row, read
+    return out, Prefill(round((time.perf_counter() - t0) * 1000, 1), computed, cached)
 
 
 def _stamp(device, sync: bool) -> float:
@@ -2417,7 +2610,7 @@ def _forward_images(key: int, pixel_values, grids, work: list[Prompt]) -> tuple[
     out: list = []
     lm_ms = 0.0
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
         grids = grids.to(device)
         start = _stamp(device, sync)
         features = vlm.get_image_features(pixel_values.to(device), grids, return_dict=True).pooler_output  # per image
@@ -2463,7 +2656,7 @@ def answer_meta(engine: Engine, forward: Forward, temps: dict[str, float], sourc
             meta["recorded_on"] = forward.recorded_on
     else:
         meta.update(model_ms=forward.model_ms, prefill_tokens=forward.prefill_tokens,
-                    batched_requests=forward.batched_requests)
+                    cached_tokens=forward.cached_tokens, batched_requests=forward.batched_requests)
     return {**meta, **forward.extra}
 
 
@@ -3368,7 +3561,8 @@ def decisions_response(call: WireCall, result: dict) -> dict:
                                                                                       call.sent)]
     meta = result["meta"]
     tokens = int(meta["input_tokens"])
-    usage = {"input_tokens": tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+    cached = int(meta.get("cached_tokens") or 0)  # read from prefixes kept by earlier requests
+    usage = {"input_tokens": tokens, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
              "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": tokens}
     return {"model": call.model, "answers": answers, "usage": usage, "x_meta": meta}
 

@@ -105,8 +105,8 @@ def render_ids(engine: blink.TorchEngine, state, questions: dict) -> list[list[i
 
 @contextmanager
 def prefix_cache(engine: blink.TorchEngine, on: bool):
-    """The engine with the shared-prefix prefill on or off (BLINK_PREFIX_CACHE) for the duration: one loaded model
-    serves both arms, so its settings are swapped rather than the weights loaded twice."""
+    """The engine with shared prefixes on or off (BLINK_PREFIX_CACHE) for the duration: one loaded model serves
+    both arms, so its settings are swapped rather than the weights loaded twice."""
     before = engine.settings
     engine.settings = replace(before, prefix_cache=on)
     try:
@@ -124,6 +124,7 @@ def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: boo
     """One blink request (all its questions), plain or with the shared prefix encoded once."""
     device = engine.model.lm_head.weight.device
     with prefix_cache(engine, prefix), PeakMemory(device) as mem:
+        engine.prefixes.clear()  # cold: nothing kept from an earlier measurement
         t0, c0 = time.perf_counter(), time.process_time()
         req = request(engine, state, questions)
         res = engine.forward(req)
@@ -131,8 +132,9 @@ def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: boo
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         settings = engine.settings
     answers = blink.assemble(req, res.readouts, {k: settings.temperature for k in questions})
-    seqs = [p.ids for p in engine.render(req)]
-    shared = [n for _, n in blink._prefix_groups(seqs, settings) if n]
+    prompts = engine.render(req)
+    shared = [n for _, n in blink._prefix_groups([p.ids for p in prompts], [p.cuts for p in prompts], settings,
+                                                 engine.prefixes.keeps) if n]
     rows = {k: r.logits[0] for k, r in res.readouts.items()}  # one prompt per question: no permute or multi here
     return Run(wall, cpu, res.prefill_tokens, {k: a["choice"] for k, a in answers.items()}, mem.peak_mb,
                rows, {"shared_prefix_tokens": shared[0] if shared else 0, "model_ms": res.model_ms})

@@ -1,4 +1,5 @@
-"""Markdown tables from a results file: `python bench/report.py bench/results/full.json` (for bench/README.md)."""
+"""Markdown tables from a results file: `python bench/report.py bench/results/decision.json` (or full.json), for
+README.md and bench/README.md."""
 
 from __future__ import annotations
 
@@ -58,9 +59,42 @@ def throughput_table(res: dict) -> list[str]:
     return lines
 
 
+CASE_NAMES = {"document": "questions over a new document", "again": "the same document, new questions",
+              "short": "one short yes/no question"}
+
+
+def decision_table(res: dict) -> list[str]:
+    """blink at its defaults against pipeline("decision") per case: time per request, ratios, tokens."""
+    peers_ = [k[3:] for k in next(iter(res["decision"].values())) if k.startswith("vs_") and k != "vs_unbatched"]
+    head = ("| case | questions | prompt tokens | computed by blink | read from the cache | blink (s) | "
+            + " | ".join(f"{p} (s) | blink vs {p} (wall / CPU)" for p in peers_) + " | differ from unbatched |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for case, row in res["decision"].items():
+        a, reps = row["arms"], len(row["arms"]["blink"]["wall_s"])
+        cells = " | ".join(f"{a[p]['total_wall_s'] / reps:.2f} | {row['vs_' + p]['wall']:.2f}x / "
+                           f"{row['vs_' + p]['cpu']:.2f}x" for p in peers_)
+        lines.append(f"| {CASE_NAMES[case]} | {row['questions']} | {row['prompt_tokens']} | {row['prefill_tokens']} "
+                     f"| {row['cached_tokens']} | {a['blink']['total_wall_s'] / reps:.2f} | {cells} | "
+                     f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']} |")
+    return lines
+
+
+def http_table(res: dict) -> list[str]:
+    """Requests per second and latency over HTTP, per server and concurrency; skipped servers with the reason."""
+    lines = ["| server | clients | requests | requests/s | p50 (ms) | p99 (ms) |", "|---|---|---|---|---|---|"]
+    for r in [*res.get("http", []), *res.get("peers_skipped", [])]:
+        if "requests_per_s" in r:
+            lines.append(f"| {r['target']} | {r['clients']} | {r['completed']} | {r['requests_per_s']:.2f} | "
+                         f"{r['p50_ms']:.0f} | {r['p99_ms']:.0f} |")
+        elif "skipped" in r:
+            lines.append(f"| {r['target']} | skipped: {r['skipped']} | | | | |")
+    return lines
+
+
 def targets_list(res: dict) -> list[str]:
     """The issue's targets with the measured values."""
-    verdict = {True: "met", False: "**missed**", None: "not measured in this mode"}
+    verdict = {True: "met", False: "**missed**",
+               None: "the target's own cell is measured by --decision and the full run"}
     out = []
     for t in res["targets"]:
         value = f"{t['value']}" if t["threshold"] == 0 else f"{t['value']:.2f}x ({t['value_cpu_time']:.2f}x on CPU time)"
@@ -75,11 +109,17 @@ def report(res: dict) -> str:
             f"({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), {res['hardware']}, "
             f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "
             f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run).")
-    return "\n".join([head, "", *targets_list(res), "", "Time per request (* = scaled from a subsample of the "
-                      "questions, see the JSON):", "", *cells_table(res), "", "Prefill against the machine:", "",
-                      *flops_table(res), "", "Serving:", "", *throughput_table(res)])
+    parts = [head, "", *targets_list(res), "", "Against transformers' pipeline(\"decision\"), time per request "
+             "(mean of the repetitions; ratios > 1: blink faster):", "", *decision_table(res), "",
+             "Over HTTP (`/v1/systemone`):", "", *http_table(res)]
+    if res["cells"]:
+        parts += ["", "Time per request (* = scaled from a subsample of the questions, see the JSON):", "",
+                  *cells_table(res), "", "Prefill against the machine:", "", *flops_table(res)]
+    if res["throughput"]:
+        parts += ["", "Serving:", "", *throughput_table(res)]
+    return "\n".join(parts)
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1] if len(sys.argv) > 1 else "bench/results/full.json", encoding="utf-8") as fh:
+    with open(sys.argv[1] if len(sys.argv) > 1 else "bench/results/decision.json", encoding="utf-8") as fh:
         print(report(json.load(fh)))

@@ -1,12 +1,18 @@
-"""blink against its peers on one loaded model, side by side in one run.
+"""blink against the systems a user would pick instead, on one loaded model, side by side in one run.
 
-    python bench/run.py            # the full grid (about 20-30 min on a 2-core CPU with the stand-in)
-    python bench/run.py --quick    # one small cell and a short throughput check, under a minute
+    python bench/run.py --decision  # blink at its defaults against transformers' pipeline("decision") and
+                                    # `transformers serve` (the README's three numbers; about 10 min on 2 CPU cores)
+    python bench/run.py --quick     # a small version of every part, under a minute
+    python bench/run.py             # all of it, plus the grid of prompting methods (about 40 min)
     python bench/run.py --model <id or folder>
 
-Arms, all on the same model and the same rendered prompts: blink plain; blink with the shared prefix; one forward
-per question by hand; per-option continuation log-likelihood (lm-evaluation-harness multiple choice, SGLang
-select); generate-then-parse. Writes bench/results/<name>.json and <name>.png; the last line printed is a summary.
+Decision peers, blink with no BLINK_* variable set: pipeline("decision") with its own prompt and with blink's
+exported DecisionConfig (once `python blink.py export` exists); `transformers serve` /v1/systemone against blink's
+own /v1/systemone with 1, 8 and 32 HTTP clients (once the app serves that route); vLLM where CUDA and vllm are
+present. The grid: blink plain; blink with the shared prefix; one forward per question by hand; per-option
+continuation log-likelihood (lm-evaluation-harness multiple choice, SGLang select); generate-then-parse. Ratios are
+> 1 where blink is faster. Writes bench/results/<name>.json (and <name>.png for the grid); the last line printed is
+a summary.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from dataclasses import replace
 
@@ -29,6 +36,7 @@ import torch  # noqa: E402
 import arms  # noqa: E402
 import blink  # noqa: E402
 import limits  # noqa: E402
+import peers  # noqa: E402
 import throughput  # noqa: E402
 import workloads  # noqa: E402
 
@@ -45,13 +53,23 @@ CONFIGS = {
                        "prefix_doc": 300, "prefix_questions": 3, "prefix_per_client": 2},
     },
     "quick": {
-        "docs": [300], "questions": [8], "options": 4, "option_axis": None,
+        "docs": [100], "questions": [2], "options": 4, "option_axis": None,
         "plain_budget": 24000, "peer_budget": 12000,
-        "peer_cap": {"unbatched": 4, "per_option": 1, "generate": 2},
-        "throughput": {"clients": 4, "per_client": 1, "windows_ms": [0, 5, 20], "doc": 40,
+        "peer_cap": {"unbatched": 1, "per_option": 1, "generate": 1},
+        "throughput": {"clients": 2, "per_client": 1, "windows_ms": [0, 20], "doc": 40,
                        "prefix_doc": 0, "prefix_questions": 0, "prefix_per_client": 0},
     },
 }
+# The decision peers: the issue's cases at full size (--decision and the full run), small in --quick.
+DECISION = {
+    "full": {"doc": 1000, "questions": 8, "options": 4, "reps": 3},
+    "quick": {"doc": 200, "questions": 3, "options": 4, "reps": 1},
+}
+HTTP = {"requests": 64, "doc": 120, "clients": [1, 8, 32], "per_level": 32}
+# (case, target ratio against pipeline("decision"), what it is)
+DECISION_TARGETS = (("document", 4.0, "questions over a new document"),
+                    ("again", 8.0, "the same document again with new questions"),
+                    ("short", 1.2, "one short yes/no question"))
 PEERS = ("unbatched", "per_option", "generate")
 ARMS = ("blink_plain", "blink_prefix", *PEERS)
 
@@ -75,10 +93,13 @@ def ladder(n_questions: int, per_question: float, budget: int) -> int:
     return max(fitting) if fitting else 1
 
 
-def spans_of(seqs: list[list[int]], settings: blink.Settings, prefix: bool) -> list[tuple[int, int]]:
-    """(cached, new) token spans blink computes for these prompts, by its own prefix grouping."""
+def spans_of(prompts: list[blink.Prompt], settings: blink.Settings, prefix: bool,
+             keep: bool = True) -> list[tuple[int, int]]:
+    """(cached, new) token spans blink computes for these prompts from a cold start, by its own prefix grouping."""
     spans = []
-    for rows, shared in blink._prefix_groups(seqs, replace(settings, prefix_cache=prefix)):
+    seqs = [p.ids for p in prompts]
+    for rows, shared in blink._prefix_groups(seqs, [p.cuts for p in prompts], replace(settings, prefix_cache=prefix),
+                                             keep):
         if shared:
             spans.append((0, shared))
         spans += [(shared, len(seqs[i]) - shared) for i in rows]
@@ -124,12 +145,13 @@ class Bench:
         key = ("blink_prefix" if prefix else "blink_plain", doc_target, n_opt, len(qs))
         run = self.measure(key, lambda: arms.blink_request(self.engine, doc, qs, prefix))
         scale = n_total / len(qs)
-        seqs = arms.render_ids(self.engine, doc, qs)
+        prompts = self.engine.render(arms.request(self.engine, doc, qs))
         row = {"measured_questions": len(qs), "extrapolated": scale != 1, "wall_s": round(run.wall_s * scale, 4),
                "wall_s_measured": round(run.wall_s, 4), "cpu_s": round(run.cpu_s * scale, 4),
                "prefill_tokens": round(run.prefill_tokens * scale),
                "peak_mb": round(run.peak_mb, 1), "shared_prefix_tokens": run.extra["shared_prefix_tokens"],
-               **self.flops(run.prefill_tokens, spans_of(seqs, self.engine.settings, prefix), run.wall_s)}
+               **self.flops(run.prefill_tokens, spans_of(prompts, self.engine.settings, prefix,
+                                                         self.engine.prefixes.keeps), run.wall_s)}
         return row, run
 
     def peer_arm(self, name: str, doc_target: int, n_opt: int, qs: dict, n_measure: int) -> tuple[dict, dict]:
@@ -317,8 +339,29 @@ def throughput_rows(engine: blink.TorchEngine, cfg: dict, with_app: bool) -> lis
     return rows
 
 
+def decision_targets(decision: dict, mode: str) -> list[dict]:
+    """The three speed targets against pipeline("decision") (its own prompt) and the agreement target, on what this
+    run measured; in --quick the cells are smaller than the targets' (met is None there)."""
+    exact = mode != "quick"
+    out = []
+    for case, threshold, what in DECISION_TARGETS:
+        row = decision[case]
+        value, cpu = row["vs_pipeline"]["wall"], row["vs_pipeline"]["cpu"]
+        out.append({"target": f"blink >= {threshold:g}x pipeline('decision'): {what}", "case": case,
+                    "short": what, "value": value, "value_cpu_time": cpu, "threshold": threshold,
+                    "met": value >= threshold if exact else None,
+                    "met_cpu_time": cpu >= threshold if exact else None,
+                    "cell": f"{row['questions']} question(s), {row['prompt_tokens']} prompt tokens"})
+    compared = sum(decision[c]["vs_unbatched"]["compared"] for c in peers.CASES)
+    differ = [f"{c}/{k}" for c in peers.CASES for k in decision[c]["vs_unbatched"]["differ"]]
+    out.append({"target": "0 answers that differ from the cold, unbatched path", "short": "differ from unbatched",
+                "value": len(differ), "threshold": 0, "met": not differ, "compared": compared, "differ": differ,
+                "max_prob_diff": max(decision[c]["vs_unbatched"]["max_prob_diff"] for c in peers.CASES)})
+    return out
+
+
 def summary_line(res: dict, path: str) -> str:
-    """The one line the command ends with."""
+    """The one line the command ends with: the decision targets first, then the grid's and serving's."""
     parts = [f"blink bench ({res['mode']}, {res['model']}, {res['hardware']}, {res['threads']['threads']} "
              f"thread(s), {res['duration_s']:.0f} s)"]
     verdict = {True: "met", False: "MISSED", None: "target is for the full run's cell"}
@@ -330,65 +373,113 @@ def summary_line(res: dict, path: str) -> str:
                     f"wall {verdict[t['met']]}, CPU time {verdict[t['met_cpu_time']]}")
             parts.append(f"{t['short']} {t['value']:.1f}x wall, {t['value_cpu_time']:.1f}x CPU time "
                          f"(target {t['threshold']:g}x) at {t['cell']} ({both})")
-    best = max((a.get("fraction_of_matmul_body_attention", 0), name) for c in res["cells"]
-               for name, a in c["arms"].items())
-    parts.append(f"best prefill {best[0]:.0%} of measured matmul peak ({best[1]})")
+    if res["cells"]:
+        best = max((a.get("fraction_of_matmul_body_attention", 0), name) for c in res["cells"]
+                   for name, a in c["arms"].items())
+        parts.append(f"best prefill {best[0]:.0%} of measured matmul peak ({best[1]})")
     batcher = [r for r in res["throughput"] if r.get("target") == "Batcher" and not r.get("prefix_cache")]
     if batcher:
         top = max(batcher, key=lambda r: r["requests_per_s"])
         parts.append(f"Batcher {top['requests_per_s']:.2f} req/s at {top['window_ms']:g} ms "
                      f"(p99 {top['p99_ms']:.0f} ms)")
+    http = {(r["target"], r.get("clients")): r for r in res["http"] if "requests_per_s" in r}
+    for clients in HTTP["clients"]:
+        serve, own = http.get(("transformers serve /v1/systemone", clients)), http.get(("blink /v1/systemone",
+                                                                                       clients))
+        if serve and own:
+            parts.append(f"/v1/systemone x{own['requests_per_s'] / serve['requests_per_s']:.1f} transformers serve "
+                         f"at {clients} client(s)")
+    skipped = [f"{r['target']}: {r['skipped']}" for r in [*res["http"], *res["peers_skipped"]] if "skipped" in r]
+    if skipped:
+        parts.append("skipped " + "; ".join(skipped))
     parts.append(f"results {os.path.relpath(path)}")
     return "; ".join(parts)
 
 
+def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[dict, list, list]:
+    """The decision peers: the three cases against pipeline("decision") (its own prompt, and blink's exported
+    config when there is one), over HTTP against `transformers serve` (not in --quick), and vLLM."""
+    def run(export_dir: str | None, why: str | None) -> tuple[dict, list, list]:
+        skipped = []
+        pipes = {"pipeline": peers.decision_pipeline(engine)}
+        if export_dir:
+            pipes["pipeline_export"] = peers.decision_pipeline(engine, export_dir)
+        else:
+            skipped.append({"target": "pipeline('decision') with blink's exported config", "skipped": why})
+        cases = peers.decision_cases(engine, DECISION[mode], pipes)
+        for case, row in cases.items():
+            print(f"decision {case:>8}: blink {row['arms']['blink']['total_wall_s']:.2f} s, pipeline "
+                  f"{row['arms']['pipeline']['total_wall_s']:.2f} s: x{row['vs_pipeline']['wall']} "
+                  f"(CPU time x{row['vs_pipeline']['cpu']}); prefill {row['prefill_tokens']} of "
+                  f"{row['prompt_tokens']} tokens, {row['cached_tokens']} from the cache; differ from unbatched "
+                  f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']}", flush=True)
+        if mode == "quick":
+            http = [{"target": "HTTP /v1/systemone", "skipped": "full and --decision runs only"}]
+        else:
+            logs = tempfile.mkdtemp(prefix="blink-bench-servers-")
+            print(f"server logs in {logs}", flush=True)
+            http = peers.http_rows(engine, HTTP, threads, export_dir, logs)
+        for r in http:
+            print(f"http {r['target']} {r.get('clients', '')}: {r.get('requests_per_s', r.get('skipped'))} req/s "
+                  f"p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms", flush=True)
+        skipped.append(peers.vllm_row(engine, DECISION[mode]))
+        return cases, http, skipped
+
+    return peers.with_export(engine.model_id, run)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark, write JSON and PNG, print one summary line last."""
+    """Run the benchmark, write JSON (and PNG for the grid), print one summary line last."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one small cell and a short throughput check (< 60 s)")
+    ap.add_argument("--quick", action="store_true", help="a small version of every part (< 60 s)")
+    ap.add_argument("--decision", action="store_true", help="only the decision peers at the targets' sizes")
     ap.add_argument("--model", default=blink.STANDIN_MODEL, help="model id or folder (default: the stand-in)")
     ap.add_argument("--threads", default="auto", help="torch CPU threads, or auto (default)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON and PNG")
-    ap.add_argument("--name", default=None, help="file name stem (default: full or quick)")
+    ap.add_argument("--name", default=None, help="file name stem (default: full, decision or quick)")
     ap.add_argument("--app", action="store_true", help="also drive the Gradio app's /decide with gradio_client")
     ap.add_argument("--no-throughput", action="store_true", help="skip the Batcher throughput part")
     ap.add_argument("--token-budget", type=int, default=None, help="blink's padded tokens per forward "
-                    "(default: BLINK_TOKEN_BUDGET)")
+                    "(default: blink's own default for this hardware)")
     ap.add_argument("--prefix-kv-tokens", type=int, default=None, help="prefix copies x length held at once "
-                    "(default: BLINK_PREFIX_KV_TOKENS)")
+                    "(default: blink's own default)")
     args = ap.parse_args(argv)
-    mode = "quick" if args.quick else "full"
-    cfg = CONFIGS[mode]
+    mode = "quick" if args.quick else "decision" if args.decision else "full"
+    cfg = CONFIGS["quick" if args.quick else "full"]
     started = time.perf_counter()
 
-    env = blink.env_settings()  # BLINK_* variables and the hardware; the options below win over them
-    settings = replace(env, prefix_cache=False, token_budget=args.token_budget or env.token_budget,
-                       prefix_kv_tokens=args.prefix_kv_tokens or env.prefix_kv_tokens)
+    # blink at its defaults: no BLINK_* variable is read (the hardware is); the two flags change them for every arm
+    defaults = blink.Settings.from_env({})
+    settings = replace(defaults, token_budget=args.token_budget or defaults.token_budget,
+                       prefix_kv_tokens=args.prefix_kv_tokens or defaults.prefix_kv_tokens)
     engine = blink.TorchEngine(args.model, settings=settings)
     device = engine.model.lm_head.weight.device
     threads = limits.choose_threads(engine.model, device, args.threads)
     matmul_start = limits.matmul_flops(device)
     bench = Bench(engine, cfg)
-    warm_up(engine)
     print(f"model {args.model}: {bench.params / 1e6:.1f}M parameters, {engine.model.dtype}, {device}, "
           f"{threads['threads']} thread(s) ({threads['how']}), matmul {matmul_start / 1e9:.1f} GFLOP/s", flush=True)
 
+    decision, http, peers_skipped = decision_part(engine, "quick" if args.quick else "full", threads["threads"])
     cells = []
-    for doc_target, n_q, n_opt in grid(cfg):
-        c = bench.cell(doc_target, n_q, n_opt)
-        cells.append(c)
-        a, s = c["arms"], c["speedup"]
-        print(f"{cell_name(c):>26}: plain {a['blink_plain']['wall_s']:8.2f}s  prefix {a['blink_prefix']['wall_s']:8.2f}s"
-              f"  unbatched {a['unbatched']['wall_s']:8.2f}s  per-option {a['per_option']['wall_s']:8.2f}s"
-              f"  generate {a['generate']['wall_s']:8.2f}s | plain x{s['blink_plain']['per_option']} per-option,"
-              f" prefix x{s['blink_prefix']['blink_plain']} plain ({c['cell_seconds']}s)", flush=True)
+    if mode != "decision":
+        warm_up(engine)
+        for doc_target, n_q, n_opt in grid(cfg):
+            c = bench.cell(doc_target, n_q, n_opt)
+            cells.append(c)
+            a, s = c["arms"], c["speedup"]
+            print(f"{cell_name(c):>26}: plain {a['blink_plain']['wall_s']:8.2f}s  prefix "
+                  f"{a['blink_prefix']['wall_s']:8.2f}s  unbatched {a['unbatched']['wall_s']:8.2f}s  per-option "
+                  f"{a['per_option']['wall_s']:8.2f}s  generate {a['generate']['wall_s']:8.2f}s | plain "
+                  f"x{s['blink_plain']['per_option']} per-option, prefix x{s['blink_prefix']['blink_plain']} plain "
+                  f"({c['cell_seconds']}s)", flush=True)
 
     # Measured again after the cells: on a shared machine the best of the two is the closer to the ceiling.
     matmul_end = limits.matmul_flops(device)
     matmul = max(matmul_start, matmul_end)
     against_matmul(cells, matmul / 1e9)
 
-    rows = [] if args.no_throughput else throughput_rows(engine, cfg, args.app)
+    rows = [] if args.no_throughput or mode == "decision" else throughput_rows(engine, cfg, args.app)
     for r in rows:
         print(f"throughput {r.get('target')} window {r.get('window_ms')} ms prefix {r.get('prefix_cache')}: "
               f"{r.get('requests_per_s', r.get('skipped'))} req/s p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms",
@@ -402,9 +493,13 @@ def main(argv: list[str] | None = None) -> int:
         "transformers": __import__("transformers").__version__, "threads": threads,
         "matmul_gflops": round(matmul / 1e9, 2),
         "matmul_gflops_start_end": [round(matmul_start / 1e9, 2), round(matmul_end / 1e9, 2)],
-        "settings": {"token_budget": settings.token_budget, "prefix_min_tokens": settings.prefix_min_tokens,
-                     "prefix_kv_tokens": settings.prefix_kv_tokens, "readout": settings.readout, **cfg},
-        "cells": cells, "throughput": rows, "targets": targets(cells),
+        "settings": {"token_budget": settings.token_budget, "prefix_cache": settings.prefix_cache,
+                     "prefix_cache_mb": settings.prefix_cache_mb, "prefix_min_tokens": settings.prefix_min_tokens,
+                     "prefix_kv_tokens": settings.prefix_kv_tokens, "readout": settings.readout, **cfg,
+                     "decision": DECISION["quick" if args.quick else "full"], "http": HTTP},
+        "decision": decision, "http": http, "peers_skipped": peers_skipped,
+        "cells": cells, "throughput": rows,
+        "targets": decision_targets(decision, mode) + (targets(cells) if cells else []),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (time.perf_counter() - started))),
         "duration_s": round(time.perf_counter() - started, 1),
         "notes": NOTES,
@@ -415,12 +510,13 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(res, fh, indent=1)
         fh.write("\n")
     os.replace(stem + ".json.tmp", stem + ".json")
-    try:
-        import plot
+    if cells:
+        try:
+            import plot
 
-        plot.plot(res, stem + ".png")
-    except ImportError as exc:
-        print(f"no plot: {exc}")
+            plot.plot(res, stem + ".png")
+        except ImportError as exc:
+            print(f"no plot: {exc}")
     print(summary_line(res, stem + ".json"))
     return 0
 

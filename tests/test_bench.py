@@ -11,6 +11,8 @@ from collections import Counter
 import pytest
 import torch
 
+import blink
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import arms  # noqa: E402
@@ -18,6 +20,7 @@ import blink  # noqa: E402
 import limits  # noqa: E402
 import models  # noqa: E402
 import order  # noqa: E402
+import peers  # noqa: E402
 import run  # noqa: E402
 import throughput  # noqa: E402
 import workloads  # noqa: E402
@@ -85,12 +88,67 @@ def test_prefix_arm_shares_the_evidence_and_leaves_the_engine_as_it_was(tiny_qwe
     qs = workloads.questions(3, 4, workloads.ticket_count(doc))
     plain = arms.blink_request(tiny_qwen, doc, qs, prefix=False)
     shared = arms.blink_request(tiny_qwen, doc, qs, prefix=True)
-    assert tiny_qwen.settings is before and not before.prefix_cache
+    assert tiny_qwen.settings is before and before.prefix_cache  # on by default in float32
     assert plain.extra["shared_prefix_tokens"] == 0 and shared.extra["shared_prefix_tokens"] > 256
-    seqs = arms.render_ids(tiny_qwen, doc, qs)
-    assert shared.prefill_tokens == sum(n for _, n in run.spans_of(seqs, before, True)) < plain.prefill_tokens
-    assert plain.prefill_tokens == sum(map(len, seqs)) == sum(n for _, n in run.spans_of(seqs, before, False))
+    prompts = tiny_qwen.render(arms.request(tiny_qwen, doc, qs))
+    seqs = [p.ids for p in prompts]
+    assert shared.prefill_tokens == sum(n for _, n in run.spans_of(prompts, before, True)) < plain.prefill_tokens
+    assert plain.prefill_tokens == sum(map(len, seqs)) == sum(n for _, n in run.spans_of(prompts, before, False))
     assert arms.label_logit_gap(plain.rows, shared.rows) < 1e-4 and plain.choices == shared.choices
+
+
+def test_system_one_form_is_what_transformers_accepts():
+    got = peers.system_one("s", {"c": {"type": "choice", "criteria": ["a", 2], "permute": 2},
+                                 "n": {"type": "noul", "instructions": "x?", "criteria": {"yes": "y", "no": None}},
+                                 "s": {"type": "score", "criteria": ["lo", "hi"], "abstain": {"min_confidence": 0.5}}})
+    assert got == {"state": "s", "questions": {
+        "c": {"type": "choice", "criteria": {"a": None, "2": None}},
+        "n": {"type": "noul", "instructions": "x?", "criteria": {"true": "y", "false": None}},
+        "s": {"type": "score", "criteria": ["lo", "hi"]}}}
+    from transformers.decision import DecisionConfig
+    from transformers.decision.template_utils import parse_questions
+
+    assert [q.name for q in parse_questions(got["questions"], DecisionConfig())] == ["c", "n", "s"]
+
+
+def test_decision_cases_time_both_sides_and_check_blink_against_unbatched(tiny_qwen):
+    # The pipeline arm runs on blink's own weights with a tokenizer of its own, one forward per question; blink at
+    # its defaults reads the document kept from the first case in the second.
+    from transformers.decision import DecisionConfig
+
+    pipe = peers.decision_pipeline(tiny_qwen, DecisionConfig(labels={"noul": ["A", "B"]}))  # Yes/No: not one token
+    assert pipe.model is tiny_qwen.model and pipe.tokenizer is not tiny_qwen.tok
+    forwards = []
+    handle = tiny_qwen.model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        pipe(peers.system_one("a log", workloads.questions(3, 4, 1)))
+    finally:
+        handle.remove()
+    assert len(forwards) == 3
+    assert "<|mark|>" not in tiny_qwen.tok.get_vocab()  # blink's tokenizer is untouched
+    rows = peers.decision_cases(tiny_qwen, {"doc": 300, "questions": 3, "options": 4, "reps": 1},
+                                {"pipeline": pipe})
+    assert set(rows) == set(peers.CASES)
+    for row in rows.values():
+        assert row["vs_unbatched"]["differ"] == [] and row["vs_unbatched"]["max_prob_diff"] < 1e-4
+        assert row["vs_pipeline"]["wall"] > 0 and len(row["arms"]["pipeline"]["wall_s"]) == 1
+    again = rows["again"]
+    assert again["cached_tokens"] > 0 and again["prefill_tokens"] + again["cached_tokens"] == again["prompt_tokens"]
+
+
+def test_http_arm_drives_transformers_serve_and_says_why_a_side_is_missing(tiny_qwen, tmp_path):
+    rows = peers.http_rows(tiny_qwen, {"requests": 2, "doc": 40, "clients": [2], "per_level": 2}, 1, None,
+                           str(tmp_path))
+    serve = [r for r in rows if r["target"] == "transformers serve /v1/systemone"]
+    assert serve and serve[-1]["completed"] == 2 and serve[-1]["errors"] == [] and serve[-1]["requests_per_s"] > 0
+    own = [r for r in rows if r["target"] == "blink /v1/systemone"]
+    assert own and all("requests_per_s" in r or r["skipped"] for r in own)
+
+
+def test_export_arm_is_skipped_with_the_reason_when_blink_has_no_export(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers, "ROOT", str(tmp_path))  # a blink.py that does not exist: the command fails
+    why = peers.export_config(blink.STANDIN_MODEL, str(tmp_path / "out"))
+    assert why and "python blink.py export" in why
 
 
 def test_throughput_runs_answer_every_request(tiny_qwen):

@@ -344,9 +344,11 @@ def test_batched_readout_and_shared_prefix_carry_the_same_label_mass(live):
     settings = replace(DEFAULTS, readout="batched", prefix_cache=True, prefix_min_tokens=8)
     eng = blink.TorchEngine(blink.STANDIN_MODEL, settings=settings)
     request = req(STATE, {"intent": LIVE_QS["intent"]})
-    seqs = [p.ids for p in eng.render(request)]
-    ((rows, shared),) = blink._prefix_groups(seqs, settings)  # the three rotations share one prefix, encoded once
-    assert rows == [0, 1, 2] and shared > 8
+    prompts = eng.render(request)
+    seqs = [p.ids for p in prompts]
+    # the three rotations share one prefix (the header and the evidence), encoded once
+    ((rows, shared),) = blink._prefix_groups(seqs, [p.cuts for p in prompts], settings, eng.prefixes.keeps)
+    assert rows == [0, 1, 2] and shared == prompts[0].cuts[-1] > 8
     result = eng.forward(request)
     assert result.prefill_tokens == sum(map(len, seqs)) - 2 * shared
     raw = result.readouts

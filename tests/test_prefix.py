@@ -1,9 +1,10 @@
-"""The shared-prefix path: the system prompt and evidence encoded once, each question's tail run against copies of
-that cache (full-attention keys/values, and the linear-attention conv and recurrent states of Qwen3.5)."""
+"""Shared prefixes: the template header and each request's evidence encoded once, kept across requests, and every
+question's tail run against a copy (full-attention keys/values, and the linear-attention conv and recurrent states of
+Qwen3.5). Same tokens, same positions: the answers equal the plain path's in fp32."""
 
 from __future__ import annotations
 
-import os
+import threading
 from dataclasses import replace
 
 import pytest
@@ -29,6 +30,11 @@ QUESTIONS = {  # tails of different lengths and every question type
                                                    "a customer was charged twice and a parcel went missing?",
                  "criteria": ["trivial", "minor", "serious", "critical"]},
 }
+NEW_QUESTIONS = {  # the same evidence asked again, other questions (one starts with punctuation, one is a permute)
+    "first": {"type": "noul", "instructions": "(Quick check) Is ticket 1 about a router?"},
+    "returns": {"type": "choice", "instructions": "Which team handles ticket 5?", "permute": 2,
+                "criteria": {"returns": "Sends items back", "billing": "Money", "shipping": "Parcels"}},
+}
 OTHER_DOC = "Case log of the second shop. " + DOC.replace("Ticket", "Case")
 MIN_TOKENS = 64  # a short document keeps these tests fast; the threshold itself is tested below
 _VARIANTS: dict = {}
@@ -46,8 +52,15 @@ def variant(eng: blink.TorchEngine, **changes) -> blink.TorchEngine:
 
 
 def prefix_on(eng: blink.TorchEngine, **changes) -> blink.TorchEngine:
-    """The model with the prefix path on, the short test document long enough to take it."""
-    return variant(eng, prefix_cache=True, prefix_min_tokens=MIN_TOKENS, **changes)
+    """The model with shared prefixes on, the short test document long enough to be kept, nothing kept yet."""
+    on = variant(eng, **{"prefix_cache": True, "prefix_min_tokens": MIN_TOKENS, **changes})
+    on.prefixes.clear()
+    return on
+
+
+def plain_engine(eng: blink.TorchEngine) -> blink.TorchEngine:
+    """The model on the plain path: every prompt run whole (the reference)."""
+    return variant(eng, prefix_cache=False)
 
 
 def req(state, questions: dict) -> blink.Request:
@@ -69,45 +82,30 @@ def eng(request) -> blink.TorchEngine:
 _PLAIN: dict = {}
 
 
-def plain_logits(eng: blink.TorchEngine) -> dict:
-    """The plain path's label logits for DOC/QUESTIONS, computed once per model."""
-    assert not eng.settings.prefix_cache
-    if eng.key not in _PLAIN:
-        raw, prefill = run(eng, DOC, QUESTIONS)
-        assert prefill == sum(len(p.ids) for p in render(eng, DOC, QUESTIONS))  # every prompt token, computed
-        _PLAIN[eng.key] = raw
-    return _PLAIN[eng.key]
-
-
-@pytest.fixture(scope="module")
-def plain(eng) -> dict:
-    """The plain path's label logits of the parametrized model."""
-    return plain_logits(eng)
+def plain_readouts(eng: blink.TorchEngine, state=DOC, questions: dict = QUESTIONS) -> dict:
+    """The plain path's readouts of a request, computed once per model."""
+    key = (eng.model_id, state, tuple(questions))
+    if key not in _PLAIN:
+        result = plain_engine(eng).forward(req(state, questions))
+        assert result.prefill_tokens == result.input_tokens and result.cached_tokens == 0  # every token, computed
+        _PLAIN[key] = result.readouts
+    return _PLAIN[key]
 
 
 @pytest.fixture()
 def spy(monkeypatch) -> dict:
-    """Records each call of the prefix path and the row count of every backbone forward."""
-    seen = {"shared": [], "rows": []}
-    shared = blink._forward_shared
+    """Records each prefix a forward runs from (its length, tokens read from kept ones, tokens encoded) and the
+    row count of every backbone forward."""
+    seen = {"prefix": [], "rows": []}
+    prefix = blink.PrefixStore.prefix
 
-    def recording(engine, seqs, cands, prefix_len, out):
-        seen["shared"].append((len(seqs), prefix_len))
-        return shared(engine, seqs, cands, prefix_len, out)
+    def recording(store, engine, ids, points):
+        cache, read, encoded = prefix(store, engine, ids, points)
+        seen["prefix"].append((len(ids), read, encoded))
+        return cache, read, encoded
 
-    monkeypatch.setattr(blink, "_forward_shared", recording)
+    monkeypatch.setattr(blink.PrefixStore, "prefix", recording)
     return seen
-
-
-def run(eng: blink.TorchEngine, state, questions: dict) -> tuple[dict, int]:
-    """Label logits and computed prefill tokens of one request, under the engine's own settings."""
-    result = eng.forward(req(state, questions))
-    return result.readouts, result.prefill_tokens
-
-
-def common_prefix(seqs: list[list[int]]) -> int:
-    """Reference: the common token prefix of all sequences, leaving each at least one token of its own."""
-    return min(len(os.path.commonprefix(seqs)), min(len(s) for s in seqs) - 1)
 
 
 def gap(a: dict, b: dict) -> float:
@@ -129,124 +127,258 @@ def count_rows(eng: blink.TorchEngine, seen: dict):
         lambda module, args, kwargs: seen["rows"].append(kwargs["input_ids"].shape[0]), with_kwargs=True)
 
 
-def test_prefix_logits_equal_plain_and_prefill_is_counted(eng, plain, spy):
-    seqs = [p.ids for p in render(eng, DOC, QUESTIONS)]
-    shared = common_prefix(seqs)
-    assert shared >= MIN_TOKENS  # the document is long enough for the prefix path to run
-    raw, prefill = run(prefix_on(eng), DOC, QUESTIONS)
-    assert spy["shared"] == [(len(seqs), shared)]
-    assert gap(raw, plain) < 1e-4
-    assert prefill == sum(map(len, seqs)) - (len(seqs) - 1) * shared
+def test_cut_points_end_the_shared_parts_whatever_follows(eng):
+    # The header ends every prompt alike, whatever the evidence; the evidence cut ends every prompt over one piece of
+    # evidence alike, whatever the question (even one that opens with punctuation, which some pre-tokenizers join
+    # to the quote before it).
+    states = [DOC, OTHER_DOC, {"ticket": 7, "text": "(urgent) refund"}, "", "  spaced", 3, ["a", "b"]]
+    by_state = {str(s): render(eng, s, {**QUESTIONS, **NEW_QUESTIONS}) for s in states}
+    headers = {tuple(p.ids[: p.cuts[0]]) for prompts in by_state.values() for p in prompts}
+    assert len(headers) == 1
+    header = next(iter(headers))
+    assert eng.tok.decode(list(header)).endswith('{"evidence":')
+    for prompts in by_state.values():
+        evidence = {tuple(p.ids[: p.cuts[1]]) for p in prompts}
+        assert len(evidence) == 1 and eng.tok.decode(list(next(iter(evidence)))).endswith('"criterion":')
+        assert all(len(header) < p.cuts[1] < len(p.ids) for p in prompts)
+
+
+def test_prefix_logits_equal_plain_and_prefill_is_counted(eng, spy):
+    prompts = render(eng, DOC, QUESTIONS)
+    header, evidence = prompts[0].cuts
+    assert evidence >= MIN_TOKENS  # the document is long enough to be kept
+    result = prefix_on(eng).forward(req(DOC, QUESTIONS))
+    assert spy["prefix"] == [(evidence, 0, evidence)]  # header and evidence encoded once, cold
+    assert gap(result.readouts, plain_readouts(eng)) < 1e-4
+    assert result.prefill_tokens == sum(len(p.ids) for p in prompts) - (len(prompts) - 1) * evidence
+    assert result.cached_tokens == 0
+
+
+def test_evidence_seen_before_runs_only_the_new_questions_tails(eng, spy, served):
+    # A person editing only the questions: the second request reads the whole evidence from the kept prefix.
+    on = prefix_on(eng)
+    dep = served(on)
+    first = dep.decide(DOC, QUESTIONS)["meta"]
+    again = dep.decide(DOC, NEW_QUESTIONS)
+    prompts = render(eng, DOC, NEW_QUESTIONS)
+    evidence = prompts[0].cuts[1]
+    assert spy["prefix"][-1] == (evidence, evidence, 0)
+    meta = again["meta"]
+    assert meta["cached_tokens"] == len(prompts) * evidence
+    assert meta["prefill_tokens"] == sum(len(p.ids) - evidence for p in prompts)
+    assert meta["input_tokens"] == sum(len(p.ids) for p in prompts)
+    assert first["cached_tokens"] == 0
+    cold = served(plain_engine(eng)).decide(DOC, NEW_QUESTIONS)["answers"]
+    assert again["answers"].keys() == cold.keys()
+    for key, answer in again["answers"].items():
+        assert answer["probabilities"] == pytest.approx(cold[key]["probabilities"], abs=1e-5)
+
+
+def test_the_header_is_encoded_once_per_engine(tiny_qwen, spy):
+    # A short document is not kept, but every prompt starts from the kept template header.
+    on = prefix_on(tiny_qwen, prefix_min_tokens=10_000)
+    short = {"team": QUESTIONS["team"]}
+    first = on.forward(req("Ticket 1: a router.", short))
+    second = on.forward(req("Ticket 2: an invoice.", short))
+    header = render(tiny_qwen, "x", short)[0].cuts[0]
+    assert (first.cached_tokens, second.cached_tokens) == (0, header)
+    assert spy["prefix"] == [(header, 0, header), (header, header, 0)]
+    assert second.prefill_tokens == second.input_tokens - header
+    assert gap(second.readouts, plain_readouts(tiny_qwen, "Ticket 2: an invoice.", short)) < 1e-4
+    assert len(on.prefixes) == 1
+
+
+def test_kept_prefixes_stay_within_the_memory_budget(tiny_qwen):
+    on = prefix_on(tiny_qwen)
+    on.forward(req(DOC, QUESTIONS))
+    header_and_doc = on.prefixes.held_bytes()
+    assert len(on.prefixes) == 2 and header_and_doc > 0
+    # room for about two of these: the least recently used is dropped, the header (used by every request) stays
+    small = prefix_on(tiny_qwen, prefix_cache_mb=1)
+    small.prefixes.budget = int(header_and_doc * 1.6)
+    small.forward(req(DOC, QUESTIONS))
+    small.forward(req(OTHER_DOC, QUESTIONS))
+    assert small.prefixes.held_bytes() <= small.prefixes.budget and len(small.prefixes) == 2
+    third = small.forward(req(DOC, QUESTIONS))  # DOC was dropped: encoded again from the kept header
+    assert third.cached_tokens == len(QUESTIONS) * render(tiny_qwen, DOC, QUESTIONS)[0].cuts[0]
+    assert gap(third.readouts, plain_readouts(tiny_qwen)) < 1e-4
+    small.prefixes.budget = 1  # a snapshot larger than the whole budget is never kept
+    small.prefixes.clear()
+    small.forward(req(DOC, QUESTIONS))
+    assert len(small.prefixes) == 0 and small.prefixes.held_bytes() == 0
+
+
+def test_without_a_store_only_prompts_of_one_request_share(tiny_qwen, spy):
+    # BLINK_PREFIX_CACHE_MB=0 (the ZeroGPU default): nothing outlives the call; a lone prompt runs whole.
+    off = prefix_on(tiny_qwen, prefix_cache_mb=0)
+    assert not off.prefixes.keeps
+    lone = off.forward(req(DOC, {"team": QUESTIONS["team"]}))
+    assert spy["prefix"] == [] and lone.prefill_tokens == lone.input_tokens
+    shared = off.forward(req(DOC, QUESTIONS))
+    evidence = render(tiny_qwen, DOC, QUESTIONS)[0].cuts[1]
+    assert spy["prefix"] == [(evidence, 0, evidence)] and len(off.prefixes) == 0 and shared.cached_tokens == 0
+    assert gap(shared.readouts, plain_readouts(tiny_qwen)) < 1e-4
+
+
+def test_concurrent_callers_on_one_engine_get_their_own_answers(tiny_qwen):
+    # The Batcher's worker and direct decide() calls run forwards on one engine at once, reading and filling one
+    # store: every answer equals the cold, one-at-a-time path.
+    on = prefix_on(tiny_qwen)
+    dep = blink.Deployment.serving(on, replace(on.settings, batch_window_ms=5.0))
+    work = [(doc, qs) for doc in (DOC, OTHER_DOC, DOC + " Ticket 7: a lamp.") for qs in (QUESTIONS, NEW_QUESTIONS)] * 2
+    results: dict = {}
+
+    def call(i: int) -> None:
+        state, questions = work[i]
+        if i % 2:
+            results[i] = dep.submit(dep.request(state, questions))
+        else:
+            results[i] = on.forward(req(state, questions))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == len(work)
+    for i, (state, questions) in enumerate(work):
+        ref = plain_readouts(tiny_qwen, state, questions)
+        got = results[i]
+        if isinstance(got, dict):
+            for key, answer in got["answers"].items():
+                probs = blink.assemble(req(state, questions), ref, {q: 1.0 for q in questions})[key]["probabilities"]
+                assert answer["probabilities"] == pytest.approx(probs, abs=1e-5)
+        else:
+            assert gap(got.readouts, ref) < 1e-4
+    assert on.prefixes.held_bytes() <= on.prefixes.budget
 
 
 # The row cap and the threshold are model-agnostic logic: they run on the tiny model, which is fast.
 
 
 def test_kv_token_cap_bounds_the_copies_held_at_once(tiny_qwen, spy):
-    seqs = [p.ids for p in render(tiny_qwen, DOC, QUESTIONS)]
-    shared = common_prefix(seqs)
-    longest_tail = max(len(s) for s in seqs) - shared
-    eng = prefix_on(tiny_qwen, prefix_kv_tokens=2 * (shared + longest_tail))  # two copies of the prefix
+    prompts = render(tiny_qwen, DOC, QUESTIONS)
+    evidence = prompts[0].cuts[1]
+    longest_tail = max(len(p.ids) for p in prompts) - evidence
+    eng = prefix_on(tiny_qwen, prefix_kv_tokens=2 * (evidence + longest_tail))  # two copies of the prefix
     handle = count_rows(eng, spy)
     try:
-        raw, _ = run(eng, DOC, QUESTIONS)
+        result = eng.forward(req(DOC, QUESTIONS))
     finally:
         handle.remove()
-    assert spy["rows"] == [1, 2, 1]  # the prefix once, then the three tails two at a time
-    assert gap(raw, plain_logits(tiny_qwen)) < 1e-4
+    assert spy["rows"] == [1, 1, 2, 1]  # the header, the evidence, then the three tails two at a time
+    assert gap(result.readouts, plain_readouts(tiny_qwen)) < 1e-4
 
 
-def test_prefix_shorter_than_min_tokens_runs_the_plain_path(tiny_qwen, spy):
-    seqs = [p.ids for p in render(tiny_qwen, DOC, QUESTIONS)]
-    raw, prefill = run(variant(tiny_qwen, prefix_cache=True, prefix_min_tokens=common_prefix(seqs) + 1), DOC,
-                       QUESTIONS)
-    assert spy["shared"] == []
-    assert prefill == sum(map(len, seqs))
-    # exactly at the threshold: it runs
-    run(variant(tiny_qwen, prefix_cache=True, prefix_min_tokens=common_prefix(seqs)), DOC, QUESTIONS)
-    assert spy["shared"] == [(len(seqs), common_prefix(seqs))]
+def test_evidence_shorter_than_min_tokens_runs_from_the_header(tiny_qwen, spy):
+    prompts = render(tiny_qwen, DOC, QUESTIONS)
+    header, evidence = prompts[0].cuts
+    result = prefix_on(tiny_qwen, prefix_min_tokens=evidence + 1).forward(req(DOC, QUESTIONS))
+    assert spy["prefix"] == [(header, 0, header)]
+    assert result.prefill_tokens == sum(len(p.ids) for p in prompts) - (len(prompts) - 1) * header
+    # exactly at the threshold: the evidence is encoded once and kept
+    prefix_on(tiny_qwen, prefix_min_tokens=evidence).forward(req(DOC, QUESTIONS))
+    assert spy["prefix"][-1] == (evidence, 0, evidence)
 
 
 def test_packed_requests_each_keep_their_own_prefix(tiny_qwen, spy):
     # decide_many and the Batcher pack several requests into one forward: each request's questions still share
-    # that request's evidence, while the requests share only the system prompt.
+    # that request's evidence, while the requests share only the header.
     first, second = render(tiny_qwen, DOC, QUESTIONS), render(tiny_qwen, OTHER_DOC, QUESTIONS)
-    own = [common_prefix([p.ids for p in work]) for work in (first, second)]
-    across = common_prefix([first[0].ids, second[0].ids])
-    assert across < min(own)
-    eng = variant(tiny_qwen, prefix_cache=True, prefix_min_tokens=across + 1)
+    own = [work[0].cuts[1] for work in (first, second)]
+    eng = prefix_on(tiny_qwen)
     jobs = [eng.prepare(req(DOC, QUESTIONS)), eng.prepare(req(OTHER_DOC, QUESTIONS))]
     assert [[p.ids for p in job.work] for job in jobs] == [[p.ids for p in work] for work in (first, second)]
     packed = eng.run(jobs)
-    assert sorted(spy["shared"]) == sorted([(len(first), own[0]), (len(second), own[1])])
-    computed = sum(len(p.ids) for p in first + second) - sum((len(QUESTIONS) - 1) * n for n in own)
+    header = first[0].cuts[0]
+    assert sorted(spy["prefix"]) == sorted([(own[0], 0, own[0]), (own[1], header, own[1] - header)])
+    computed = sum(len(p.ids) for p in first + second) - sum((len(QUESTIONS) - 1) * n for n in own) - header
     assert [(r.prefill_tokens, r.batched_requests) for r in packed] == [(computed, 2), (computed, 2)]
-    assert gap(packed[0].readouts, plain_logits(tiny_qwen)) < 1e-4
-    assert gap(packed[1].readouts, run(tiny_qwen, OTHER_DOC, QUESTIONS)[0]) < 1e-4
+    assert sorted(r.cached_tokens for r in packed) == [0, len(QUESTIONS) * header]
+    assert gap(packed[0].readouts, plain_readouts(tiny_qwen)) < 1e-4
+    assert gap(packed[1].readouts, plain_readouts(tiny_qwen, OTHER_DOC)) < 1e-4
 
 
-def one_token_tails(eng: blink.TorchEngine) -> tuple[list[list[int]], list[list[int]]]:
+def one_token_tails(eng: blink.TorchEngine) -> tuple[list[list[int]], list[list[int]], list[tuple[int, ...]]]:
     """Three prompts that differ only in their last token: each tail is one token, right after the prefix."""
     base = render(eng, DOC, {"team": QUESTIONS["team"]})[0]
     seqs = [base.ids[:-1] + [t] for t in (base.ids[-1], eng.label_ids[0], eng.label_ids[1])]
-    return seqs, [base.cand] * len(seqs)
+    cut = len(base.ids) - 1
+    return seqs, [base.cand] * len(seqs), [(base.cuts[0], cut)] * len(seqs)
 
 
-def forward_rows(eng: blink.TorchEngine, seqs: list[list[int]], cands: list[list[int]], prefix: bool) -> list:
-    """blink's forward over raw prompts, with the prefix path on or off."""
-    return blink._forward((prefix_on(eng) if prefix else eng).key, seqs, cands)[0]
+def forward_rows(eng: blink.TorchEngine, seqs, cands, cuts, prefix: bool) -> list:
+    """blink's forward over raw prompts, with shared prefixes on or off."""
+    return blink._forward((prefix_on(eng) if prefix else plain_engine(eng)).key, seqs, cands, cuts)[0]
 
 
 def test_one_token_tails(eng, spy):
     # Tails of a single token take the models' one-step paths (Qwen3.5 updates its conv state in place).
-    seqs, cands = one_token_tails(eng)
-    shared_rows = forward_rows(eng, seqs, cands, prefix=True)
-    assert spy["shared"] == [(3, len(seqs[0]) - 1)]
-    assert rows_gap(shared_rows, forward_rows(eng, seqs, cands, prefix=False)) < 1e-4
+    seqs, cands, cuts = one_token_tails(eng)
+    shared_rows = forward_rows(eng, seqs, cands, cuts, prefix=True)
+    assert spy["prefix"] == [(len(seqs[0]) - 1, 0, len(seqs[0]) - 1)]
+    assert rows_gap(shared_rows, forward_rows(eng, seqs, cands, cuts, prefix=False)) < 1e-4
 
 
 @pytest.mark.parametrize("state", ["conv_states", "recurrent_states"])
 def test_linear_attention_states_carry_the_prefix(tiny_qwen, monkeypatch, state):
     # The parity above can fail: a tail run against a cache whose linear-attention state was reset reads other
     # logits, so both states must be copied along the batch axis, not only the keys and values.
-    seqs, cands = one_token_tails(tiny_qwen)
-    expand = blink._expand_cache
+    seqs, cands, cuts = one_token_tails(tiny_qwen)
+    copy_cache = blink._copy_cache
 
-    def reset(cache, repeats):
-        cache = expand(cache, repeats)
+    def reset(cache, repeats=1):
+        cache = copy_cache(cache, repeats)
         for layer in cache.layers:
             for held in (getattr(layer, state, None) or {}).values():
                 held.zero_()
         return cache
 
-    monkeypatch.setattr(blink, "_expand_cache", reset)
-    broken = forward_rows(tiny_qwen, seqs, cands, prefix=True)
-    assert rows_gap(broken, forward_rows(tiny_qwen, seqs, cands, prefix=False)) > 1e-3
+    monkeypatch.setattr(blink, "_copy_cache", reset)
+    broken = forward_rows(tiny_qwen, seqs, cands, cuts, prefix=True)
+    assert rows_gap(broken, forward_rows(tiny_qwen, seqs, cands, cuts, prefix=False)) > 1e-3
 
 
-def test_decide_reports_prefill_tokens(tiny_qwen, served):
-    dep = served(prefix_on(tiny_qwen))
-    seqs = [p.ids for p in render(tiny_qwen, DOC, QUESTIONS)]
-    meta = dep.decide(DOC, QUESTIONS)["meta"]
-    assert meta["input_tokens"] == sum(map(len, seqs))
-    assert meta["prefill_tokens"] == sum(map(len, seqs)) - (len(seqs) - 1) * common_prefix(seqs)
-
-
-def test_expand_cache_copies_every_state(tiny_qwen):
+def test_copy_cache_copies_every_state(tiny_qwen):
     ids = torch.tensor([render(tiny_qwen, DOC, {"team": QUESTIONS["team"]})[0].ids])
     with torch.no_grad():
         cache = tiny_qwen.backbone()(input_ids=ids, use_cache=True).cache
-    big = blink._expand_cache(cache, 3)
-    kinds = set()
-    for small, large in zip(cache.layers, big.layers):
-        for name in ("keys", "values"):
-            if torch.is_tensor(getattr(small, name, None)) and getattr(small, name).numel():
-                kinds.add(name)
-                assert torch.equal(getattr(large, name), getattr(small, name).expand(3, -1, -1, -1))
-        for name in ("conv_states", "recurrent_states"):
-            for k, v in (getattr(small, name, None) or {}).items():
-                kinds.add(name)
-                got = getattr(large, name)[k]
-                assert got.shape[0] == 3 and torch.equal(got, v.expand(3, *v.shape[1:]))
-                assert got.data_ptr() != v.data_ptr()  # a copy: the forward writes into it
-    assert kinds == {"keys", "values", "conv_states", "recurrent_states"}
+    for repeats in (1, 3):
+        big = blink._copy_cache(cache, repeats)
+        kinds = set()
+        for small, large in zip(cache.layers, big.layers):
+            for name in ("keys", "values"):
+                if torch.is_tensor(getattr(small, name, None)) and getattr(small, name).numel():
+                    kinds.add(name)
+                    got = getattr(large, name)
+                    assert torch.equal(got, getattr(small, name).expand(repeats, -1, -1, -1))
+                    assert got.data_ptr() != getattr(small, name).data_ptr()
+            for name in ("conv_states", "recurrent_states"):
+                for k, v in (getattr(small, name, None) or {}).items():
+                    kinds.add(name)
+                    got = getattr(large, name)[k]
+                    assert got.shape[0] == repeats and torch.equal(got, v.expand(repeats, *v.shape[1:]))
+                    assert got.data_ptr() != v.data_ptr()  # a copy: the forward writes into it
+            for name in ("has_previous_state", "is_conv_states_initialized"):
+                if isinstance(getattr(small, name, None), dict):
+                    assert getattr(large, name) == getattr(small, name)
+                    assert getattr(large, name) is not getattr(small, name)  # the forward sets these flags too
+        assert kinds == {"keys", "values", "conv_states", "recurrent_states"}
+    assert blink.cache_bytes(cache) == sum(t.numel() * t.element_size() for layer in cache.layers
+                                           for t in blink._state_tensors(layer)) > 0
+
+
+def test_defaults_follow_the_hardware():
+    cpu = blink.Settings()
+    assert (cpu.prefix_cache, cpu.token_budget, cpu.prefix_kv_tokens, cpu.prefix_cache_mb) == (True, 4096, 8192, 1024)
+    gpu = blink.Settings(gpu=True)
+    assert gpu.compute_dtype == "bfloat16" and (gpu.token_budget, gpu.prefix_kv_tokens) == (32768, 131072)
+    assert gpu.prefix_cache_mb == 1024
+    assert gpu.prefix_cache == ("bfloat16" in blink.PREFIX_DEFAULT_DTYPES)
+    assert blink.Settings(gpu=True, zero_gpu=True).prefix_cache_mb == 0  # a forked worker's memory never returns
+    assert blink.Settings(dtype="float16").prefix_cache is ("float16" in blink.PREFIX_DEFAULT_DTYPES)
+    env = blink.Settings.from_env({"BLINK_PREFIX_CACHE": "off", "BLINK_TOKEN_BUDGET": "512",
+                                   "BLINK_PREFIX_CACHE_MB": "0"}, gpu=False)
+    assert (env.prefix_cache, env.token_budget, env.prefix_cache_mb) == (False, 512, 0)
+    with pytest.raises(blink.BlinkError, match="BLINK_PREFIX_CACHE_MB must be a whole number"):
+        blink.Settings.from_env({"BLINK_PREFIX_CACHE_MB": "-1"}, gpu=False)

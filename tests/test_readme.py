@@ -75,12 +75,13 @@ def shows(row: str, value) -> bool:
     return any(int(w) * int(h) == value for w, h in re.findall(r"(?<!\d)(\d+) × (\d+)(?!\d)", row))
 
 
-def another_value(f) -> tuple[str, object]:
-    """A valid setting for a field that differs from its default: (as the variable holds it, as the field holds it)."""
-    m, default = f.metadata, f.default
-    if isinstance(default, bool):
+def another_value(f, default) -> tuple[str, object]:
+    """A valid setting for a field that differs from `default` (its default on this machine): (as the variable holds
+    it, as the field holds it)."""
+    m = f.metadata
+    if m["kind"] is bool:
         return ("0", False) if default else ("1", True)
-    if isinstance(default, (int, float)):
+    if m["kind"] in (int, float):
         value = default + 1 if m["hi"] is None or default + 1 <= m["hi"] else default - 1
         return str(value), value
     if m["choices"]:
@@ -95,9 +96,11 @@ def test_each_variable_sets_its_field():
     assert FROM_ENV_ONLY <= set(SETTING.findall(inspect.getsource(blink.Settings.from_env)))
     assert len(setting_fields()) >= 25
     base = blink.Settings.from_env({}, gpu=False)
+    derived = base.derived_defaults()
     for name, f in setting_fields().items():
-        raw, value = another_value(f)
-        assert getattr(base, f.name) == f.default and value != f.default, name
+        default = derived[f.name] if f.default is None and f.name in derived else f.default
+        raw, value = another_value(f, default)
+        assert getattr(base, f.name) == default and value != default, name
         assert getattr(blink.Settings.from_env({name: raw}, gpu=False), f.name) == value, name
 
 
@@ -111,8 +114,7 @@ def test_every_setting_the_code_reads_is_documented():
 
 
 def test_limits_are_documented_with_the_defaults_of_the_code():
-    numeric = {name: f for name, f in setting_fields().items()
-               if isinstance(f.default, (int, float)) and not isinstance(f.default, bool)}
+    numeric = {name: f for name, f in setting_fields().items() if f.metadata["kind"] in (int, float)}
     limits = {name: f for name, f in numeric.items() if any(f"`{name}`" in row for row in limits_rows())}
     assert {"BLINK_MAX_INPUT_TOKENS", "BLINK_MAX_REQUEST_TOKENS", "BLINK_MAX_JSON_DEPTH", "BLINK_TOKEN_BUDGET",
             "BLINK_QUEUE_SIZE", "BLINK_CONCURRENCY", "BLINK_BATCH_MAX_QUEUED", "BLINK_GPU_DURATION",
@@ -120,7 +122,8 @@ def test_limits_are_documented_with_the_defaults_of_the_code():
             "BLINK_MAX_IMAGE_BYTES", "BLINK_MAX_IMAGE_PIXELS", "BLINK_MAX_IMAGE_SOURCE_PIXELS"} <= set(limits)
     for name, f in limits.items():
         row = row_of(name)
-        assert shows(row, f.default), (name, f.default, row)
+        for default in defaults_by_hardware(f):
+            assert shows(row, default), (name, default, row)
         if f.metadata["hi"] is not None and "–" in row:  # a row that states the allowed range states the code's
             assert shows(row, f.metadata["lo"]) and shows(row, f.metadata["hi"]), (name, f.metadata, row)
     fixed = {"questions per request": blink.MAX_QUESTIONS, "options of a `choice`": blink.MAX_OPTIONS,
@@ -129,6 +132,17 @@ def test_limits_are_documented_with_the_defaults_of_the_code():
     for label, value in fixed.items():
         rows = [row for row in limits_rows() if row.startswith(f"| {label}")]
         assert len(rows) == 1 and shows(rows[0], value), (label, value, rows)
+
+
+HARDWARE = {"a CPU": blink.Settings(), "a GPU": blink.Settings(gpu=True),
+            "ZeroGPU": blink.Settings(gpu=True, zero_gpu=True)}
+
+
+def defaults_by_hardware(f) -> list:
+    """A field's default on a CPU, a GPU and ZeroGPU (one value unless the hardware decides it)."""
+    if f.default is not None or f.name not in blink.Settings().derived_defaults():
+        return [f.default]
+    return sorted({getattr(s, f.name) for s in HARDWARE.values()}, key=str)
 
 
 def documented_defaults(value) -> tuple[str, ...]:
@@ -155,8 +169,15 @@ def test_the_variables_table_shows_the_defaults_of_the_code():
         assert len(parts) == len(names), (names, default_cell)
         for name, part in zip(names, parts):
             if name in by_name:
-                want = documented_defaults(by_name[name].default)
-                assert not want or part.startswith(want), (name, by_name[name].default, part)
+                f = by_name[name]
+                if f.default is None and f.name in blink.Settings().derived_defaults():
+                    # a default the hardware decides: the cell states it for a CPU first, and each other value
+                    assert part.startswith(documented_defaults(blink.Settings().derived_defaults()[f.name])), part
+                    for value in defaults_by_hardware(f):
+                        assert any(w in part for w in documented_defaults(value)), (name, value, part)
+                else:
+                    want = documented_defaults(f.default)
+                    assert not want or part.startswith(want), (name, f.default, part)
                 checked.add(name)
     assert sorted(set(by_name) - checked) == []
     # the variables Settings.from_env reads itself

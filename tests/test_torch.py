@@ -105,12 +105,15 @@ def test_model_whose_labels_do_not_verify_is_refused_at_load(tmp_path):
 
 
 def test_decide_meta_on_the_live_engine(standin, served):
+    standin.prefixes.clear()  # cold: nothing kept from earlier requests
     out = served(standin).decide(DOC, SMALL)
     meta = out["meta"]
     assert meta["model"] == blink.STANDIN_MODEL and meta["engine"] == "torch"
     assert meta["generated_tokens"] == 0 and meta["temperature"] == 1.0
-    assert meta["input_tokens"] == sum(len(p.ids) for p in standin.render(req(DOC, SMALL)))
-    assert meta["prefill_tokens"] == meta["input_tokens"]
+    prompts = standin.render(req(DOC, SMALL))
+    assert meta["input_tokens"] == sum(len(p.ids) for p in prompts)
+    header = prompts[0].cuts[0]  # the short evidence is not kept: every prompt runs from the template header
+    assert meta["prefill_tokens"] == meta["input_tokens"] - (len(prompts) - 1) * header and meta["cached_tokens"] == 0
     assert meta["model_ms"] > 0 and meta["latency_ms"] >= meta["model_ms"]
     assert out["answers"]["currency"]["type"] == "choice"
     assert set(out["answers"]["currency"]["probabilities"]) == {"EUR", "USD", "SEK", "GBP"}

@@ -1,0 +1,102 @@
+"""How many rows blink runs per forward on this machine: padded tokens per forward (BLINK_TOKEN_BUDGET) and prefix
+copies x length held at once (BLINK_PREFIX_KV_TOKENS), the same work at each value, interleaved.
+
+    python bench/budget.py           # the workloads below at their full sizes, 3 repetitions
+    python bench/budget.py --quick   # smaller, one repetition
+
+Workloads: the plain path over many whole prompts and many short requests packed into one call (their tails after
+the shared template header), where the token budget splits work; new questions over a kept 1,000-token document,
+where the prefix copies bound how many tails run against it at once. CPU time is reported beside wall time: on a
+shared machine waiting for a core inflates the wall clock, not this process's CPU time. Writes
+bench/results/budget.json; the last line printed is a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+import blink  # noqa: E402
+import workloads  # noqa: E402
+
+CONFIGS = {"full": {"doc": 300, "questions": 16, "short_requests": 64, "kept_doc": 1000, "reps": 3},
+           "quick": {"doc": 100, "questions": 4, "short_requests": 16, "kept_doc": 300, "reps": 1}}
+VALUES = {"token_budget": [4096, 32768], "prefix_kv_tokens": [8192, 131072]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure each budget on both workloads, interleaved; write JSON; print one summary line last."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads, one repetition")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON")
+    args = ap.parse_args(argv)
+    cfg = CONFIGS["quick" if args.quick else "full"]
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    base = blink.Settings.from_env({})
+    engine = blink.TorchEngine(blink.STANDIN_MODEL, settings=base)
+    doc = workloads.document(engine.tok, cfg["doc"])
+    many = blink.parse_request(doc, workloads.questions(cfg["questions"], 4, workloads.ticket_count(doc)),
+                               settings=base)
+    shorts = [blink.parse_request(f"Order {i}: charged twice for one order, the customer wants a refund.",
+                                  {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
+                                  settings=base) for i in range(cfg["short_requests"])]
+    kept = workloads.document(engine.tok, cfg["kept_doc"], seed=3)
+    first, again = (blink.parse_request(kept, workloads.questions(8, 4, workloads.ticket_count(kept)), settings=base),
+                    blink.parse_request(kept, {f"new{k}": {**q, "instructions": "Now: " + q["instructions"]} for k, q
+                                               in workloads.questions(8, 4, workloads.ticket_count(kept)).items()},
+                                        settings=base))
+    # (setting it varies, shared prefixes on, the work, what runs before it untimed)
+    work = {f"plain path, {cfg['questions']} questions over {cfg['doc']} tokens":
+            ("token_budget", False, lambda: engine.forward(many), lambda: None),
+            f"{cfg['short_requests']} short requests packed":
+            ("token_budget", True, lambda: engine.run([engine.prepare(r) for r in shorts]), lambda: None),
+            f"8 new questions over a kept {cfg['kept_doc']}-token document":
+            ("prefix_kv_tokens", True, lambda: engine.forward(again), lambda: engine.forward(first))}
+    times: dict = {(name, v): [] for name, (field, *_) in work.items() for v in VALUES[field]}
+    for _ in range(cfg["reps"] + 1):  # the first round warms up and is not counted
+        for name, (field, prefix, fn, before) in work.items():
+            for value in VALUES[field]:
+                engine.settings = replace(base, prefix_cache=prefix, **{field: value})
+                engine.prefixes.clear()
+                before()
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                times[(name, value)].append((time.perf_counter() - t0, time.process_time() - c0))
+    rows = [{"workload": name, "setting": work[name][0], "value": value,
+             "wall_s": [round(w, 3) for w, _ in runs[1:]], "cpu_s": [round(c, 3) for _, c in runs[1:]],
+             "total_cpu_s": round(sum(c for _, c in runs[1:]), 3)} for (name, value), runs in times.items()]
+    for r in rows:
+        print(f"{r['workload']:>50} {r['setting']} {r['value']:>6}: CPU {r['total_cpu_s']:.2f} s, wall {r['wall_s']}")
+    res = {"command": " ".join(["python bench/budget.py", *(sys.argv[1:] if argv is None else argv)]),
+           "hardware": blink.hardware(), "threads": args.threads, "rows": rows,
+           "duration_s": round(time.perf_counter() - started, 1)}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"budget{'-quick' if args.quick else ''}.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(res, fh, indent=1)
+        fh.write("\n")
+    ratios = []
+    for name, (field, *_) in work.items():
+        small, large = (next(r["total_cpu_s"] for r in rows if r["workload"] == name and r["value"] == v)
+                        for v in (VALUES[field][0], VALUES[field][-1]))
+        ratios.append(f"{name}: {field} {VALUES[field][-1]} takes {large / small:.2f}x the CPU time of "
+                      f"{VALUES[field][0]}")
+    print(f"blink budget ({res['hardware']}, {args.threads} thread(s), {res['duration_s']:.0f} s): "
+          + "; ".join(ratios) + f"; results {os.path.relpath(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

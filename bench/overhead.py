@@ -1,0 +1,88 @@
+"""Where the time of one short question goes: parsing, rendering and tokenizing, the forward (and within it the
+model), answer assembly and meta; at blink's defaults and with shared prefixes off (the earlier default).
+
+    python bench/overhead.py          # 30 repetitions of each step, one thread
+    python bench/overhead.py --quick  # 5 repetitions
+
+CPU time per step, the best repetition (this process's CPU time: on a shared machine waiting for a core inflates the
+wall clock, not this). Writes bench/results/overhead.json; the last line printed is a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+import blink  # noqa: E402
+
+STATE = "Order 4417: I was charged twice for the same order and want my money back."
+QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
+
+
+def best_ms(fn, reps: int) -> tuple[float, object]:
+    """The least CPU time of `reps` calls, in ms, and the last call's result."""
+    best, out = float("inf"), None
+    for _ in range(reps):
+        c0 = time.process_time()
+        out = fn()
+        best = min(best, time.process_time() - c0)
+    return round(best * 1000, 3), out
+
+
+def steps(dep: blink.Deployment, reps: int) -> dict:
+    """Each step of one request, timed on its own, and the whole decide() call."""
+    engine = dep.engine()
+    parse_ms, request = best_ms(lambda: dep.request(STATE, QUESTIONS), reps)
+    prepare_ms, job = best_ms(lambda: engine.prepare(request), reps)
+    forward_ms, (forward,) = best_ms(lambda: engine.run([job]), reps)
+    answer_ms, _ = best_ms(lambda: dep.answer(job, forward, 1.0), reps)
+    decide_ms, out = best_ms(lambda: dep.decide(STATE, QUESTIONS), reps)
+    return {"parse_ms": parse_ms, "render_tokenize_ms": prepare_ms, "forward_ms": forward_ms,
+            "answer_meta_ms": answer_ms, "decide_ms": decide_ms, "prompt_tokens": out["meta"]["input_tokens"],
+            "computed_tokens": out["meta"]["prefill_tokens"], "cached_tokens": out["meta"]["cached_tokens"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time the steps at the defaults and with shared prefixes off; write JSON; print one summary line last."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="5 repetitions")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    reps = 5 if args.quick else 30
+    defaults = blink.Settings.from_env({})
+    engine = blink.TorchEngine(blink.STANDIN_MODEL, settings=defaults)
+    rows = {}
+    for name, settings in (("defaults", defaults), ("prefix off", replace(defaults, prefix_cache=False))):
+        engine.settings = settings
+        rows[name] = steps(blink.Deployment.serving(engine), reps)
+        print(f"{name:>10}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()), flush=True)
+    res = {"command": " ".join(["python bench/overhead.py", *(sys.argv[1:] if argv is None else argv)]),
+           "hardware": blink.hardware(), "threads": args.threads, "repetitions": reps, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"overhead{'-quick' if args.quick else ''}.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(res, fh, indent=1)
+        fh.write("\n")
+    d = rows["defaults"]
+    outside = d["parse_ms"] + d["render_tokenize_ms"] + d["answer_meta_ms"]
+    print(f"blink overhead ({res['hardware']}, {args.threads} thread(s)): one short question, decide "
+          f"{d['decide_ms']:.1f} ms CPU at the defaults ({d['computed_tokens']} of {d['prompt_tokens']} tokens "
+          f"computed) against {rows['prefix off']['decide_ms']:.1f} ms with shared prefixes off; outside the forward "
+          f"{outside:.2f} ms (parse {d['parse_ms']}, render and tokenize {d['render_tokenize_ms']}, answer and meta "
+          f"{d['answer_meta_ms']}); results {os.path.relpath(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
