@@ -732,8 +732,8 @@ PREFERENCES = ("live", "saved")
 @dataclass(frozen=True, eq=False)
 class Request:
     """A whole request, checked and parsed once: the evidence, its questions, its listed images (data URIs shown
-    after the state; more may stand inside it), the temperature it asks for (None: calibration or the default), whether a bundled example may come from
-    its recording (prefer="saved") and the mock engine's demo-only `bias`."""
+    after the state; more may stand inside it), the temperature it asks for (None: calibration or the default),
+    whether a bundled example may come from its recording (prefer="saved") and the mock engine's demo-only `bias`."""
 
     state: object
     questions: tuple[Question, ...]

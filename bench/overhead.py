@@ -5,7 +5,9 @@ model), answer assembly and meta; at blink's defaults and with shared prefixes o
     python bench/overhead.py --quick  # 5 repetitions
 
 CPU time per step, the best repetition (this process's CPU time: on a shared machine waiting for a core inflates the
-wall clock, not this). Writes bench/results/overhead.json; the last line printed is a summary.
+wall clock, not this). Then the forward at the defaults under torch's profiler: the share of its CPU time in matrix
+products and their FLOP/s, against one large product of the same width on this machine (what the CPU can do).
+Writes bench/results/overhead.json; the last line printed is a summary.
 """
 
 from __future__ import annotations
@@ -51,6 +53,62 @@ def steps(dep: blink.Deployment, reps: int) -> dict:
             "computed_tokens": out["meta"]["prefill_tokens"], "cached_tokens": out["meta"]["cached_tokens"]}
 
 
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def forward_profile(dep: blink.Deployment, reps: int, forward_ms: float, computed: int) -> dict:
+    """The defaults' forward of the short question under torch's profiler: matrix products' share of its CPU time,
+    and the rate they ran at (2 x non-embedding parameters per computed token over that share of the unprofiled
+    forward_ms), beside one large product (2,048 rows through the model's MLP width) on this machine."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = dep.engine()
+    job = engine.prepare(dep.request(STATE, QUESTIONS))
+    engine.run([job])  # the header is kept from here on, as in a server
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            engine.run([job])
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total_us = sum(e.self_cpu_time_total for e in events)
+    share = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / total_us
+    model = engine.model
+    body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    config = model.config.get_text_config()
+    hidden, width = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
+    a, w = torch.randn(2048, hidden), torch.randn(width, hidden)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.process_time()
+        torch.nn.functional.linear(a, w)
+        best = min(best, time.process_time() - t0)
+    return {"matmul_share": round(share, 3),
+            "matmul_gflops": round(2 * body * computed / (share * forward_ms / 1000) / 1e9, 1),
+            "large_product_gflops": round(2 * 2048 * hidden * width / best / 1e9, 1),
+            "top_ops": [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1000 / reps, 2)}
+                        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]]}
+
+
+def pipeline_prompt_tokens(engine: blink.TorchEngine) -> int | None:
+    """Tokens transformers' pipeline("decision") runs through the model for the same question with its own built-in
+    prompt (counted at the model's input); None where this transformers has no decision pipeline."""
+    sys.path.insert(0, HERE)
+    import peers
+
+    try:
+        pipe = peers.decision_pipeline(engine)
+    except (KeyError, ValueError, ImportError):
+        return None
+    seen: list[int] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[-1]),
+        with_kwargs=True)
+    try:
+        pipe(peers.system_one(STATE, QUESTIONS))
+    finally:
+        hook.remove()
+    return sum(seen)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time the steps at the defaults and with shared prefixes off; write JSON; print one summary line last."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,20 +125,29 @@ def main(argv: list[str] | None = None) -> int:
         engine.settings = settings
         rows[name] = steps(blink.Deployment.serving(engine), reps)
         print(f"{name:>10}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()), flush=True)
+    engine.settings = defaults
+    d = rows["defaults"]
+    profiled = forward_profile(blink.Deployment.serving(engine), reps, d["forward_ms"], d["computed_tokens"])
+    print(f"   profile: {profiled}", flush=True)
+    peer_tokens = pipeline_prompt_tokens(engine)
     res = {"command": " ".join(["python bench/overhead.py", *(sys.argv[1:] if argv is None else argv)]),
-           "hardware": blink.hardware(), "threads": args.threads, "repetitions": reps, "rows": rows}
+           "hardware": blink.hardware(), "threads": args.threads, "repetitions": reps, "rows": rows,
+           "forward_profile": profiled, "pipeline_prompt_tokens": peer_tokens}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"overhead{'-quick' if args.quick else ''}.json")
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(res, fh, indent=1)
         fh.write("\n")
-    d = rows["defaults"]
     outside = d["parse_ms"] + d["render_tokenize_ms"] + d["answer_meta_ms"]
     print(f"blink overhead ({res['hardware']}, {args.threads} thread(s)): one short question, decide "
           f"{d['decide_ms']:.1f} ms CPU at the defaults ({d['computed_tokens']} of {d['prompt_tokens']} tokens "
-          f"computed) against {rows['prefix off']['decide_ms']:.1f} ms with shared prefixes off; outside the forward "
+          f"computed; pipeline('decision') runs {peer_tokens} with its own prompt) against "
+          f"{rows['prefix off']['decide_ms']:.1f} ms with shared prefixes off; outside the forward "
           f"{outside:.2f} ms (parse {d['parse_ms']}, render and tokenize {d['render_tokenize_ms']}, answer and meta "
-          f"{d['answer_meta_ms']}); results {os.path.relpath(path)}")
+          f"{d['answer_meta_ms']}); matrix products {profiled['matmul_share']:.0%} of the forward at "
+          f"{profiled['matmul_gflops']:.0f} GFLOP/s against {profiled['large_product_gflops']:.0f} for one large "
+          "product; "
+          f"results {os.path.relpath(path)}")
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Markdown tables from a results file: `python bench/report.py bench/results/decision.json` (or full.json), for
-README.md and bench/README.md."""
+"""Markdown tables from a results file: `python bench/report.py bench/results/decision.json` (or full.json,
+budget.json, overhead.json), for README.md and bench/README.md."""
 
 from __future__ import annotations
 
@@ -103,8 +103,35 @@ def targets_list(res: dict) -> list[str]:
     return out
 
 
+def budget_table(res: dict) -> list[str]:
+    """bench/budget.py: CPU and wall time of each workload at each value of the setting it varies."""
+    lines = ["| workload | setting | value | CPU s (sum of runs) | wall s per run |", "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['workload']} | `{r['setting']}` | {r['value']:,} | {r['total_cpu_s']:.2f} | "
+                     + ", ".join(f"{w:.1f}" for w in r["wall_s"]) + " |")
+    return lines
+
+
+OVERHEAD_STEPS = {"parse_ms": "parse", "render_tokenize_ms": "render + tokenize", "forward_ms": "forward",
+                  "answer_meta_ms": "answer + meta", "decide_ms": "whole decide()"}
+
+
+def overhead_table(res: dict) -> list[str]:
+    """bench/overhead.py: CPU ms of each step of one short question, per configuration."""
+    lines = ["| configuration | " + " | ".join(f"{v} (ms)" for v in OVERHEAD_STEPS.values())
+             + " | prompt tokens | computed | from the cache |", "|---|" + "---|" * (len(OVERHEAD_STEPS) + 3)]
+    for name, r in res["rows"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{r[k]:.2f}" for k in OVERHEAD_STEPS)
+                     + f" | {r['prompt_tokens']} | {r['computed_tokens']} | {r['cached_tokens']} |")
+    return lines
+
+
 def report(res: dict) -> str:
     """The whole markdown block."""
+    if res["command"].startswith("python bench/budget.py"):
+        return "\n".join(budget_table(res))
+    if res["command"].startswith("python bench/overhead.py"):
+        return "\n".join(overhead_table(res))
     head = (f"Measured {res['started_at']} by `{res['command']}` in {res['duration_s'] / 60:.1f} min: {res['model']} "
             f"({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), {res['hardware']}, "
             f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "

@@ -16,7 +16,6 @@ import blink
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import arms  # noqa: E402
-import blink  # noqa: E402
 import limits  # noqa: E402
 import models  # noqa: E402
 import order  # noqa: E402
