@@ -4352,6 +4352,7 @@ class BatchStats:
     engine: str = ""
     fabricated: bool = False
     workers: int = 0
+    held: int = 0  # records OUT held when the run began
 
     @property
     def rate(self) -> float:
@@ -4395,7 +4396,8 @@ def batch_steps(in_path: str, out_path: str, served: Deployment | None = None, t
         raise BlinkError(f"{out_path} holds answers from {resume.model}; this run serves {model_id}: choose another "
                          "--out")
     skipped = len(ids & resume.done)
-    stats = BatchStats(len(ids) - skipped, skipped=skipped, repaired=resume.cut, model=model_id, workers=workers)
+    stats = BatchStats(len(ids) - skipped, skipped=skipped, repaired=resume.cut, model=model_id, workers=workers,
+                       held=len(resume.done))
     pending = (row for row in read_rows(in_path) if id_key(row.id) not in resume.done)
     chunks = row_chunks(pending, served.settings.batch_max_requests)
     with open_file(out_path, "ab") as fh:
@@ -4549,6 +4551,17 @@ def record(model_id: str | None = None, path: str | None = None, settings: Setti
     return data
 
 
+def read_back(out_path: str, stats: BatchStats | None) -> BatchStats | None:
+    """stats with the rows this run has in OUT as read back from the file: Ctrl-C can land between a chunk's write
+    and its count."""
+    if stats is None:
+        return None
+    try:
+        return replace(stats, rows=len(read_out(out_path).done) - stats.held)
+    except (OSError, BlinkError):
+        return stats
+
+
 def run_batch(args: argparse.Namespace) -> int:
     """`python blink.py batch IN --out OUT`: progress on stderr, then the summary line; 130 when interrupted, 1 when
     the engine failed (what was written stays: the same command resumes)."""
@@ -4561,6 +4574,7 @@ def run_batch(args: argparse.Namespace) -> int:
                                  args.ray_address):
             show.show(stats)
     except KeyboardInterrupt:
+        stats = read_back(args.out, stats)
         show.end(stats, f"interrupted: {stats.rows if stats else 0} rows of this run are in {args.out}")
         return 130
     except EngineFault as exc:

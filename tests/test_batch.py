@@ -168,6 +168,19 @@ def test_a_run_that_stops_keeps_whole_chunks_and_resumes(big, mock_dep, tmp_path
     assert stats.skipped == len(kept) and not stats.repaired and untimed(records(out)) == untimed(full)
 
 
+def test_an_interrupt_reports_the_rows_out_holds_even_between_a_write_and_its_count(big, mock_dep, tmp_path):
+    in_path = big[0]
+    out = tmp_path / "out.jsonl"
+    steps = blink.batch_steps(str(in_path), str(out), mock_dep)
+    start = next(steps)
+    first = next(steps)  # one chunk written; Ctrl-C now, before the caller saw a later count
+    assert blink.read_back(str(out), start).rows == first.rows == len(records(out)) > 0
+    steps.close()
+    again = next(blink.batch_steps(str(in_path), str(out), mock_dep))  # a resumed run: OUT held rows already
+    assert again.held == first.rows and blink.read_back(str(out), again).rows == 0
+    assert blink.read_back(str(out), None) is None
+
+
 def test_input_that_cannot_run_is_refused_before_anything_is_written(tmp_path, mock_dep):
     out = tmp_path / "out.jsonl"
     dup = tmp_path / "dup.jsonl"
