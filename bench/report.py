@@ -92,7 +92,7 @@ def http_table(res: dict) -> list[str]:
 
 
 def targets_list(res: dict) -> list[str]:
-    """The issue's targets with the measured values."""
+    """The speed targets with the measured values."""
     verdict = {True: "met", False: "**missed**",
                None: "the target's own cell is measured by --decision and the full run"}
     out = []

@@ -60,7 +60,7 @@ CONFIGS = {
                        "prefix_doc": 0, "prefix_questions": 0, "prefix_per_client": 0},
     },
 }
-# The decision peers: the issue's cases at full size (--decision and the full run), small in --quick.
+# The decision peers: the three target cases at full size (--decision and the full run), small in --quick.
 DECISION = {
     "full": {"doc": 1000, "questions": 8, "options": 4, "reps": 3},
     "quick": {"doc": 200, "questions": 3, "options": 4, "reps": 1},
@@ -131,7 +131,7 @@ class Bench:
         return self.memo[key]
 
     def flops(self, tokens: float, spans: list[tuple[int, int]], wall: float) -> dict:
-        """Achieved prefill FLOP/s: the issue's 2 x parameters x tokens, and the body matmuls plus attention."""
+        """Achieved prefill FLOP/s: the usual 2 x parameters x tokens, and the body matmuls plus attention."""
         if wall <= 0:
             return {}
         two_pt = 2 * self.params * tokens / wall
@@ -244,7 +244,7 @@ def speedups(rows: dict, clock: str = "wall_s") -> dict:
 
 
 def targets(cells: list[dict]) -> list[dict]:
-    """The issue's three targets, evaluated on what this run measured."""
+    """The three speed targets, evaluated on what this run measured."""
     out = []
     four = [c for c in cells if c["options"] == 4]
     if four:
@@ -533,9 +533,9 @@ NOTES = [
     "continuation log-probs (lm-evaluation-harness `acc`; `acc_norm` divides by characters; SGLang select's "
     "default token_length_normalized averages per token). lm-evaluation-harness scores one-token continuations "
     "(letters) from one shared forward, and SGLang's radix cache encodes the shared context once; this arm is "
-    "the K-forwards-per-question cost the issue names.",
+    "the K-forwards-per-question cost.",
     "generate: model.generate greedy, 4 new tokens, then the first offered letter in the text.",
-    "gflops_2pt is 2 x all parameters x prefill tokens / wall time (the issue's definition); "
+    "gflops_2pt is 2 x all parameters x prefill tokens / wall time (the usual definition); "
     "gflops_body_attention counts what the prompt tokens need: 2 x non-embedding parameters per token plus "
     "attention products (4 x width x keys per full-attention layer), not the peers' LM head on every position.",
     "peak_mb: CPU resident-set peak above the level at the start of the arm (sampled every 5 ms), or the CUDA "

@@ -174,6 +174,11 @@ def test_gpu_decorator_is_plain_off_zero_gpu_and_sized_to_the_work(standin):
     assert blink._gpu_limit(key, None, None, []) == most
 
 
+def tokens(res: blink.Forward) -> tuple[int, int, int]:
+    """A live call's prompt tokens, tokens computed and tokens read from kept prefixes."""
+    return res.input_tokens, res.prefill_tokens, res.cached_tokens
+
+
 def test_concurrent_calls_on_one_engine_each_get_their_own_meta(tmp_path, standin, served):
     # Engines keep no per-call state: every call returns its own Forward (model time, tokens, where the numbers
     # came from), so concurrent callers never see each other's meta.
@@ -184,8 +189,10 @@ def test_concurrent_calls_on_one_engine_each_get_their_own_meta(tmp_path, standi
     path = tmp_path / "replay.json"
     write_recording(path, blink.STANDIN_MODEL, states[0], QS, {"spam": [5.0, 0.0], "topic": [0.0, 1.0, 0.0]})
     dep = served(blink.HybridEngine(blink.ReplayEngine(str(path)), standin))
-    alone = [standin.forward(dep.request(s, QS)).input_tokens for s in states]
-    assert alone[0] != alone[1]
+    standin.forward(dep.request(states[0], QS))  # the template header is kept from here on
+    # each state's (prompt tokens, computed, read from kept prefixes) when it runs alone
+    alone = [tokens(standin.forward(dep.request(s, QS))) for s in states]
+    assert alone[0][0] != alone[1][0] and all(t[2] > 0 for t in alone)
     forwards: dict = {}
     metas: dict = {}
     start = threading.Barrier(3)
@@ -208,9 +215,9 @@ def test_concurrent_calls_on_one_engine_each_get_their_own_meta(tmp_path, standi
     for i in (0, 1):  # each caller's numbers count its own tokens, never the other caller's
         for res in forwards[i]:
             assert res.source == "live" and res.engine == "torch" and res.batched_requests == 1
-            assert res.input_tokens == res.prefill_tokens == alone[i] and res.model_ms > 0
+            assert tokens(res) == alone[i] and res.model_ms > 0
         for m in metas[i]:
-            assert m["engine"] == "torch" and m["input_tokens"] == m["prefill_tokens"] == alone[i]
+            assert m["engine"] == "torch" and (m["input_tokens"], m["prefill_tokens"], m["cached_tokens"]) == alone[i]
             assert m["model_ms"] > 0 and m["batched_requests"] == 1 and "recorded_on" not in m
     for m in metas[2]:  # the recorded answer keeps the recording's own numbers while live calls run beside it
         assert m["engine"] == "replay" and m["recorded_on"] == "test bench CPU"

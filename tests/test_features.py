@@ -288,9 +288,9 @@ def live(standin):
     calls = []
     forward = blink._forward
 
-    def counted(key, seqs, cands):
+    def counted(key, seqs, *rest):
         calls.append(len(seqs))
-        return forward(key, seqs, cands)
+        return forward(key, seqs, *rest)
 
     request = req(STATE, LIVE_QS)
     blink._forward = counted
