@@ -4266,7 +4266,7 @@ class RayWorker:
 def ray_connect(address: str | None):
     """Ray, connected: to the cluster at `address` (blink.py shipped to its workers), else to a new local one."""
     if importlib.util.find_spec("ray") is None:
-        raise BlinkError("--ray needs Ray: pip install 'ray[data]' (requirements-ci.txt pins the tested version)")
+        raise BlinkError("--ray needs Ray: pip install 'ray[data]' (tools/requirements-ray.txt pins the tested version)")
     for name, value in (("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_DATA_DISABLE_PROGRESS_BARS", "1")):
         os.environ.setdefault(name, value)
     import ray

@@ -19,7 +19,7 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--
 ARTIFACTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifacts")
 NEWS = "News topic (30 categories)"
 
-pytestmark = pytest.mark.skipif(not shutil.which(CHROMIUM), reason="needs Debian chromium (bash tools/setup.sh --browser)")
+pytestmark = pytest.mark.skipif(not shutil.which(CHROMIUM), reason="needs Debian chromium (bash tools/setup.sh --tests)")
 
 
 @pytest.fixture(scope="module")
