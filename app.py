@@ -283,7 +283,7 @@ def render_meta(meta: dict) -> str:
         line = (f'<div class="bk-source bk-replay">Recorded{when} on {esc(meta.get("recorded_on", "unknown hardware"))}'
                 f' — served from the recording, no model call.</div>')
     elif "model_ms" in meta:  # a live model ran (the torch or the vllm backend)
-        parts.append(f'{meta["latency_ms"]:,.0f} ms ({meta.get("model_ms", 0):,.0f} ms model)')
+        parts.append(f'{meta["latency_ms"]:,.0f} ms ({meta["model_ms"]:,.0f} ms model)')
         if meta.get("cached_tokens"):
             parts.append(f'{meta["cached_tokens"]:,} tokens read from the prefix cache')
         if meta.get("batched_requests", 1) > 1:

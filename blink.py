@@ -159,11 +159,10 @@ def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 def env_number(env: Mapping[str, str], name: str, default, lo: float, hi: float | None = None, above: bool = False,
-               whole: bool | None = None):
-    """A number variable from lo (above lo when `above`) to hi (no upper bound when hi is None), whole when `whole`
-    (default: when the default is an int). Unset or empty keeps the default."""
+               whole: bool = False):
+    """A number variable from lo (above lo when `above`) to hi (no upper bound when hi is None), whole when `whole`.
+    Unset or empty keeps the default."""
     raw = env.get(name, "").strip()
-    whole = isinstance(default, int) if whole is None else whole
     if not raw:
         return default
     lo_text, hi_text = (f"{v:d}" if whole else f"{v:g}" for v in (lo, hi if hi is not None else lo))
@@ -324,8 +323,8 @@ class Settings:
         """The defaults that depend on the hardware and dtype (each measured by a bench/ command, see README):
         shared prefixes on in float32 and bfloat16 (PREFIX_DEFAULT_DTYPES); 4,096 padded tokens per forward on a
         CPU (bench/budget.py: no slower than 32,768 there, and it holds less memory), 32,768 on a GPU; 8,192 prefix
-        copies x length at once on a CPU (bench/budget.py: tails against a long prefix run faster a few at a time
-        there, their attention working set staying in cache), 131,072 on a GPU; 1 GB of
+        copies x length at once on a CPU (bench/budget.py: as fast as 131,072 there, with far less memory held),
+        131,072 on a GPU; 1 GB of
         prefixes kept across requests, none on ZeroGPU (each call runs in a forked worker whose memory is dropped
         when it returns, so a kept prefix could never be read again)."""
         return {"prefix_cache": self.compute_dtype in PREFIX_DEFAULT_DTYPES,
@@ -1435,10 +1434,11 @@ class MockEngine(Engine):
         """Fabricated label logits per prompt, a fabricated label mass (0.55-0.95) and an estimated token count."""
         bias = request.bias or {}
         readouts, n_tokens = {}, 0
+        evidence = evidence_json(request.state)
         for q in request.questions:
             rows, lses = [], []
             for row in q.rows:
-                n_tokens += max(1, len(SYSTEM + user_message(request.state, row, LABEL_POOL[: len(row.shown)])) // 4)
+                n_tokens += max(1, len(SYSTEM + user_text(evidence, row, LABEL_POOL[: len(row.shown)])) // 4)
                 logits = self._row(request.state, row, bias.get(q.key) or {})
                 mass = 0.55 + 0.4 * self._unit(f"{text(request.state)}|{row.criterion}|mass")
                 rows.append(logits)
@@ -1845,6 +1845,7 @@ class PromptEngine(Engine):
     labels verified to be one token each at the answer position. The model that reads those ids is a subclass's."""
 
     runs_model = True
+    cuts_prefixes = False  # whether its prompts carry cut points (only the torch engine's forward shares prefixes)
 
     def __init__(self, model_id: str, revision: str | None, settings: Settings):
         from transformers import AutoTokenizer
@@ -1908,7 +1909,7 @@ class PromptEngine(Engine):
             for row in q.rows:
                 user = user_text(evidence, row, self.labels[: len(row.shown)])
                 prompt = wrap(self.tok, user)
-                ids, cuts = self._tokens(q, prompt, shared_parts(prompt, user, evidence))
+                ids, cuts = self._tokens(q, prompt, shared_parts(prompt, user, evidence) if self.cuts_prefixes else ())
                 prompts.append(Prompt(q.key, [o.key for o in row.shown], ids, self.label_ids[: len(row.shown)],
                                       cuts=cuts))
         self._check_total(prompts)
@@ -1925,6 +1926,7 @@ class TorchEngine(PromptEngine):
     packed into shared forwards, each image request on its own."""
 
     name = "torch"
+    cuts_prefixes = True
 
     def __init__(self, model_id: str, revision: str | None = None, settings: Settings | None = None, *,
                  vision: bool = False, vision_tower: str | None = None, image_layout: str | None = None,
@@ -2039,10 +2041,11 @@ class TorchEngine(PromptEngine):
     def render_images(self, image_request: ImageRequest, request: Request, grids) -> list[Prompt]:
         """Every question of an image request rendered in the engine's image layout, its pads expanded."""
         prompts = []
+        evidence = evidence_json(image_request.marked_state)
         for q in request.questions:
             self._check_options(q)
             for row in q.rows:
-                user = user_message(image_request.marked_state, row, self.labels[: len(row.shown)])
+                user = user_text(evidence, row, self.labels[: len(row.shown)])
                 content, order = _image_content(user, image_request.markers, image_request.images, self.image_layout)
                 ids = self._image_ids(q, wrap(self.renderer, content), [grids[i] for i in order])
                 self._check_length(q, len(ids))
@@ -2073,7 +2076,7 @@ class TorchEngine(PromptEngine):
         cands = [p.cand for job in jobs for p in job.work]
         cuts = [p.cuts for job in jobs for p in job.work]
         rows, done = _forward(self.key, seqs, cands, cuts) if seqs else ([], Prefill(0.0, 0, []))
-        return _split_forwards(self.name, jobs, rows, done.model_ms, done.computed, done.cached)
+        return _split_forwards(self.name, jobs, rows, done)
 
     def _run_image(self, job: Job) -> Forward:
         """One image job: the vision tower once, then each prompt."""
@@ -2116,16 +2119,16 @@ def _run_packed(run: Callable[[list[Job]], list[Forward]], jobs: list[Job]) -> l
         return [_attempt(run, [job]) for job in jobs]
 
 
-def _split_forwards(engine: str, jobs: list[Job], rows: list[tuple[list[float], float]], model_ms: float,
-                    prefill: int, cached: list[int] | None = None) -> list[Forward]:
+def _split_forwards(engine: str, jobs: list[Job], rows: list[tuple[list[float], float]],
+                    done: Prefill) -> list[Forward]:
     """The packed run's (label scores, lse) rows, in prompt order over all jobs, split back into one Forward per
-    job; `cached`: per prompt, the tokens read from prefixes kept by earlier calls (None: not known)."""
+    job, each with what the run did (`done`)."""
     out, k = [], 0
     for job in jobs:
         n = len(job.work)
         out.append(Forward(_readouts(job.work, rows[k:k + n]), sum(len(p.ids) for p in job.work), engine, LIVE,
-                           model_ms=model_ms, prefill_tokens=prefill, batched_requests=len(jobs),
-                           cached_tokens=None if cached is None else sum(cached[k:k + n])))
+                           model_ms=done.model_ms, prefill_tokens=done.computed, batched_requests=len(jobs),
+                           cached_tokens=None if done.cached is None else sum(done.cached[k:k + n])))
         k += n
     return out
 
@@ -2199,15 +2202,17 @@ class VllmEngine(PromptEngine):
         self.max_input_tokens = min(self.max_input_tokens, config.max_model_len - 1)
         self._generate_lock = threading.Lock()  # vllm.LLM serves one generate call at a time
 
-    def read(self, prompts: list[Prompt]) -> tuple[list[tuple[list[float], float]], int]:
-        """Every prompt's (label log-probs, 0.0) from one generate call, and the prompt tokens vLLM computed (its
-        prefix cache served the rest)."""
+    def read(self, prompts: list[Prompt]) -> tuple[list[tuple[list[float], float]], Prefill]:
+        """Every prompt's (label log-probs, 0.0) from one generate call, and what the call did: its time (the wait
+        for an earlier call excluded) and the prompt tokens vLLM computed (its prefix cache served the rest)."""
         requests = [(i, chunk) for i, p in enumerate(prompts) for chunk in label_chunks(p.cand)]
         params = [self.sampling_params(max_tokens=1, temperature=0.0, logprob_token_ids=chunk, detokenize=False)
                   for _, chunk in requests]
         with self._generate_lock:
+            t0 = time.perf_counter()
             outputs = self.llm.generate([{"prompt_token_ids": prompts[i].ids} for i, _ in requests], params,
                                         use_tqdm=False)
+            model_ms = _since_ms(t0)
         if len(outputs) != len(requests):
             raise RuntimeError(f"vLLM answered {len(outputs)} of {len(requests)} prompts")
         scores: list[list[float]] = [[] for _ in prompts]
@@ -2215,13 +2220,12 @@ class VllmEngine(PromptEngine):
         for (i, chunk), output in zip(requests, outputs):
             scores[i] += label_logprobs(output, chunk)
             computed += len(prompts[i].ids) - (getattr(output, "num_cached_tokens", None) or 0)
-        return [(row, 0.0) for row in scores], computed
+        return [(row, 0.0) for row in scores], Prefill(model_ms, computed, None)
 
     def _run_text(self, jobs: list[Job]) -> list[Forward]:
         """Text jobs in one generate call, split back per job."""
-        t0 = time.perf_counter()
-        rows, computed = self.read([p for job in jobs for p in job.work])
-        return _split_forwards(self.name, jobs, rows, _since_ms(t0), computed)
+        rows, done = self.read([p for job in jobs for p in job.work])
+        return _split_forwards(self.name, jobs, rows, done)
 
     def run(self, jobs: list[Job]) -> list[Forward | Exception]:
         """All jobs in one generate call (one at a time if it fails); one Forward or that job's own error per job."""
@@ -2319,8 +2323,10 @@ class PrefixStore:
     def put(self, ids: tuple[int, ...], cache) -> None:
         """Keep a snapshot (never written to again), dropping the least recently used ones to make room; one
         larger than the whole budget is not kept."""
+        if not self.keeps:
+            return
         size = cache_bytes(cache)
-        if not self.keeps or size > self.budget:
+        if size > self.budget:
             return
         with self._lock:
             if ids in self._held:
@@ -2336,6 +2342,8 @@ class PrefixStore:
         """A cache holding exactly `ids`: kept, or encoded from the longest kept one of the shorter cut points
         `points` (each cut point on the way kept too). Returns it with the tokens read from kept snapshots and
         the tokens encoded."""
+        if not self.keeps:  # nothing is kept: encode the prefix for this call alone
+            return _encode(engine, ids), 0, len(ids)
         found = self.get(tuple(ids))
         if found is not None:
             return found, len(ids), 0
@@ -2526,11 +2534,11 @@ def _encode(engine: TorchEngine, ids: list[int], cache=None):
 @dataclass
 class Prefill:
     """What one forward call did besides its readouts: model ms, tokens it computed, and per prompt the tokens it
-    read from prefixes kept by earlier calls."""
+    read from prefixes kept by earlier calls (None: not known)."""
 
     model_ms: float
     computed: int
-    cached: list[int]
+    cached: list[int] | None
 
 
 # Prefill rate assumed when reserving ZeroGPU time: far below what a 4B model reaches on one GPU, so a call is not
@@ -2584,7 +2592,7 @@ def _forward(key: int, seqs: list[list[int]], cands: list[list[int]],
                 computed += sum(map(len, group))
             for i, row in zip(rows, part):
                 out[i], cached[i] = row, read
-    return out, Prefill(round((time.perf_counter() - t0) * 1000, 1), computed, cached)
+    return out, Prefill(_since_ms(t0), computed, cached)
 
 
 def _stamp(device, sync: bool) -> float:
@@ -4216,8 +4224,7 @@ def decide_outcomes(served: Deployment, asks: list[tuple], temperature: float | 
 def chunk_records(rows: list[Row], outcomes: list[dict]) -> list[dict]:
     """OUT's records for a chunk, in row order: each readable row's outcome, each unreadable row's refusal."""
     answered = iter(outcomes)
-    return [{"id": r.id, **(next(answered) if r.error is None else {"error": str(r.error), "loc": r.error.loc})}
-            for r in rows]
+    return [{"id": r.id, **(next(answered) if r.error is None else outcome(r.error))} for r in rows]
 
 
 def jsonl_line(record: dict) -> bytes:

@@ -40,6 +40,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import blink  # noqa: E402
+import saved  # noqa: E402
 
 SUMMARY = re.compile(r"batch: (\d+) rows, (\d+) errors in ([\d.]+) s \(([\d.]+) rows/s\)"
                      r"(?:; first rows after ([\d.]+) s)?")
@@ -51,10 +52,10 @@ PROBLEMS = ["was charged twice for the March invoice", "cannot log in since the 
             "wants a refund for an unused seat", "gets error 500 when exporting a report"]
 
 
-def write_rows(path: str, n: int, start: int = 0) -> None:
-    """n support tickets (from number `start`) with one four-way routing question each, one JSON line a row."""
+def write_rows(path: str, n: int) -> None:
+    """n support tickets with one four-way routing question each, one JSON line a row."""
     with open(path, "w", encoding="utf-8") as fh:
-        for i in range(start, start + n):
+        for i in range(n):
             state = f"Ticket #{i}: the customer {PROBLEMS[i % len(PROBLEMS)]} (plan {('free', 'pro', 'team')[i % 3]})."
             fh.write(json.dumps({"id": f"t{i}", "state": state, "questions": QUESTIONS}) + "\n")
 
@@ -177,10 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "speedup_ray_over_batch_steady": ratio(by["ray"]["steady_rows_per_s"], by["batch"]["steady_rows_per_s"]),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
-        fh.write("\n")
+    saved.write_json(args.out, result)
     print(f"{result['model']} on {result['hardware']}; {args.rows} rows ({result['loop_rows']} for the loop), "
           f"{chunk} rows per decide_many call, {result['threads_per_engine']} thread(s) per engine")
     print(f"{'arm':<13} {'rows':>6} {'wall s':>8} {'answer s':>9} {'rows/s':>8} {'first rows s':>12} "

@@ -14,7 +14,6 @@ bench/results/budget.json; the last line printed is a summary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import blink  # noqa: E402
+import saved  # noqa: E402
 import workloads  # noqa: E402
 
 CONFIGS = {"full": {"doc": 300, "questions": 16, "short_requests": 64, "kept_doc": 1000, "reps": 3},
@@ -79,14 +79,10 @@ def main(argv: list[str] | None = None) -> int:
              "total_cpu_s": round(sum(c for _, c in runs[1:]), 3)} for (name, value), runs in times.items()]
     for r in rows:
         print(f"{r['workload']:>50} {r['setting']} {r['value']:>6}: CPU {r['total_cpu_s']:.2f} s, wall {r['wall_s']}")
-    res = {"command": " ".join(["python bench/budget.py", *(sys.argv[1:] if argv is None else argv)]),
+    res = {"command": saved.command("budget.py", argv),
            "hardware": blink.hardware(), "threads": args.threads, "rows": rows,
            "duration_s": round(time.perf_counter() - started, 1)}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"budget{'-quick' if args.quick else ''}.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(res, fh, indent=1)
-        fh.write("\n")
+    path = saved.write_json(os.path.join(args.out, f"budget{'-quick' if args.quick else ''}.json"), res)
     ratios = []
     for name, (field, *_) in work.items():
         small, large = (next(r["total_cpu_s"] for r in rows if r["workload"] == name and r["value"] == v)

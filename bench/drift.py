@@ -14,7 +14,6 @@ bench/results/drift.json; the last line printed is a summary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -30,6 +29,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import torch  # noqa: E402
 
 import blink  # noqa: E402
+import saved  # noqa: E402
 import workloads  # noqa: E402
 
 CONFIGS = {"full": {"standin": [2000, 7000], "tiny": [18000], "questions": 4},
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows += measure("qwen3.5-tiny", tiny_qwen(os.path.join(tmp, "tiny"), max(cfg["tiny"]) + 2048), cfg["tiny"],
                         cfg["questions"])
-    res = {"mode": mode, "command": " ".join(["python bench/drift.py", *(sys.argv[1:] if argv is None else argv)]),
+    res = {"mode": mode, "command": saved.command("drift.py", argv),
            "hardware": blink.hardware(), "torch": torch.__version__, "threads": args.threads, "rows": rows,
            "duration_s": round(time.perf_counter() - started, 1),
            "notes": ["Reference: the plain path in float32. Probabilities are each question's softmax over its labels "
@@ -137,11 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                      "again, its evidence read from the kept prefix.",
                      "Measured on a CPU (no GPU here): CUDA's bfloat16 kernels round differently, so rerun this on "
                      "the GPU a deployment uses before relying on the figures there."]}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"drift{'-quick' if args.quick else ''}.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(res, fh, indent=1)
-        fh.write("\n")
+    path = saved.write_json(os.path.join(args.out, f"drift{'-quick' if args.quick else ''}.json"), res)
     print(summary_line(res, path))
     return 0
 

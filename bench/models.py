@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import blink  # noqa: E402
+import saved  # noqa: E402
 
 CLEARCUT = os.path.join(HERE, "data", "clearcut.jsonl")
 INCIDENT = os.path.join(HERE, "data", "incident.jsonl")
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     document = labelled(INCIDENT, settings)[0]
     short = next(item for item in items if item[0].questions[0].type == "noul")
     started = time.perf_counter()
-    res = {"command": " ".join(["python bench/models.py", *(sys.argv[1:] if argv is None else argv)]),
+    res = {"command": saved.command("models.py", argv),
            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "hardware": blink.hardware(), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "threads": torch.get_num_threads(),

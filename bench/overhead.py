@@ -13,7 +13,6 @@ Writes bench/results/overhead.json; the last line printed is a summary.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import blink  # noqa: E402
+import saved  # noqa: E402
 
 STATE = "Order 4417: I was charged twice for the same order and want my money back."
 QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
@@ -130,14 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     profiled = forward_profile(blink.Deployment.serving(engine), reps, d["forward_ms"], d["computed_tokens"])
     print(f"   profile: {profiled}", flush=True)
     peer_tokens = pipeline_prompt_tokens(engine)
-    res = {"command": " ".join(["python bench/overhead.py", *(sys.argv[1:] if argv is None else argv)]),
+    res = {"command": saved.command("overhead.py", argv),
            "hardware": blink.hardware(), "threads": args.threads, "repetitions": reps, "rows": rows,
            "forward_profile": profiled, "pipeline_prompt_tokens": peer_tokens}
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"overhead{'-quick' if args.quick else ''}.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(res, fh, indent=1)
-        fh.write("\n")
+    path = saved.write_json(os.path.join(args.out, f"overhead{'-quick' if args.quick else ''}.json"), res)
     outside = d["parse_ms"] + d["render_tokenize_ms"] + d["answer_meta_ms"]
     print(f"blink overhead ({res['hardware']}, {args.threads} thread(s)): one short question, decide "
           f"{d['decide_ms']:.1f} ms CPU at the defaults ({d['computed_tokens']} of {d['prompt_tokens']} tokens "

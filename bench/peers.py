@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -130,8 +128,10 @@ def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
         pipe(system_one("warm-up", {"w": {"type": "noul"}}))
     times: dict = {case: {arm: [] for arm in ("blink", *pipes)} for case in CASES}
     answers: dict = {}
+    first: dict = {}  # the first repetition's requests, checked against the unbatched path below
     for rep in range(cfg["reps"]):
         requests = case_requests(engine, cfg, rep)
+        first = first or requests
         for case in CASES:  # "again" follows "document": its document is the one blink has just seen
             state, questions = requests[case]
             for name, pipe in pipes.items():
@@ -143,7 +143,7 @@ def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
             answers[(rep, case, "blink")] = out
     rows = {}
     for case in CASES:
-        state, questions = case_requests(engine, cfg, 0)[case]
+        state, questions = first[case]
         meta = answers[(0, case, "blink")]["meta"]
         row = {"questions": len(questions), "prompt_tokens": meta["input_tokens"],
                "prefill_tokens": meta["prefill_tokens"], "cached_tokens": meta["cached_tokens"], "arms": {}}
@@ -187,13 +187,6 @@ def against_unbatched(engine: blink.TorchEngine, state, questions: dict, got: di
 # ---------------------------------------------------------------------------------------------------------------
 # Over HTTP: transformers serve /v1/systemone against blink's /v1/systemone
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child_env(threads: int) -> dict:
@@ -254,18 +247,9 @@ def transformers_serve_cmd(folder: str, port: int, config_json: str | None) -> l
 
 
 def serve_config(export_dir: str) -> str:
-    """transformers serve reads --decision-config as JSON only: decision.json with the template embedded (the
-    export's decision_serve.json where it wrote one)."""
-    if os.path.exists(os.path.join(export_dir, "decision_serve.json")):
-        return os.path.join(export_dir, "decision_serve.json")
-    with open(os.path.join(export_dir, "decision.json"), encoding="utf-8") as fh:
-        config = json.load(fh)
-    with open(os.path.join(export_dir, "decision_template.jinja"), encoding="utf-8") as fh:
-        config["chat_template"] = fh.read()
-    path = os.path.join(export_dir, "decision_serve.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(config, fh, ensure_ascii=False)
-    return path
+    """transformers serve reads --decision-config as JSON only: the export's decision_serve.json (decision.json with
+    the template embedded), which `python blink.py export` always writes."""
+    return os.path.join(export_dir, "decision_serve.json")
 
 
 def http_requests(engine: blink.TorchEngine, n: int, doc_tokens: int) -> list[dict]:
@@ -303,7 +287,7 @@ def http_rows(engine: blink.TorchEngine, cfg: dict, threads: int, export_dir: st
     """Both servers up side by side (idle while the other is measured), each concurrency level measured on one then
     the other; a server that cannot run here is one row saying why."""
     requests = http_requests(engine, cfg["requests"], cfg["doc"])
-    t_port, b_port = free_port(), free_port()
+    t_port, b_port = throughput.free_port(), throughput.free_port()
     t_cmd = transformers_serve_cmd(engine.source, t_port, serve_config(export_dir) if export_dir else None)
     b_cmd = [sys.executable, os.path.join(ROOT, "app.py")]
     rows: list[dict] = []

@@ -18,7 +18,6 @@ a summary.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -37,6 +36,7 @@ import arms  # noqa: E402
 import blink  # noqa: E402
 import limits  # noqa: E402
 import peers  # noqa: E402
+import saved  # noqa: E402
 import throughput  # noqa: E402
 import workloads  # noqa: E402
 
@@ -445,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(default: blink's own default)")
     args = ap.parse_args(argv)
     mode = "quick" if args.quick else "decision" if args.decision else "full"
-    cfg = CONFIGS["quick" if args.quick else "full"]
+    size = "quick" if args.quick else "full"  # the workloads' size (--decision runs the full-size cases)
+    cfg = CONFIGS[size]
     started = time.perf_counter()
 
     # blink at its defaults: no BLINK_* variable is read (the hardware is); the two flags change them for every arm
@@ -460,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}: {bench.params / 1e6:.1f}M parameters, {engine.model.dtype}, {device}, "
           f"{threads['threads']} thread(s) ({threads['how']}), matmul {matmul_start / 1e9:.1f} GFLOP/s", flush=True)
 
-    decision, http, peers_skipped = decision_part(engine, "quick" if args.quick else "full", threads["threads"])
+    decision, http, peers_skipped = decision_part(engine, size, threads["threads"])
     cells = []
     if mode != "decision":
         warm_up(engine)
@@ -486,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     res = {
-        "mode": mode, "command": " ".join(["python bench/run.py", *(sys.argv[1:] if argv is None else argv)]),
+        "mode": mode, "command": saved.command("run.py", argv),
         "model": args.model, "parameters": bench.params, "body_parameters": bench.body_params,
         "dtype": str(engine.model.dtype).replace("torch.", ""), "device": str(device), "hardware": blink.hardware(),
         "python": platform.python_version(), "torch": torch.__version__,
@@ -496,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"token_budget": settings.token_budget, "prefix_cache": settings.prefix_cache,
                      "prefix_cache_mb": settings.prefix_cache_mb, "prefix_min_tokens": settings.prefix_min_tokens,
                      "prefix_kv_tokens": settings.prefix_kv_tokens, "readout": settings.readout, **cfg,
-                     "decision": DECISION["quick" if args.quick else "full"], "http": HTTP},
+                     "decision": DECISION[size], "http": HTTP},
         "decision": decision, "http": http, "peers_skipped": peers_skipped,
         "cells": cells, "throughput": rows,
         "targets": decision_targets(decision, mode) + (targets(cells) if cells else []),
@@ -504,12 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": round(time.perf_counter() - started, 1),
         "notes": NOTES,
     }
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name or mode)
-    with open(stem + ".json.tmp", "w", encoding="utf-8") as fh:
-        json.dump(res, fh, indent=1)
-        fh.write("\n")
-    os.replace(stem + ".json.tmp", stem + ".json")
+    saved.write_json(stem + ".json", res)
     if cells:
         try:
             import plot

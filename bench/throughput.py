@@ -108,7 +108,7 @@ def serial_run(engine: blink.TorchEngine, requests: list, clients: int, per_clie
             "p99_ms": round(1000 * percentile(latencies, 99), 1), "mean_batched_requests": 1.0}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A free TCP port on the loopback interface."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,7 +138,7 @@ def app_runs(engine: blink.TorchEngine, requests: list, windows_ms: list[float],
             # this launch's deployment: the loaded engine as the only model, its Batcher with this window
             app.DEPLOYMENT = serving(engine, window, engine.settings.batch_max_requests,
                                      engine.settings.batch_max_queued)
-            port = _free_port()
+            port = free_port()
             app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
             try:
                 url = f"http://127.0.0.1:{port}/"

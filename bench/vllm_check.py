@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 import blink  # noqa: E402
+import saved  # noqa: E402
 import systemone_requests  # noqa: E402
 
 TOLERANCE = 0.05  # |dp| between the two bfloat16 engines (see the module docstring)
@@ -152,12 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": args.model, "hardware": blink.hardware(), "torch": torch.__version__,
               "vllm": vllm.__version__, "dtype": "bfloat16", "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                         time.gmtime()),
-              "command": "python bench/vllm_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": saved.command("vllm_check.py", argv),
               "parity": parity, "serving": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, indent=1)
-        fh.write("\n")
+    saved.write_json(args.out, result)
     print(f"parity on {parity['questions']} questions: max |d logprob| {parity['max_abs_logprob_gap']:.4f}, "
           f"max |dp| {parity['max_abs_probability_gap']:.4f} (bound {TOLERANCE}), "
           f"{len(parity['answers_differ'])} answers differ, {parity['near_ties_flipped']} near ties flipped")

@@ -9,19 +9,18 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
+from conftest import ROOT, free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blink
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTIONS = {"team": {"type": "choice", "instructions": "Which team should handle this ticket?",
                       "criteria": ["billing", "technical", "account"]},
              "urgent": {"type": "noul", "instructions": "Is the customer blocked right now?"}}
@@ -399,13 +398,6 @@ def test_ctrl_c_keeps_whole_chunks_and_the_same_command_resumes(standin_run, sta
     assert all(r["meta"]["engine"] == "torch" and r["meta"]["batched_requests"] > 1 for r in recs if "meta" in r)
 
 
-def _free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster for this module (`ray start --head --block`), reached at 127.0.0.1 with a token of its
@@ -414,7 +406,7 @@ def ray_cluster():
     pytest.importorskip("ray")
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     temp = tempfile.mkdtemp(prefix="blink-ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 characters
-    port = _free_port()
+    port = free_port()
     join = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0"}
     env = {**os.environ, **join, "RAY_memory_monitor_refresh_ms": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     log = open(os.path.join(temp, "start.log"), "w")

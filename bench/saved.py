@@ -1,0 +1,22 @@
+"""What every bench script keeps of a run: the command line that ran it, and its results as a JSON file."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def command(script: str, argv: list[str] | None) -> str:
+    """The command line as typed: `python bench/SCRIPT ARGS` (the process's own arguments when argv is None)."""
+    return " ".join([f"python bench/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_json(path: str, res: dict) -> str:
+    """res as indented JSON at `path` (its folder made; the file replaced whole, never left half-written)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(res, fh, indent=1)
+        fh.write("\n")
+    os.replace(path + ".tmp", path)
+    return path
