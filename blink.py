@@ -50,6 +50,7 @@ import collections
 import concurrent.futures
 import contextvars
 import copy
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -65,6 +66,7 @@ import string
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Iterator
@@ -125,6 +127,7 @@ LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the
 ENGINE_KINDS = ("torch", "replay", "hybrid", "mock")
 BACKENDS = ("torch", "vllm")  # what runs a live model: transformers in this process, or a vLLM engine
 READOUTS = ("rows", "batched")
+CPU_MATMULS = ("auto", "onednn", "torch")  # what runs a float32 model's linear layers on a CPU
 IMAGE_LAYOUTS = ("inline", "first")
 DTYPES = ("bfloat16", "float16", "float32")
 # Where shared prefixes are on by default. float32: the prefix path equals the plain one within float rounding.
@@ -279,6 +282,7 @@ class Settings:
     # held at once: bounds how many tails run against one prefix per forward
     prefix_cache_mb: int | None = setting("BLINK_PREFIX_CACHE_MB", None, 0, kind=int)  # prefixes kept across requests
     readout: str = setting("BLINK_READOUT", "rows", choices=READOUTS)  # per-question GEMVs, or one matmul
+    cpu_matmul: str = setting("BLINK_CPU_MATMUL", "auto", choices=CPU_MATMULS)  # auto: the faster one, measured
     gpu_duration: int = setting("BLINK_GPU_DURATION", 60, 1)  # the most seconds one ZeroGPU call reserves
     vision: bool = setting("BLINK_VISION", False)  # the model has its own vision tower
     vision_tower: str | None = setting("BLINK_VISION_TOWER", None)  # "repo@revision" of blink-4b's base, to graft
@@ -1655,6 +1659,66 @@ def load_pretrained(auto_class, source: str, revision: str | None, settings: Set
     return auto_class.from_pretrained(source, device_map="cuda" if settings.gpu else "cpu", **load)
 
 
+# Linear layers of a float32 model on a CPU. torch's default float32 product (MKL) chooses its code by CPU vendor and
+# runs AVX2 code on AMD CPUs; oneDNN, which torch also ships, chooses by instruction set, and on an AVX-512 AMD CPU
+# runs a prefill's products about twice as fast (bench/overhead.py). Which one is faster elsewhere is measured at load.
+ONEDNN_MIN_ROWS = 4  # fewer rows is a matrix-vector product, where the default kernel is as fast or faster
+ONEDNN_MIN_GAIN = 1.1  # "auto" takes oneDNN only when it measured at least this much faster
+
+
+def _onednn_forward(self, x):
+    """nn.Linear.forward with products of ONEDNN_MIN_ROWS rows or more run by oneDNN (same weights, no copy)."""
+    import torch
+
+    if x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1]:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+    return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+def _best_s(fn: Callable[[], object], reps: int = 3) -> float:
+    """The least wall time of `reps` calls after one warm-up call, in seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.cache
+def onednn_faster(in_features: int, out_features: int) -> bool:
+    """Whether oneDNN runs a 64-row product through a float32 linear layer of this shape ONEDNN_MIN_GAIN times
+    faster than torch's default kernel on this CPU. Measured once per shape and process, so every engine of a model
+    in one process runs the same kernels."""
+    import torch
+
+    x, weight = torch.randn(64, in_features), torch.randn(out_features, in_features)
+    with torch.inference_mode():
+        default_s = _best_s(lambda: torch.nn.functional.linear(x, weight))
+        onednn_s = _best_s(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
+    return default_s >= ONEDNN_MIN_GAIN * onednn_s
+
+
+def cpu_matmul(model, choice: str) -> str:
+    """Run the model's linear layers by oneDNN where `choice` (BLINK_CPU_MATMUL) says so or, under "auto", where it
+    measured faster on the model's widest layer; only for a float32 model on a CPU with oneDNN in torch. Returns
+    what runs them: "onednn" or "torch"."""
+    import torch
+
+    weight = model.get_input_embeddings().weight
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if (choice == "torch" or not linears or weight.device.type != "cpu" or weight.dtype != torch.float32
+            or not torch.backends.mkldnn.is_available()):
+        return "torch"
+    widest = max(linears, key=lambda m: m.weight.numel())
+    if choice == "auto" and not onednn_faster(widest.in_features, widest.out_features):
+        return "torch"
+    for layer in linears:
+        layer.forward = types.MethodType(_onednn_forward, layer)
+    return "onednn"
+
+
 def verify_labels(tokenizer, user="x", renderer=None) -> tuple[list[str], list[int]]:
     """Labels that are one token right after the assistant boundary and decode back to themselves. `renderer`
     (default: the tokenizer) renders the probe conversation; `user` is its user content."""
@@ -1941,7 +2005,8 @@ class TorchEngine(PromptEngine):
             from transformers import AutoModelForCausalLM
 
             self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
-        self.model.eval()
+        self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
+        self.matmul = cpu_matmul(self.model, self.settings.cpu_matmul)
         self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)

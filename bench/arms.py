@@ -85,6 +85,23 @@ def _pick(keys: list[str], scores: list[float]) -> str:
     return keys[max(range(len(keys)), key=lambda i: (scores[i], -i))]
 
 
+_USER_MODELS: dict[int, torch.nn.Module] = {}
+
+
+def user_model(engine: blink.TorchEngine) -> torch.nn.Module:
+    """The engine's model as a user of the peers loads it (from_pretrained, torch's own kernels): the engine's own
+    model where blink runs it with torch's kernels too, else a second copy of the same weights, loaded once. blink's
+    choice of oneDNN for a CPU's linear layers (BLINK_CPU_MATMUL) is blink's, not the peers'."""
+    if engine.matmul == "torch":
+        return engine.model
+    if engine.key not in _USER_MODELS:
+        from transformers import AutoModelForCausalLM
+
+        _USER_MODELS[engine.key] = blink.load_pretrained(AutoModelForCausalLM, engine.source, engine.revision,
+                                                         engine.settings).eval()
+    return _USER_MODELS[engine.key]
+
+
 def prompt_text(engine: blink.TorchEngine, state, qkey: str, q: dict) -> tuple[str, list[str]]:
     """The exact prompt blink renders for one question (its single prompt: no permute or multi), and its option
     keys in shown order."""
@@ -147,7 +164,7 @@ def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: boo
 
 def unbatched_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
     """model(ids).logits[0, -1] at the label ids: the loop a user writes by hand, one question at a time."""
-    model, tok, device = engine.model, engine.tok, engine.model.lm_head.weight.device
+    model, tok, device = user_model(engine), engine.tok, engine.model.lm_head.weight.device
     with PeakMemory(device) as mem, torch.no_grad():
         t0, c0 = time.perf_counter(), time.process_time()
         text, keys = prompt_text(engine, state, qkey, q)
@@ -180,7 +197,7 @@ def per_option_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
     per option, full-vocabulary log-softmax, the continuation tokens' log-probs summed (lm-eval `acc`), also
     divided by the continuation's characters (lm-eval `acc_norm`) and averaged per token (SGLang `select`'s
     default, token_length_normalized)."""
-    model, tok, device = engine.model, engine.tok, engine.model.lm_head.weight.device
+    model, tok, device = user_model(engine), engine.tok, engine.model.lm_head.weight.device
     (row,) = blink.parse_question(qkey, q).rows
     keys = [o.key for o in row.shown]
     sums, norms, means, spans = [], [], [], []
@@ -221,7 +238,7 @@ def parse_label(text: str, labels: list[str]) -> str | None:
 
 def generate_one(engine: blink.TorchEngine, state, qkey: str, q: dict, max_new_tokens: int = 4) -> Run:
     """model.generate (greedy, a few new tokens), then read the letter out of the text."""
-    model, tok, device = engine.model, engine.tok, engine.model.lm_head.weight.device
+    model, tok, device = user_model(engine), engine.tok, engine.model.lm_head.weight.device
     with PeakMemory(device) as mem, torch.no_grad():
         t0, c0 = time.perf_counter(), time.process_time()
         text, keys = prompt_text(engine, state, qkey, q)

@@ -1,5 +1,6 @@
 """Where the time of one short question goes: parsing, rendering and tokenizing, the forward (and within it the
-model), answer assembly and meta; at blink's defaults and with shared prefixes off (the earlier default).
+model), answer assembly and meta; at blink's defaults, with shared prefixes off (the earlier default) and with the
+linear layers run by torch's own kernels (BLINK_CPU_MATMUL=torch) where the defaults chose oneDNN.
 
     python bench/overhead.py          # 30 repetitions of each step, one thread
     python bench/overhead.py --quick  # 5 repetitions
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import torch  # noqa: E402
 
 import blink  # noqa: E402
+import limits  # noqa: E402
 import saved  # noqa: E402
 
 STATE = "Order 4417: I was charged twice for the same order and want my money back."
@@ -53,13 +55,13 @@ def steps(dep: blink.Deployment, reps: int) -> dict:
             "computed_tokens": out["meta"]["prefill_tokens"], "cached_tokens": out["meta"]["cached_tokens"]}
 
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")  # torch's kernels, oneDNN's
 
 
 def forward_profile(dep: blink.Deployment, reps: int, forward_ms: float, computed: int) -> dict:
     """The defaults' forward of the short question under torch's profiler: matrix products' share of its CPU time,
     and the rate they ran at (2 x non-embedding parameters per computed token over that share of the unprofiled
-    forward_ms), beside one large product (2,048 rows through the model's MLP width) on this machine."""
+    forward_ms), beside one large product (2,048 x 2,048 x 2,048, the faster kernel) on this machine."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = dep.engine()
@@ -73,17 +75,9 @@ def forward_profile(dep: blink.Deployment, reps: int, forward_ms: float, compute
     share = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / total_us
     model = engine.model
     body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
-    config = model.config.get_text_config()
-    hidden, width = config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)
-    a, w = torch.randn(2048, hidden), torch.randn(width, hidden)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.process_time()
-        torch.nn.functional.linear(a, w)
-        best = min(best, time.process_time() - t0)
     return {"matmul_share": round(share, 3),
             "matmul_gflops": round(2 * body * computed / (share * forward_ms / 1000) / 1e9, 1),
-            "large_product_gflops": round(2 * 2048 * hidden * width / best / 1e9, 1),
+            "large_product_gflops": round(limits.matmul_flops(model.device) / 1e9, 1),
             "top_ops": [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1000 / reps, 2)}
                         for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]]}
 
@@ -99,7 +93,7 @@ def pipeline_prompt_tokens(engine: blink.TorchEngine) -> int | None:
     except (KeyError, ValueError, ImportError):
         return None
     seen: list[int] = []
-    hook = engine.model.register_forward_pre_hook(
+    hook = pipe.model.register_forward_pre_hook(
         lambda _m, args, kwargs: seen.append((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[-1]),
         with_kwargs=True)
     try:
@@ -120,11 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     reps = 5 if args.quick else 30
     defaults = blink.Settings.from_env({})
     engine = blink.TorchEngine(blink.STANDIN_MODEL, settings=defaults)
+    plain = blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(defaults, cpu_matmul="torch"))
     rows = {}
-    for name, settings in (("defaults", defaults), ("prefix off", replace(defaults, prefix_cache=False))):
-        engine.settings = settings
-        rows[name] = steps(blink.Deployment.serving(engine), reps)
-        print(f"{name:>10}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()), flush=True)
+    for name, eng, settings in (("defaults", engine, defaults),
+                                ("prefix off", engine, replace(defaults, prefix_cache=False)),
+                                ("torch kernels", plain, plain.settings)):
+        eng.settings = settings
+        rows[name] = {"linear_layers": eng.matmul, **steps(blink.Deployment.serving(eng), reps)}
+        print(f"{name:>13}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()), flush=True)
     engine.settings = defaults
     d = rows["defaults"]
     profiled = forward_profile(blink.Deployment.serving(engine), reps, d["forward_ms"], d["computed_tokens"])
@@ -138,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"blink overhead ({res['hardware']}, {args.threads} thread(s)): one short question, decide "
           f"{d['decide_ms']:.1f} ms CPU at the defaults ({d['computed_tokens']} of {d['prompt_tokens']} tokens "
           f"computed; pipeline('decision') runs {peer_tokens} with its own prompt) against "
-          f"{rows['prefix off']['decide_ms']:.1f} ms with shared prefixes off; outside the forward "
+          f"{rows['prefix off']['decide_ms']:.1f} ms with shared prefixes off; linear layers by {d['linear_layers']} "
+          f"(BLINK_CPU_MATMUL=auto), {rows['torch kernels']['decide_ms']:.1f} ms by torch's own; outside the forward "
           f"{outside:.2f} ms (parse {d['parse_ms']}, render and tokenize {d['render_tokenize_ms']}, answer and meta "
           f"{d['answer_meta_ms']}); matrix products {profiled['matmul_share']:.0%} of the forward at "
           f"{profiled['matmul_gflops']:.0f} GFLOP/s against {profiled['large_product_gflops']:.0f} for one large "

@@ -66,14 +66,16 @@ def pick(answer: dict) -> str:
 
 
 def decision_pipeline(engine: blink.TorchEngine, config=None):
-    """transformers' decision pipeline on the engine's own weights, with a tokenizer of its own (the pipeline adds
-    its mark/split tokens to the tokenizer it is given, which would change how blink tokenizes those strings).
+    """transformers' decision pipeline on the engine's weights as a user loads them (arms.user_model), with a
+    tokenizer of its own (the pipeline adds its mark/split tokens to the tokenizer it is given, which would change
+    how blink tokenizes those strings).
     config: a DecisionConfig or its folder (decision.json + decision_template.jinja); None: its built-in prompt."""
     from transformers import AutoTokenizer, pipeline
 
     tok = AutoTokenizer.from_pretrained(engine.source)
     kwargs = {"decision_config": config} if config else {}
-    return pipeline("decision", model=engine.model, tokenizer=tok, device=engine.model.device, **kwargs)
+    model = arms.user_model(engine)
+    return pipeline("decision", model=model, tokenizer=tok, device=model.device, **kwargs)
 
 
 def export_config(model: str, folder: str) -> str | None:

@@ -118,10 +118,11 @@ OVERHEAD_STEPS = {"parse_ms": "parse", "render_tokenize_ms": "render + tokenize"
 
 def overhead_table(res: dict) -> list[str]:
     """bench/overhead.py: CPU ms of each step of one short question, per configuration."""
-    lines = ["| configuration | " + " | ".join(f"{v} (ms)" for v in OVERHEAD_STEPS.values())
-             + " | prompt tokens | computed | from the cache |", "|---|" + "---|" * (len(OVERHEAD_STEPS) + 3)]
+    lines = ["| configuration | linear layers | " + " | ".join(f"{v} (ms)" for v in OVERHEAD_STEPS.values())
+             + " | prompt tokens | computed | from the cache |", "|---|---|" + "---|" * (len(OVERHEAD_STEPS) + 3)]
     for name, r in res["rows"].items():
-        lines.append(f"| {name} | " + " | ".join(f"{r[k]:.2f}" for k in OVERHEAD_STEPS)
+        lines.append(f"| {name} | {r.get('linear_layers', 'torch')} | "
+                     + " | ".join(f"{r[k]:.2f}" for k in OVERHEAD_STEPS)
                      + f" | {r['prompt_tokens']} | {r['computed_tokens']} | {r['cached_tokens']} |")
     return lines
 
@@ -135,7 +136,8 @@ def report(res: dict) -> str:
     head = (f"Measured {res['started_at']} by `{res['command']}` in {res['duration_s'] / 60:.1f} min: {res['model']} "
             f"({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), {res['hardware']}, "
             f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "
-            f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run).")
+            f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run), blink's "
+            f"linear layers by {res['settings'].get('linear_layers', 'torch')}.")
     parts = [head, "", *targets_list(res), "", "Against transformers' pipeline(\"decision\"), time per request "
              "(mean of the repetitions; ratios > 1: blink faster):", "", *decision_table(res), "",
              "Over HTTP (`/v1/systemone`):", "", *http_table(res)]

@@ -459,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     matmul_start = limits.matmul_flops(device)
     bench = Bench(engine, cfg)
     print(f"model {args.model}: {bench.params / 1e6:.1f}M parameters, {engine.model.dtype}, {device}, "
-          f"{threads['threads']} thread(s) ({threads['how']}), matmul {matmul_start / 1e9:.1f} GFLOP/s", flush=True)
+          f"{threads['threads']} thread(s) ({threads['how']}), matmul {matmul_start / 1e9:.1f} GFLOP/s, blink's linear "
+          f"layers by {engine.matmul}", flush=True)
 
     decision, http, peers_skipped = decision_part(engine, size, threads["threads"])
     cells = []
@@ -496,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_gflops_start_end": [round(matmul_start / 1e9, 2), round(matmul_end / 1e9, 2)],
         "settings": {"token_budget": settings.token_budget, "prefix_cache": settings.prefix_cache,
                      "prefix_cache_mb": settings.prefix_cache_mb, "prefix_min_tokens": settings.prefix_min_tokens,
-                     "prefix_kv_tokens": settings.prefix_kv_tokens, "readout": settings.readout, **cfg,
+                     "prefix_kv_tokens": settings.prefix_kv_tokens, "readout": settings.readout,
+                     "linear_layers": engine.matmul, **cfg,
                      "decision": DECISION[size], "http": HTTP},
         "decision": decision, "http": http, "peers_skipped": peers_skipped,
         "cells": cells, "throughput": rows,
@@ -519,7 +521,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 NOTES = [
-    "Every arm runs on the same loaded model and the same rendered prompts (blink's template), in one process.",
+    "Every arm runs the same weights on the same rendered prompts (blink's template), in one process. The peers "
+    "run the model as from_pretrained loads it (torch's own kernels); where blink runs a CPU's linear layers by "
+    "oneDNN (BLINK_CPU_MATMUL=auto measured it faster, settings.linear_layers), they get their own copy of it.",
     "Cells whose arm says extrapolated=true ran only measured_questions of the request's questions; wall_s and "
     "prefill_tokens are scaled to the whole request (the peers answer each question independently, so their cost "
     "is linear in the question count; blink plain runs whole batches of the subsample).",

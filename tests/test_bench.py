@@ -111,14 +111,17 @@ def test_system_one_form_is_what_transformers_accepts():
 
 
 def test_decision_cases_time_both_sides_and_check_blink_against_unbatched(tiny_qwen):
-    # The pipeline arm runs on blink's own weights with a tokenizer of its own, one forward per question; blink at
-    # its defaults reads the document kept from the first case in the second.
+    # The pipeline arm runs on blink's weights as from_pretrained loads them (torch's own kernels) with a tokenizer
+    # of its own, one forward per question; blink at its defaults reads the document kept from the first case in
+    # the second.
     from transformers.decision import DecisionConfig
 
     pipe = peers.decision_pipeline(tiny_qwen, DecisionConfig(labels={"noul": ["A", "B"]}))  # Yes/No: not one token
-    assert pipe.model is tiny_qwen.model and pipe.tokenizer is not tiny_qwen.tok
+    assert pipe.model is arms.user_model(tiny_qwen) and pipe.tokenizer is not tiny_qwen.tok
+    assert not any("forward" in vars(m) for m in pipe.model.modules())  # no layer runs blink's oneDNN forward
+    assert torch.equal(pipe.model.lm_head.weight, tiny_qwen.model.lm_head.weight)
     forwards = []
-    handle = tiny_qwen.model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    handle = pipe.model.register_forward_pre_hook(lambda *a: forwards.append(1))
     try:
         pipe(peers.system_one("a log", workloads.questions(3, 4, 1)))
     finally:

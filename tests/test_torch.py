@@ -81,6 +81,50 @@ def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir):
         assert max(range(len(ref)), key=ref.__getitem__) == max(range(len(ref)), key=row.__getitem__)
 
 
+def test_cpu_matmul_onednn_answers_as_torch_kernels_do(tiny_qwen_dir):
+    # BLINK_CPU_MATMUL=onednn runs every linear layer of 4 rows or more through oneDNN, the same weights in place;
+    # the answers equal torch's own kernels within float32 rounding, on the stand-in and on Qwen3.5's linear attention.
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    for source, questions in ((blink.STANDIN_MODEL, QUESTIONS), (tiny_qwen_dir, SMALL)):
+        own = blink.TorchEngine(source, settings=blink.Settings(cpu_matmul="torch"))
+        onednn = blink.TorchEngine(source, settings=blink.Settings(cpu_matmul="onednn"))
+        assert (own.matmul, onednn.matmul) == ("torch", "onednn")
+        linears = [m for m in onednn.model.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(m.forward.__func__ is blink._onednn_forward for m in linears)
+        assert not any("forward" in vars(m) for m in own.model.modules())
+        a, b = own.forward(req(DOC, questions)).readouts, onednn.forward(req(DOC, questions)).readouts
+        gap = max(abs(x - y) for q in questions for x, y in zip(a[q].logits[0], b[q].logits[0]))
+        assert 0 < gap < 1e-3  # a different kernel (not the same one twice), the same answers
+        assert max_gap(onednn, DOC, SMALL) < 1e-4  # packed equals each prompt alone under oneDNN too
+
+
+def test_onednn_forward_takes_only_products_of_enough_rows():
+    # Under ONEDNN_MIN_ROWS rows the product is a matrix-vector one and stays with torch's kernel, bit for bit.
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    layer = torch.nn.Linear(96, 200).requires_grad_(False)
+    few, many = torch.randn(1, blink.ONEDNN_MIN_ROWS - 1, 96), torch.randn(2, blink.ONEDNN_MIN_ROWS, 96)
+    assert torch.equal(blink._onednn_forward(layer, few), torch.nn.functional.linear(few, layer.weight, layer.bias))
+    onednn = torch.ops.mkldnn._linear_pointwise(many, layer.weight, layer.bias, "none", [], "")
+    assert torch.equal(blink._onednn_forward(layer, many), onednn)
+    assert torch.allclose(onednn, torch.nn.functional.linear(many, layer.weight, layer.bias), atol=1e-5)
+
+
+def test_cpu_matmul_leaves_other_dtypes_and_measures_under_auto(tiny_qwen_dir, monkeypatch):
+    # bfloat16 on a CPU already runs by oneDNN inside torch: nothing is swapped. Under "auto" the measured
+    # comparison decides, whichever way it goes.
+    bf16 = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="bfloat16", cpu_matmul="onednn"))
+    assert bf16.matmul == "torch" and not any("forward" in vars(m) for m in bf16.model.modules())
+    for faster in (True, False):
+        monkeypatch.setattr(blink, "onednn_faster", lambda *shape, faster=faster: faster)
+        eng = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(cpu_matmul="auto"))
+        assert eng.matmul == ("onednn" if faster and torch.backends.mkldnn.is_available() else "torch")
+    assert blink.Settings.from_env({"BLINK_CPU_MATMUL": "torch"}).cpu_matmul == "torch"
+    with pytest.raises(blink.BlinkError, match="BLINK_CPU_MATMUL"):
+        blink.Settings.from_env({"BLINK_CPU_MATMUL": "mkl"})
+
+
 def test_logits_differ_with_the_evidence(tiny_qwen):
     a = tiny_qwen.forward(req("The sky is green.", SMALL)).readouts
     b = tiny_qwen.forward(req("Completely different evidence about cats.", SMALL)).readouts
