@@ -82,6 +82,22 @@ def forward_profile(dep: blink.Deployment, reps: int, forward_ms: float, compute
                         for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]]}
 
 
+def kernel_gflops(engine: blink.TorchEngine, rows: int, reps: int) -> dict:
+    """GFLOP/s of a `rows`-row product through the model's widest linear layer by torch's own kernel and by
+    oneDNN's (what BLINK_CPU_MATMUL chooses between), the best of `reps`."""
+    linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear) and m is not engine.model.lm_head]
+    widest = max(linears, key=lambda m: m.weight.numel())
+    x, weight = torch.randn(rows, widest.in_features), widest.weight.detach()
+    flops = 2 * rows * weight.numel()
+    with torch.inference_mode():
+        out = {"rows": rows, "shape": list(weight.shape),
+               "torch": round(flops / blink._best_s(lambda: torch.nn.functional.linear(x, weight), reps) / 1e9, 1)}
+        if torch.backends.mkldnn.is_available():
+            out["onednn"] = round(flops / blink._best_s(
+                lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""), reps) / 1e9, 1)
+    return out
+
+
 def pipeline_prompt_tokens(engine: blink.TorchEngine) -> int | None:
     """Tokens transformers' pipeline("decision") runs through the model for the same question with its own built-in
     prompt (counted at the model's input); None where this transformers has no decision pipeline."""
@@ -126,17 +142,21 @@ def main(argv: list[str] | None = None) -> int:
     d = rows["defaults"]
     profiled = forward_profile(blink.Deployment.serving(engine), reps, d["forward_ms"], d["computed_tokens"])
     print(f"   profile: {profiled}", flush=True)
+    kernels = kernel_gflops(engine, d["computed_tokens"], reps)
+    print(f"   kernels: {kernels}", flush=True)
     peer_tokens = pipeline_prompt_tokens(engine)
     res = {"command": saved.command("overhead.py", argv),
            "hardware": blink.hardware(), "threads": args.threads, "repetitions": reps, "rows": rows,
-           "forward_profile": profiled, "pipeline_prompt_tokens": peer_tokens}
+           "forward_profile": profiled, "kernel_gflops": kernels, "pipeline_prompt_tokens": peer_tokens}
     path = saved.write_json(os.path.join(args.out, f"overhead{'-quick' if args.quick else ''}.json"), res)
     outside = d["parse_ms"] + d["render_tokenize_ms"] + d["answer_meta_ms"]
     print(f"blink overhead ({res['hardware']}, {args.threads} thread(s)): one short question, decide "
           f"{d['decide_ms']:.1f} ms CPU at the defaults ({d['computed_tokens']} of {d['prompt_tokens']} tokens "
           f"computed; pipeline('decision') runs {peer_tokens} with its own prompt) against "
           f"{rows['prefix off']['decide_ms']:.1f} ms with shared prefixes off; linear layers by {d['linear_layers']} "
-          f"(BLINK_CPU_MATMUL=auto), {rows['torch kernels']['decide_ms']:.1f} ms by torch's own; outside the forward "
+          f"(BLINK_CPU_MATMUL=auto), {rows['torch kernels']['decide_ms']:.1f} ms by torch's own (a {kernels['rows']}-row "
+          f"product of the widest layer: {kernels['torch']} GFLOP/s by torch's kernel, {kernels.get('onednn')} by "
+          "oneDNN's); outside the forward "
           f"{outside:.2f} ms (parse {d['parse_ms']}, render and tokenize {d['render_tokenize_ms']}, answer and meta "
           f"{d['answer_meta_ms']}); matrix products {profiled['matmul_share']:.0%} of the forward at "
           f"{profiled['matmul_gflops']:.0f} GFLOP/s against {profiled['large_product_gflops']:.0f} for one large "
