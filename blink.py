@@ -309,14 +309,23 @@ class Settings:
     gpu: bool = False  # a CUDA device, or ZeroGPU attaching one per call
     zero_gpu: bool = False
     on_space: bool = False  # SPACE_ID is set
+    # (field, value) of each field that took its hardware default, so other hardware can take its own (on_hardware)
+    derived: tuple[tuple[str, object], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         if not self.models:  # blink-4b on a Space or a GPU; the embedded stand-in on a machine that has neither
             object.__setattr__(self, "models", ((PRODUCTION_MODEL if self.on_space or self.gpu else STANDIN_MODEL,
                                                  None),))
-        for name, value in self.derived_defaults().items():  # a field left at None takes its hardware default
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
+        taken = tuple((name, value) for name, value in self.derived_defaults().items() if getattr(self, name) is None)
+        for name, value in taken:  # a field left at None takes its hardware default
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "derived", self.derived + taken)
+
+    def on_hardware(self, gpu: bool, zero_gpu: bool = False) -> Settings:
+        """These settings on other hardware (a Ray worker's): each field that took a hardware default, and still
+        holds it, takes that hardware's default instead; what was set stays."""
+        unset = {name: None for name, value in self.derived if getattr(self, name) == value}
+        return replace(self, gpu=gpu, zero_gpu=zero_gpu, derived=(), **unset)
 
     @property
     def compute_dtype(self) -> str:
@@ -4318,11 +4327,11 @@ def serial_outcomes(served: Deployment, chunks: Iterator[list[Row]], temperature
 
 
 class RayWorker:
-    """One Ray Data worker: builds its own deployment from the driver's Settings once (on the hardware it was given),
-    then answers chunks, each a JSON list of (state, questions, images), with the same steps as a serial run."""
+    """One Ray Data worker: builds its own deployment from the driver's Settings once (on the hardware it was given,
+    with that hardware's defaults where the driver's were its own), then answers chunks, each a JSON list of (state, questions, images), with the same steps as a serial run."""
 
     def __init__(self, settings: Settings, temperature: float | None, model: str | None):
-        self.served = Deployment(replace(settings, gpu=_cuda(), zero_gpu=False))
+        self.served = Deployment(settings.on_hardware(gpu=_cuda()))
         load_engine(self.served, model)  # now, not inside the first chunk
         self.temperature, self.model = temperature, model
 

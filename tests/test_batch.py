@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import pytest
 from conftest import ROOT, free_port
@@ -315,6 +316,24 @@ def test_a_ray_worker_answers_a_chunk_as_the_serial_steps_do(mock_dep):
     serial = json.loads(json.dumps(blink.decide_outcomes(mock_dep, asks, None, None)))
     assert untimed(json.loads(text)) == untimed(serial) and "answers" in serial[0]
     assert serial[1]["loc"] == ["body", "questions", "q", "multi"]
+
+
+def test_a_worker_takes_its_own_hardware_defaults_and_keeps_what_was_set(mock_dep):
+    # A driver on a CPU (or ZeroGPU) sends its Settings; a worker on a GPU takes a GPU's defaults for what the
+    # driver left to the hardware, and keeps what was set (in the environment, or replaced afterwards).
+    cpu = blink.Settings.from_env({"BLINK_ENGINE": "mock", "BLINK_PREFIX_KV_TOKENS": "1000"}, gpu=False)
+    on_gpu = cpu.on_hardware(gpu=True)
+    assert (cpu.token_budget, on_gpu.token_budget) == (4096, 32768)
+    assert on_gpu.prefix_kv_tokens == 1000 and on_gpu.compute_dtype == "bfloat16" and on_gpu.prefix_cache
+    changed = replace(cpu, token_budget=512, prefix_cache=False).on_hardware(gpu=True)
+    assert (changed.token_budget, changed.prefix_cache) == (512, False)
+    zero = blink.Settings.from_env({"BLINK_ENGINE": "mock"}, gpu=True)
+    zero = replace(zero, zero_gpu=True, prefix_cache_mb=None, derived=())
+    assert zero.prefix_cache_mb == 0 and zero.on_hardware(gpu=True).prefix_cache_mb == 1024
+    assert cpu.on_hardware(gpu=False) == cpu  # the same hardware: the same settings
+    worker = blink.RayWorker(replace(mock_dep.settings, zero_gpu=True, prefix_cache_mb=None, derived=()),
+                             None, None)
+    assert worker.served.settings.prefix_cache_mb == 1024 and not worker.served.settings.zero_gpu  # no GPU here
 
 
 def test_ray_workers_take_a_gpu_each_and_leave_a_cpu_free():
