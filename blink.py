@@ -4328,7 +4328,8 @@ def serial_outcomes(served: Deployment, chunks: Iterator[list[Row]], temperature
 
 class RayWorker:
     """One Ray Data worker: builds its own deployment from the driver's Settings once (on the hardware it was given,
-    with that hardware's defaults where the driver's were its own), then answers chunks, each a JSON list of (state, questions, images), with the same steps as a serial run."""
+    with that hardware's defaults where the driver's were its own), then answers chunks, each a JSON list of
+    (state, questions, images), with the same steps as a serial run."""
 
     def __init__(self, settings: Settings, temperature: float | None, model: str | None):
         self.served = Deployment(settings.on_hardware(gpu=_cuda()))

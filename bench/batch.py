@@ -189,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         steady = f"{a['steady_rows_per_s']:.2f}" if a["steady_rows_per_s"] else "—"
         print(f"{a['arm']:<13} {a['rows']:>6} {a['wall_s']:>8.1f} {a['answer_s']:>9.1f} {a['rows_per_s']:>8.2f} "
               f"{first:>12} {steady:>13} {gap:>9} {a['load_avg_1min'][0]:>5.1f}-{a['load_avg_1min'][1]:<5.1f}")
-    print(f"batch {result['speedup_batch_over_loop']}x the hand loop's rows/s; --ray {args.workers} "
-          f"{result['speedup_ray_over_batch']}x batch's end to end, {result['speedup_ray_over_batch_steady']}x steady; "
+    times = {k: "—" if result[k] is None else f"{result[k]}x" for k in ("speedup_batch_over_loop",
+             "speedup_ray_over_batch", "speedup_ray_over_batch_steady")}  # None: too few rows to tell
+    print(f"batch {times['speedup_batch_over_loop']} the hand loop's rows/s; --ray {args.workers} "
+          f"{times['speedup_ray_over_batch']} batch's end to end, {times['speedup_ray_over_batch_steady']} steady; "
           f"wrote {args.out}")
     return 0
 
