@@ -1670,7 +1670,8 @@ def load_pretrained(auto_class, source: str, revision: str | None, settings: Set
 
 # Linear layers of a float32 model on a CPU. torch's default float32 product (MKL) chooses its code by CPU vendor and
 # runs AVX2 code on AMD CPUs; oneDNN, which torch also ships, chooses by instruction set, and on an AVX-512 AMD CPU
-# runs a prefill's products about twice as fast (bench/overhead.py). Which one is faster elsewhere is measured at load.
+# runs a prefill's products about twice as fast (bench/overhead.py). Which one is faster elsewhere is measured at the
+# first load on a machine, and that verdict kept for every later one (onednn_faster).
 ONEDNN_MIN_ROWS = 4  # fewer rows is a matrix-vector product, where the default kernel is as fast or faster
 ONEDNN_MIN_GAIN = 1.1  # "auto" takes oneDNN only when it measured at least this much faster
 
@@ -1695,11 +1696,9 @@ def _best_s(fn: Callable[[], object], reps: int = 3) -> float:
     return best
 
 
-@functools.cache
-def onednn_faster(in_features: int, out_features: int) -> bool:
-    """Whether oneDNN runs a 64-row product through a float32 linear layer of this shape ONEDNN_MIN_GAIN times
-    faster than torch's default kernel on this CPU. Measured once per shape and process, so every engine of a model
-    in one process runs the same kernels."""
+def onednn_measured_faster(in_features: int, out_features: int) -> bool:
+    """Whether oneDNN ran a 64-row product through a float32 linear layer of this shape ONEDNN_MIN_GAIN times
+    faster than torch's default kernel, measured now."""
     import torch
 
     x, weight = torch.randn(64, in_features), torch.randn(out_features, in_features)
@@ -1709,10 +1708,58 @@ def onednn_faster(in_features: int, out_features: int) -> bool:
     return default_s >= ONEDNN_MIN_GAIN * onednn_s
 
 
-def cpu_matmul(model, choice: str) -> str:
+def _read_verdict(path: str, key: str) -> bool | None:
+    """The verdict kept at `path` for `key`, or None."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            kept = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    verdict = kept.get("onednn_faster") if isinstance(kept, dict) and kept.get("key") == key else None
+    return verdict if isinstance(verdict, bool) else None
+
+
+def _keep_verdict(path: str, key: str, measured: bool) -> bool:
+    """Keep `measured` at `path` unless a verdict is there already, and return the one kept: written whole, then
+    linked in place (a link fails where the file exists), so processes measuring at the same time all take the
+    first one's. Where nothing can be written, `measured`."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"key": key, "onednn_faster": measured}, fh)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:  # another process kept its verdict first
+            pass
+        finally:
+            os.unlink(tmp)
+    except OSError:
+        return measured
+    kept = _read_verdict(path, key)
+    return measured if kept is None else kept
+
+
+@functools.cache
+def onednn_faster(in_features: int, out_features: int, cache_dir: str | None = None) -> bool:
+    """Whether oneDNN runs a float32 linear layer of this shape faster on this CPU (onednn_measured_faster), measured
+    once per machine, torch version, thread count and shape and kept under cache_dir (BLINK_CACHE) when given: every
+    engine of a model on one machine (a server, batch runs, local Ray workers) then runs the same kernels, and so
+    gives the same numbers."""
+    import torch
+
+    if cache_dir is None:
+        return onednn_measured_faster(in_features, out_features)
+    key = f"{hardware()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {in_features}x{out_features}"
+    path = os.path.join(cache_dir, "cpu-matmul", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    kept = _read_verdict(path, key)
+    return kept if kept is not None else _keep_verdict(path, key, onednn_measured_faster(in_features, out_features))
+
+
+def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> str:
     """Run the model's linear layers by oneDNN where `choice` (BLINK_CPU_MATMUL) says so or, under "auto", where it
-    measured faster on the model's widest layer; only for a float32 model on a CPU with oneDNN in torch. Returns
-    what runs them: "onednn" or "torch"."""
+    is faster on the model's widest layer (onednn_faster, its verdict kept under cache_dir); only for a float32
+    model on a CPU with oneDNN in torch. Returns what runs them: "onednn" or "torch"."""
     import torch
 
     weight = model.get_input_embeddings().weight
@@ -1721,7 +1768,7 @@ def cpu_matmul(model, choice: str) -> str:
             or not torch.backends.mkldnn.is_available()):
         return "torch"
     widest = max(linears, key=lambda m: m.weight.numel())
-    if choice == "auto" and not onednn_faster(widest.in_features, widest.out_features):
+    if choice == "auto" and not onednn_faster(widest.in_features, widest.out_features, cache_dir):
         return "torch"
     for layer in linears:
         layer.forward = types.MethodType(_onednn_forward, layer)
@@ -2015,7 +2062,7 @@ class TorchEngine(PromptEngine):
 
             self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
         self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
-        self.matmul = cpu_matmul(self.model, self.settings.cpu_matmul)
+        self.matmul = cpu_matmul(self.model, self.settings.cpu_matmul, self.settings.cache_dir)
         self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)

@@ -125,6 +125,24 @@ def test_cpu_matmul_leaves_other_dtypes_and_measures_under_auto(tiny_qwen_dir, m
         blink.Settings.from_env({"BLINK_CPU_MATMUL": "mkl"})
 
 
+def test_the_first_verdict_on_a_machine_is_kept_for_every_later_engine(tmp_path, monkeypatch):
+    # "auto" measures once per machine, torch, thread count and shape; a later process (or one measuring at the
+    # same time) takes the kept verdict, so engines of one model on one machine run the same kernels.
+    verdicts = iter([True, False, False])
+    monkeypatch.setattr(blink, "onednn_measured_faster", lambda *shape: next(verdicts))
+    faster = blink.onednn_faster.__wrapped__  # past this process's own memo, as a new process would be
+    assert faster(64, 96, str(tmp_path)) is True
+    (kept,) = (tmp_path / "cpu-matmul").iterdir()
+    assert faster(64, 96, str(tmp_path)) is True  # kept: not measured again
+    assert faster(64, 128, str(tmp_path)) is False  # another shape is measured on its own
+    path = str(tmp_path / "cpu-matmul" / "x.json")
+    assert blink._keep_verdict(path, "k", False) is False and blink._keep_verdict(path, "k", True) is False
+    assert blink._read_verdict(str(kept), "another machine") is None
+    (tmp_path / "file").write_text("")
+    assert blink._keep_verdict(str(tmp_path / "file" / "v.json"), "k", True) is True  # nowhere to keep it
+    assert sorted(p.name for p in (tmp_path / "cpu-matmul").iterdir() if not p.name.endswith(".json")) == []
+
+
 def test_logits_differ_with_the_evidence(tiny_qwen):
     a = tiny_qwen.forward(req("The sky is green.", SMALL)).readouts
     b = tiny_qwen.forward(req("Completely different evidence about cats.", SMALL)).readouts
