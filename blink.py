@@ -1757,13 +1757,14 @@ def onednn_faster(in_features: int, out_features: int, cache_dir: str | None = N
 
 
 def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> str:
-    """Run the model's linear layers by oneDNN where `choice` (BLINK_CPU_MATMUL) says so or, under "auto", where it
-    is faster on the model's widest layer (onednn_faster, its verdict kept under cache_dir); only for a float32
-    model on a CPU with oneDNN in torch. Returns what runs them: "onednn" or "torch"."""
+    """Run the model's linear layers (but lm_head) by oneDNN where `choice` (BLINK_CPU_MATMUL) says so or, under
+    "auto", where it is faster on the widest of them (onednn_faster, its verdict kept under cache_dir); only for a
+    float32 model on a CPU with oneDNN in torch. Returns what runs them: "onednn" or "torch"."""
     import torch
 
-    weight = model.get_input_embeddings().weight
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    weight, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    # lm_head is left out: blink reads its label rows and log-sum-exp by hand, never through the module
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
     if (choice == "torch" or not linears or weight.device.type != "cpu" or weight.dtype != torch.float32
             or not torch.backends.mkldnn.is_available()):
         return "torch"
