@@ -1758,8 +1758,9 @@ def onednn_faster(in_features: int, out_features: int, cache_dir: str | None = N
 
 def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> str:
     """Run the model's linear layers (but lm_head) by oneDNN where `choice` (BLINK_CPU_MATMUL) says so or, under
-    "auto", where it is faster on the widest of them (onednn_faster, its verdict kept under cache_dir); only for a
-    float32 model on a CPU with oneDNN in torch. Returns what runs them: "onednn" or "torch"."""
+    "auto", where it is faster on a product of the model's MLP shape, hidden size to intermediate size (onednn_faster,
+    its verdict kept under cache_dir); only for a float32 model on a CPU with oneDNN in torch. Returns what runs
+    them: "onednn" or "torch"."""
     import torch
 
     weight, head = model.get_input_embeddings().weight, model.get_output_embeddings()
@@ -1768,8 +1769,9 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> str:
     if (choice == "torch" or not linears or weight.device.type != "cpu" or weight.dtype != torch.float32
             or not torch.backends.mkldnn.is_available()):
         return "torch"
-    widest = max(linears, key=lambda m: m.weight.numel())
-    if choice == "auto" and not onednn_faster(widest.in_features, widest.out_features, cache_dir):
+    text = model.config.get_text_config()  # the MLP's shape: a text model and its vision model share one verdict
+    mlp = (text.hidden_size, getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
+    if choice == "auto" and not onednn_faster(*mlp, cache_dir):
         return "torch"
     for layer in linears:
         layer.forward = types.MethodType(_onednn_forward, layer)
