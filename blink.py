@@ -1668,12 +1668,19 @@ def load_pretrained(auto_class, source: str, revision: str | None, settings: Set
     return auto_class.from_pretrained(source, device_map="cuda" if settings.gpu else "cpu", **load)
 
 
-# Linear layers of a float32 model on a CPU. torch's default float32 product (MKL) chooses its code by CPU vendor and
-# runs AVX2 code on AMD CPUs; oneDNN, which torch also ships, chooses by instruction set, and on an AVX-512 AMD CPU
-# runs a prefill's products about twice as fast (bench/overhead.py). Which one is faster elsewhere is measured at the
+# Linear layers of a float32 model on a CPU. torch's default float32 product (MKL) chooses its code by CPU vendor;
+# oneDNN, which torch also ships, chooses by instruction set, and on an AVX-512 AMD CPU ran a prefill's products about
+# twice as fast (bench/overhead.py). Which one is faster elsewhere is measured at the
 # first load on a machine, and that verdict kept for every later one (onednn_faster).
 ONEDNN_MIN_ROWS = 4  # fewer rows is a matrix-vector product, where the default kernel is as fast or faster
 ONEDNN_MIN_GAIN = 1.1  # "auto" takes oneDNN only when it measured at least this much faster
+
+
+def onednn_linear(x, weight, bias=None):
+    """x @ weight.T (+ bias) by oneDNN's float32 product (the op torch's own compiler uses for linear layers)."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _onednn_forward(self, x):
@@ -1681,11 +1688,11 @@ def _onednn_forward(self, x):
     import torch
 
     if x.numel() >= ONEDNN_MIN_ROWS * x.shape[-1]:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return onednn_linear(x, self.weight, self.bias)
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def _best_s(fn: Callable[[], object], reps: int = 3) -> float:
+def best_seconds(fn: Callable[[], object], reps: int = 3) -> float:
     """The least wall time of `reps` calls after one warm-up call, in seconds."""
     fn()
     best = float("inf")
@@ -1696,16 +1703,32 @@ def _best_s(fn: Callable[[], object], reps: int = 3) -> float:
     return best
 
 
+def kernel_seconds(x, weight, reps: int = 3) -> dict[str, float]:
+    """The least seconds of x @ weight.T by torch's default kernel ("torch") and, where torch has it, oneDNN's
+    ("onednn"): what BLINK_CPU_MATMUL chooses between."""
+    import torch
+
+    kernels = {"torch": torch.nn.functional.linear}
+    if torch.backends.mkldnn.is_available():
+        kernels["onednn"] = onednn_linear
+    with torch.inference_mode():
+        return {name: best_seconds(lambda kernel=kernel: kernel(x, weight), reps) for name, kernel in kernels.items()}
+
+
+def mlp_shape(model) -> tuple[int, int]:
+    """(hidden size, intermediate size) of the model's MLP, the widest product a prompt token runs through (a text
+    model and its vision model share it)."""
+    text = model.config.get_text_config()
+    return text.hidden_size, getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+
+
 def onednn_measured_faster(in_features: int, out_features: int) -> bool:
     """Whether oneDNN ran a 64-row product through a float32 linear layer of this shape ONEDNN_MIN_GAIN times
     faster than torch's default kernel, measured now."""
     import torch
 
-    x, weight = torch.randn(64, in_features), torch.randn(out_features, in_features)
-    with torch.inference_mode():
-        default_s = _best_s(lambda: torch.nn.functional.linear(x, weight))
-        onednn_s = _best_s(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""))
-    return default_s >= ONEDNN_MIN_GAIN * onednn_s
+    seconds = kernel_seconds(torch.randn(64, in_features), torch.randn(out_features, in_features))
+    return seconds["torch"] >= ONEDNN_MIN_GAIN * seconds["onednn"]
 
 
 def _read_verdict(path: str, key: str) -> bool | None:
@@ -1769,9 +1792,7 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> str:
     if (choice == "torch" or not linears or weight.device.type != "cpu" or weight.dtype != torch.float32
             or not torch.backends.mkldnn.is_available()):
         return "torch"
-    text = model.config.get_text_config()  # the MLP's shape: a text model and its vision model share one verdict
-    mlp = (text.hidden_size, getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
-    if choice == "auto" and not onednn_faster(*mlp, cache_dir):
+    if choice == "auto" and not onednn_faster(*mlp_shape(model), cache_dir):
         return "torch"
     for layer in linears:
         layer.forward = types.MethodType(_onednn_forward, layer)

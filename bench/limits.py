@@ -7,6 +7,8 @@ import time
 
 import torch
 
+import blink
+
 
 def matmul_flops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
     """Best-of-`reps` FLOP/s of an n x n x n product in the model's dtype on its device, by the faster of torch's
@@ -14,20 +16,10 @@ def matmul_flops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
     ceiling."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    kernels = [lambda: a @ b]
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        bt = b.T.contiguous()  # oneDNN takes the weight as a linear layer holds it: (out, in)
-        kernels.append(lambda: torch.ops.mkldnn._linear_pointwise(a, bt, None, "none", [], ""))
-    best = float("inf")
-    for kernel in kernels:
-        for _ in range(reps + 1):  # the first run warms up
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            kernel()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
+    if device.type == "cpu":
+        best = min(blink.kernel_seconds(a, b, reps).values())  # a @ b.T: the same work as a @ b
+    else:
+        best = blink.best_seconds(lambda: (a @ b, torch.cuda.synchronize()), reps)
     return 2 * n**3 / best
 
 

@@ -83,19 +83,12 @@ def forward_profile(dep: blink.Deployment, reps: int, forward_ms: float, compute
 
 
 def kernel_gflops(engine: blink.TorchEngine, rows: int, reps: int) -> dict:
-    """GFLOP/s of a `rows`-row product through the model's widest linear layer by torch's own kernel and by
-    oneDNN's (what BLINK_CPU_MATMUL chooses between), the best of `reps`."""
-    linears = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear) and m is not engine.model.lm_head]
-    widest = max(linears, key=lambda m: m.weight.numel())
-    x, weight = torch.randn(rows, widest.in_features), widest.weight.detach()
-    flops = 2 * rows * weight.numel()
-    with torch.inference_mode():
-        out = {"rows": rows, "shape": list(weight.shape),
-               "torch": round(flops / blink._best_s(lambda: torch.nn.functional.linear(x, weight), reps) / 1e9, 1)}
-        if torch.backends.mkldnn.is_available():
-            out["onednn"] = round(flops / blink._best_s(
-                lambda: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""), reps) / 1e9, 1)
-    return out
+    """GFLOP/s of a `rows`-row product of the model's MLP shape by torch's own kernel and by oneDNN's (what
+    BLINK_CPU_MATMUL chooses between), the best of `reps`."""
+    hidden, width = blink.mlp_shape(engine.model)
+    seconds = blink.kernel_seconds(torch.randn(rows, hidden), torch.randn(width, hidden), reps)
+    return {"rows": rows, "shape": [width, hidden],
+            **{name: round(2 * rows * hidden * width / s / 1e9, 1) for name, s in seconds.items()}}
 
 
 def pipeline_prompt_tokens(engine: blink.TorchEngine) -> int | None:
@@ -155,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
           f"computed; pipeline('decision') runs {peer_tokens} with its own prompt) against "
           f"{rows['prefix off']['decide_ms']:.1f} ms with shared prefixes off; linear layers by {d['linear_layers']} "
           f"(BLINK_CPU_MATMUL=auto), {rows['torch kernels']['decide_ms']:.1f} ms by torch's own (a {kernels['rows']}-row "
-          f"product of the widest layer: {kernels['torch']} GFLOP/s by torch's kernel, {kernels.get('onednn')} by "
+          f"product of the MLP's shape: {kernels['torch']} GFLOP/s by torch's kernel, {kernels.get('onednn')} by "
           "oneDNN's); outside the forward "
           f"{outside:.2f} ms (parse {d['parse_ms']}, render and tokenize {d['render_tokenize_ms']}, answer and meta "
           f"{d['answer_meta_ms']}); matrix products {profiled['matmul_share']:.0%} of the forward at "
