@@ -596,29 +596,42 @@ def test_zero_gpu_refusals_reach_gradio_api_callers_as_they_are(launched, client
     assert batch[0]["error"] == "ZeroGPU quota exceeded: You have exceeded your free ZeroGPU quota."
 
 
-class SlowModel(blink.MockEngine):
-    """A mock that runs as a live model does (through the Batcher), taking 0.3 s per forward and recording the
-    evidence of the requests each forward packed together."""
+class GatedModel(blink.MockEngine):
+    """A mock that runs as a live model does (through the Batcher); its first forward waits until `gate` is set,
+    and each forward records the evidence of the requests it packed together."""
 
     runs_model = True
 
     def __init__(self, *args):
         super().__init__(*args)
         self.forwards: list[list] = []
+        self.entered, self.gate = threading.Event(), threading.Event()
 
     def run(self, jobs):
-        import time
-
-        time.sleep(0.3)
+        self.entered.set()
+        self.gate.wait(60)
         self.forwards.append([job.request.state for job in jobs])
         return super().run(jobs)
 
 
+def wait_until(check, timeout_s: float = 60) -> bool:
+    """Poll `check` until it is true or the time is up; its last value."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return check()
+
+
 def test_wire_and_page_requests_share_forwards(launched, client):
     app, url = launched
-    model = SlowModel(app.DEPLOYMENT.default_model, app.SETTINGS)
+    model = GatedModel(app.DEPLOYMENT.default_model, app.SETTINGS)
+    batcher = app.DEPLOYMENT.batcher()
     with serving(app, model):
+        # page 0 holds the model; three more page requests and three wire requests queue behind it meanwhile
         first = client.submit("page 0", {"q": {"type": "noul"}}, 1.0, "", "live", None, api_name="/decide")
+        assert model.entered.wait(60)
         page = [client.submit(f"page {i}", {"q": {"type": "noul"}}, 1.0, "", "live", None, api_name="/decide")
                 for i in range(1, 4)]
         replies: dict = {}
@@ -626,9 +639,13 @@ def test_wire_and_page_requests_share_forwards(launched, client):
             **GOOD, "state": f"wire {i}"})})) for i in range(3)]
         for t in threads:
             t.start()
+        queued = wait_until(lambda: batcher.q.qsize() == 6)
+        model.gate.set()
         for t in threads:
             t.join(60)
         results = [job.result(timeout=60) for job in [first, *page]]
+    assert queued, batcher.q.qsize()
     assert all(r.status_code == 200 for r in replies.values()) and len(results) == 4
+    assert model.forwards[0] == ["page 0"], model.forwards
     mixed = [states for states in model.forwards if {s.split()[0] for s in states} == {"page", "wire"}]
     assert mixed, model.forwards  # one forward packed API and page requests together
