@@ -53,18 +53,9 @@ def choose_threads(model, device: torch.device, requested: str) -> dict:
     return {"threads": best, "how": "auto", "probe_s_by_threads": tried}
 
 
-def attention_shape(config) -> tuple[int, int]:
-    """(full-attention layers, query width) of a decoder config; linear-attention layers have no quadratic term."""
-    config = getattr(config, "text_config", config)
-    types = getattr(config, "layer_types", None)
-    layers = sum(1 for t in types if t == "full_attention") if types else config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return layers, config.num_attention_heads * head_dim
-
-
 def attention_flops(config, spans: list[tuple[int, int]]) -> float:
     """FLOPs of the attention score and value products for computed tokens: each span (past, new) is `new`
     tokens after `past` cached ones; token j attends to past + j + 1 keys (4 x width FLOPs per key per layer)."""
-    layers, width = attention_shape(config)
+    layers, width = blink.attention_shape(config)
     keys = sum(new * past + new * (new + 1) // 2 for past, new in spans)
     return 4.0 * layers * width * keys

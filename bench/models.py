@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import blink  # noqa: E402
+import peers  # noqa: E402
 import saved  # noqa: E402
 
 CLEARCUT = os.path.join(HERE, "data", "clearcut.jsonl")
@@ -276,13 +277,6 @@ def quality(engine: blink.Engine, items: list[Labelled]) -> dict:
 # ==================================================================================================================
 
 
-def timed(engine: blink.Engine, request: blink.Request) -> tuple[float, float, blink.Forward]:
-    """One request through the engine: (wall ms, process CPU ms, its Forward)."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    result = engine.forward(request)
-    return (time.perf_counter() - t0) * 1000, (time.process_time() - c0) * 1000, result
-
-
 def speed(engines: dict[str, blink.Engine], cases: dict[str, tuple[blink.Request, int]]) -> dict:
     """Median wall and CPU ms of each case (request, runs) on each engine after one warm-up, per request and per
     question; round by round, every engine in turn. Also the last Forward, for grading."""
@@ -295,8 +289,8 @@ def speed(engines: dict[str, blink.Engine], cases: dict[str, tuple[blink.Request
             if rnd >= n:
                 continue
             for name, engine in engines.items():
-                wall, cpu, result = timed(engine, request)
-                times[name][case].append((wall, cpu))
+                wall, cpu, result = peers.timed(lambda: engine.forward(request))
+                times[name][case].append((wall * 1000, cpu * 1000))
                 last[name][case] = result
     out = {}
     for name in engines:

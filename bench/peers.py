@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ import throughput
 import workloads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -97,7 +98,7 @@ def export_config(model: str, folder: str) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def timed(fn: Callable[[], dict]) -> tuple[float, float, dict]:
+def timed(fn: Callable[[], T]) -> tuple[float, float, T]:
     """(wall s, this process's CPU s, result) of one call."""
     t0, c0 = time.perf_counter(), time.process_time()
     out = fn()

@@ -93,15 +93,16 @@ def ladder(n_questions: int, per_question: float, budget: int) -> int:
     return max(fitting) if fitting else 1
 
 
-def spans_of(prompts: list[blink.Prompt], settings: blink.Settings, prefix: bool,
-             keep: bool = True) -> list[tuple[int, int]]:
-    """(cached, new) token spans blink computes for these prompts from a cold start, by its own prefix grouping."""
+def spans_of(engine: blink.TorchEngine, prompts: list[blink.Prompt], prefix: bool) -> list[tuple[int, int]]:
+    """(cached, new) token spans blink computes for these prompts from a cold start, by its own prefix grouping
+    and encode plan."""
     spans = []
-    seqs = [p.ids for p in prompts]
-    for rows, shared in blink._prefix_groups(seqs, [p.cuts for p in prompts], replace(settings, prefix_cache=prefix),
-                                             keep):
+    seqs, keep = [p.ids for p in prompts], engine.prefixes.keeps
+    settings = replace(engine.settings, prefix_cache=prefix)
+    for rows, shared in blink._prefix_groups(seqs, [p.cuts for p in prompts], settings, keep):
         if shared:
-            spans.append((0, shared))
+            points = [c for c in prompts[rows[0]].cuts if c < shared] if keep else []
+            spans += [(a, b - a) for a, b in blink.encode_plan(engine.prefill_cost, 0, [*points, shared])]
         spans += [(shared, len(seqs[i]) - shared) for i in rows]
     return spans
 
@@ -150,8 +151,7 @@ class Bench:
                "wall_s_measured": round(run.wall_s, 4), "cpu_s": round(run.cpu_s * scale, 4),
                "prefill_tokens": round(run.prefill_tokens * scale),
                "peak_mb": round(run.peak_mb, 1), "shared_prefix_tokens": run.extra["shared_prefix_tokens"],
-               **self.flops(run.prefill_tokens, spans_of(prompts, self.engine.settings, prefix,
-                                                         self.engine.prefixes.keeps), run.wall_s)}
+               **self.flops(run.prefill_tokens, spans_of(self.engine, prompts, prefix), run.wall_s)}
         return row, run
 
     def peer_arm(self, name: str, doc_target: int, n_opt: int, qs: dict, n_measure: int) -> tuple[dict, dict]:

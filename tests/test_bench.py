@@ -68,7 +68,7 @@ def test_generated_reply_is_parsed_to_an_offered_label(reply, label):
 
 
 def test_attention_flops_count_every_key_of_every_computed_token(tiny_qwen):
-    layers, width = limits.attention_shape(tiny_qwen.model.config)
+    layers, width = blink.attention_shape(tiny_qwen.model.config)
     assert layers == 2  # the tiny model's two full-attention layers; its linear layers have no quadratic term
     spans = [(0, 5), (5, 3)]  # a 5-token prefix, then a 3-token tail against it
     keys = sum(range(1, 6)) + sum(range(6, 9))
@@ -91,8 +91,8 @@ def test_prefix_arm_shares_the_evidence_and_leaves_the_engine_as_it_was(tiny_qwe
     assert plain.extra["shared_prefix_tokens"] == 0 and shared.extra["shared_prefix_tokens"] > 256
     prompts = tiny_qwen.render(arms.request(tiny_qwen, doc, qs))
     seqs = [p.ids for p in prompts]
-    assert shared.prefill_tokens == sum(n for _, n in run.spans_of(prompts, before, True)) < plain.prefill_tokens
-    assert plain.prefill_tokens == sum(map(len, seqs)) == sum(n for _, n in run.spans_of(prompts, before, False))
+    assert shared.prefill_tokens == sum(n for _, n in run.spans_of(tiny_qwen, prompts, True)) < plain.prefill_tokens
+    assert plain.prefill_tokens == sum(map(len, seqs)) == sum(n for _, n in run.spans_of(tiny_qwen, prompts, False))
     assert arms.label_logit_gap(plain.rows, shared.rows) < 1e-4 and plain.choices == shared.choices
 
 

@@ -127,6 +127,16 @@ def count_rows(eng: blink.TorchEngine, seen: dict):
         lambda module, args, kwargs: seen["rows"].append(kwargs["input_ids"].shape[0]), with_kwargs=True)
 
 
+# Attention free of cost: continuing a kept prefix always pays, so a test can take that path on any model.
+ALWAYS_CONTINUE = blink.PrefillCost(token_flops=1.0, pair_flops=0.0)
+
+
+def cold_encoded(eng: blink.TorchEngine, header: int, evidence: int) -> int:
+    """Tokens encoded for a header and evidence seen for the first time: the header, then the evidence continuing
+    it, or from nothing where that costs fewer FLOPs."""
+    return header + (evidence - header if eng.prefill_cost.continuing_pays(header, evidence - header) else evidence)
+
+
 def test_cut_points_end_the_shared_parts_whatever_follows(eng):
     # The header ends every prompt alike, whatever the evidence; the evidence cut ends every prompt over one piece of
     # evidence alike, whatever the question (even one that opens with punctuation, which some pre-tokenizers join
@@ -148,9 +158,10 @@ def test_prefix_logits_equal_plain_and_prefill_is_counted(eng, spy):
     header, evidence = prompts[0].cuts
     assert evidence >= MIN_TOKENS  # the document is long enough to be kept
     result = prefix_on(eng).forward(req(DOC, QUESTIONS))
-    assert spy["prefix"] == [(evidence, 0, evidence)]  # header and evidence encoded once, cold
+    encoded = cold_encoded(eng, header, evidence)  # the header, then the evidence after it or from nothing
+    assert spy["prefix"] == [(evidence, 0, encoded)]
     assert gap(result.readouts, plain_readouts(eng)) < 1e-4
-    assert result.prefill_tokens == sum(len(p.ids) for p in prompts) - (len(prompts) - 1) * evidence
+    assert result.prefill_tokens == encoded + sum(len(p.ids) - evidence for p in prompts)
     assert result.cached_tokens == 0
 
 
@@ -188,13 +199,14 @@ def test_the_header_is_encoded_once_per_engine(tiny_qwen, spy):
     assert len(on.prefixes) == 1
 
 
-def test_kept_prefixes_stay_within_the_memory_budget(tiny_qwen):
+def test_kept_prefixes_stay_within_the_memory_budget(tiny_qwen, monkeypatch):
     on = prefix_on(tiny_qwen)
     on.forward(req(DOC, QUESTIONS))
     header_and_doc = on.prefixes.held_bytes()
     assert len(on.prefixes) == 2 and header_and_doc > 0
     # room for about two of these: the least recently used is dropped, the header (used by every request) stays
     small = prefix_on(tiny_qwen, prefix_cache_mb=1)
+    monkeypatch.setattr(small, "prefill_cost", ALWAYS_CONTINUE)
     small.prefixes.budget = int(header_and_doc * 1.6)
     small.forward(req(DOC, QUESTIONS))
     small.forward(req(OTHER_DOC, QUESTIONS))
@@ -278,15 +290,44 @@ def test_evidence_shorter_than_min_tokens_runs_from_the_header(tiny_qwen, spy):
     assert result.prefill_tokens == sum(len(p.ids) for p in prompts) - (len(prompts) - 1) * header
     # exactly at the threshold: the evidence is encoded once and kept
     prefix_on(tiny_qwen, prefix_min_tokens=evidence).forward(req(DOC, QUESTIONS))
-    assert spy["prefix"][-1] == (evidence, 0, evidence)
+    assert spy["prefix"][-1] == (evidence, 0, cold_encoded(tiny_qwen, header, evidence))
 
 
-def test_packed_requests_each_keep_their_own_prefix(tiny_qwen, spy):
+def test_a_kept_prefix_is_continued_only_where_that_costs_fewer_flops(standin):
+    cost = standin.prefill_cost
+    layers, width = blink.attention_shape(standin.model.config)
+    body = standin.model.model
+    weights = sum(p.numel() for p in body.parameters()) - body.get_input_embeddings().weight.numel()
+    assert (cost.token_flops, cost.pair_flops) == (2 * weights, 4 * layers * width) and (layers, width) == (30, 576)
+    # a 40-token header before 2,053 tokens of evidence: the masked rectangle costs more than the 40 tokens saved
+    assert not cost.continuing_pays(40, 2053) and cost.continuing_pays(40, 200)
+    assert all(cost.continuing_pays(n, n) for n in (1, 100, 10_000))  # a past as long as what follows always pays
+    assert blink.encode_plan(cost, 0, [40, 2093]) == [(0, 40), (0, 2093)]
+    assert blink.encode_plan(cost, 40, [2093]) == [(0, 2093)]
+    assert blink.encode_plan(cost, 40, [240, 300]) == [(40, 240), (240, 300)]
+    assert blink.encode_plan(ALWAYS_CONTINUE, 40, [2093]) == [(40, 2093)]
+
+
+def test_evidence_after_a_kept_header_is_encoded_from_nothing_where_cheaper(tiny_qwen, spy):
+    on = prefix_on(tiny_qwen)
+    prompt = render(tiny_qwen, DOC, QUESTIONS)[0]
+    header, evidence = prompt.cuts
+    assert not on.prefill_cost.continuing_pays(header, evidence - header)  # the tiny model's attention dominates
+    on.forward(req("Ticket 1: a router.", {"team": QUESTIONS["team"]}))  # another request keeps the header
+    assert on.prefixes.get(tuple(prompt.ids[:header])) is not None
+    result = on.forward(req(DOC, QUESTIONS))
+    assert spy["prefix"][-1] == (evidence, 0, evidence) and result.cached_tokens == 0
+    assert gap(result.readouts, plain_readouts(tiny_qwen)) < 1e-4
+    assert on.prefixes.get(tuple(prompt.ids[:evidence])) is not None  # kept for the next request all the same
+
+
+def test_packed_requests_each_keep_their_own_prefix(tiny_qwen, spy, monkeypatch):
     # decide_many and the Batcher pack several requests into one forward: each request's questions still share
     # that request's evidence, while the requests share only the header.
     first, second = render(tiny_qwen, DOC, QUESTIONS), render(tiny_qwen, OTHER_DOC, QUESTIONS)
     own = [work[0].cuts[1] for work in (first, second)]
     eng = prefix_on(tiny_qwen)
+    monkeypatch.setattr(eng, "prefill_cost", ALWAYS_CONTINUE)  # the second request's evidence continues the header
     jobs = [eng.prepare(req(DOC, QUESTIONS)), eng.prepare(req(OTHER_DOC, QUESTIONS))]
     assert [[p.ids for p in job.work] for job in jobs] == [[p.ids for p in work] for work in (first, second)]
     packed = eng.run(jobs)
@@ -316,7 +357,7 @@ def test_one_token_tails(eng, spy):
     # Tails of a single token take the models' one-step paths (Qwen3.5 updates its conv state in place).
     seqs, cands, cuts = one_token_tails(eng)
     shared_rows = forward_rows(eng, seqs, cands, cuts, prefix=True)
-    assert spy["prefix"] == [(len(seqs[0]) - 1, 0, len(seqs[0]) - 1)]
+    assert spy["prefix"] == [(len(seqs[0]) - 1, 0, cold_encoded(eng, cuts[0][0], len(seqs[0]) - 1))]
     assert rows_gap(shared_rows, forward_rows(eng, seqs, cands, cuts, prefix=False)) < 1e-4
 
 

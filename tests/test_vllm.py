@@ -217,7 +217,7 @@ def test_an_engine_returning_logits_is_refused(tiny_qwen):
 def test_settings_read_the_backend_and_the_engine_arguments():
     settings = blink.Settings.from_env({"BLINK_BACKEND": "VLLM", "BLINK_VLLM_ARGS": '{"tensor_parallel_size": 2}'},
                                        gpu=False)
-    assert settings.backend == "vllm" and settings.vllm_engine_args == {"tensor_parallel_size": 2}
+    assert settings.backend == "vllm" and settings.vllm_user_args == {"tensor_parallel_size": 2}
     assert blink.Settings.from_env({}, gpu=False).backend == "torch"
     for raw, message in (("{tensor_parallel_size: 2}", "BLINK_VLLM_ARGS is not valid JSON"),
                          ("[2]", "BLINK_VLLM_ARGS must be a JSON object")):
