@@ -2431,8 +2431,8 @@ class HybridEngine(Engine):
 def attention_shape(config) -> tuple[int, int]:
     """(full-attention layers, query width) of a decoder config; linear-attention layers have no quadratic term."""
     config = getattr(config, "text_config", config)
-    types = getattr(config, "layer_types", None)
-    layers = sum(1 for t in types if t == "full_attention") if types else config.num_hidden_layers
+    kinds = getattr(config, "layer_types", None)
+    layers = sum(1 for k in kinds if k == "full_attention") if kinds else config.num_hidden_layers
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return layers, config.num_attention_heads * head_dim
 
@@ -2451,6 +2451,13 @@ class PrefillCost:
         layers, width = attention_shape(backbone.config)
         weights = sum(p.numel() for p in backbone.parameters()) - backbone.get_input_embeddings().weight.numel()
         return cls(2.0 * weights, 4.0 * layers * width)
+
+    def flops(self, spans: list[tuple[int, int]]) -> float:
+        """FLOPs the computed tokens need: each span (past, new) is `new` tokens after `past` cached ones, each
+        through the weights, token j attending to past + j + 1 keys."""
+        tokens = sum(new for _, new in spans)
+        keys = sum(new * past + new * (new + 1) // 2 for past, new in spans)
+        return self.token_flops * tokens + self.pair_flops * keys
 
     def continuing_pays(self, past: int, new: int) -> bool:
         """Whether running `new` tokens after a kept cache of `past` costs fewer FLOPs than running all of them from

@@ -1,4 +1,4 @@
-"""The machine's side of the benchmark: thread count, measured matmul FLOP/s, and the FLOPs a prefill needs."""
+"""The machine's side of the benchmark: thread count and measured matmul FLOP/s."""
 
 from __future__ import annotations
 
@@ -51,11 +51,3 @@ def choose_threads(model, device: torch.device, requested: str) -> dict:
     best = min(tried, key=tried.get)
     torch.set_num_threads(best)
     return {"threads": best, "how": "auto", "probe_s_by_threads": tried}
-
-
-def attention_flops(config, spans: list[tuple[int, int]]) -> float:
-    """FLOPs of the attention score and value products for computed tokens: each span (past, new) is `new`
-    tokens after `past` cached ones; token j attends to past + j + 1 keys (4 x width FLOPs per key per layer)."""
-    layers, width = blink.attention_shape(config)
-    keys = sum(new * past + new * (new + 1) // 2 for past, new in spans)
-    return 4.0 * layers * width * keys

@@ -73,11 +73,9 @@ def forward_profile(dep: blink.Deployment, reps: int, forward_ms: float, compute
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total_us = sum(e.self_cpu_time_total for e in events)
     share = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / total_us
-    model = engine.model
-    body = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
     return {"matmul_share": round(share, 3),
-            "matmul_gflops": round(2 * body * computed / (share * forward_ms / 1000) / 1e9, 1),
-            "large_product_gflops": round(limits.matmul_flops(model.device) / 1e9, 1),
+            "matmul_gflops": round(engine.prefill_cost.token_flops * computed / (share * forward_ms / 1000) / 1e9, 1),
+            "large_product_gflops": round(limits.matmul_flops(engine.model.device) / 1e9, 1),
             "top_ops": [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1000 / reps, 2)}
                         for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]]}
 

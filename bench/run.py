@@ -114,8 +114,7 @@ class Bench:
         self.engine, self.cfg = engine, cfg
         self.device = engine.model.lm_head.weight.device
         self.params = sum(p.numel() for p in engine.model.parameters())
-        emb = engine.model.get_input_embeddings().weight.numel()
-        self.body_params = self.params - emb  # what every prompt token passes through as a matmul
+        self.body_params = round(engine.prefill_cost.token_flops / 2)  # what every prompt token passes through
         self.docs: dict[int, str] = {}
         self.memo: dict = {}
 
@@ -136,8 +135,7 @@ class Bench:
         if wall <= 0:
             return {}
         two_pt = 2 * self.params * tokens / wall
-        useful = (2 * self.body_params * sum(n for _, n in spans)
-                  + limits.attention_flops(self.engine.model.config, spans)) / wall
+        useful = self.engine.prefill_cost.flops(spans) / wall
         return {"gflops_2pt": round(two_pt / 1e9, 2), "gflops_body_attention": round(useful / 1e9, 2)}
 
     def blink_arm(self, doc_target: int, n_opt: int, qs: dict, prefix: bool, n_total: int) -> tuple[dict, arms.Run]:

@@ -16,7 +16,6 @@ import blink
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import arms  # noqa: E402
-import limits  # noqa: E402
 import models  # noqa: E402
 import order  # noqa: E402
 import peers  # noqa: E402
@@ -67,12 +66,13 @@ def test_generated_reply_is_parsed_to_an_offered_label(reply, label):
     assert arms.parse_label(reply, ["A", "B", "C", "D"]) == label
 
 
-def test_attention_flops_count_every_key_of_every_computed_token(tiny_qwen):
+def test_prefill_flops_count_every_key_of_every_computed_token(tiny_qwen):
     layers, width = blink.attention_shape(tiny_qwen.model.config)
     assert layers == 2  # the tiny model's two full-attention layers; its linear layers have no quadratic term
     spans = [(0, 5), (5, 3)]  # a 5-token prefix, then a 3-token tail against it
     keys = sum(range(1, 6)) + sum(range(6, 9))
-    assert limits.attention_flops(tiny_qwen.model.config, spans) == 4 * layers * width * keys
+    cost = tiny_qwen.prefill_cost
+    assert cost.flops(spans) == cost.token_flops * 8 + 4 * layers * width * keys
 
 
 def test_subsample_and_percentile_rules():
