@@ -16,12 +16,11 @@ try:  # ZeroGPU: `spaces` must be imported before anything initialises CUDA
 except ImportError:  # off a Space, on a machine without the package
     spaces = None
 
-import hmac
+import functools
 import html
 import json
 import logging
 import os
-import uuid
 from collections.abc import Collection
 
 import anyio
@@ -32,6 +31,7 @@ from fastapi.responses import Response
 from gradio.context import LocalContext
 
 import blink
+from adapters import wire
 
 log = logging.getLogger("blink.app")
 
@@ -52,41 +52,15 @@ PRESETS: dict[str, dict] = {ex["name"]: ex for ex in map(blink.load_example, bli
 # ==================================================================================================================
 
 
-def parse_state(state):
-    """Evidence as blink reads it: JSON-looking text becomes JSON, other text stays text, objects pass through."""
-    if isinstance(state, (dict, list)):
-        return state
-    if not isinstance(state, str):
-        raise blink.BlinkError("state must be text or JSON", ["body", "state"])
-    if not state.strip():
-        raise blink.BlinkError("state is empty: give the evidence as text or JSON", ["body", "state"])
-    return blink.as_state(state)
-
-
-def parse_questions(questions):
-    """The questions object, from JSON text or an object (blink parses and checks it)."""
-    if isinstance(questions, str):
-        if not questions.strip():
-            raise blink.BlinkError("questions is empty: give a JSON object of named questions", ["body", "questions"])
-        return blink.json_text(questions, "questions")
-    return questions
-
-
 def parse_request(state, questions, temperature, images, prefer: str = "live") -> blink.Request:
-    """One request as the page or the API sends it, checked and parsed once."""
-    return DEPLOYMENT.request(parse_state(state), parse_questions(questions), images=images,
-                              temperature=temperature, prefer=prefer)
-
-
-def field_name(loc: list) -> str:
-    """A request location as a dotted field name: ['body', 'questions', 'q1', 'type'] -> 'questions.q1.type'."""
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts)
+    """One request as the page or the API sends it, checked and parsed once (blink.parse_request reads state and
+    questions given as JSON text the same for every entry); temperature None: the calibrated or default one."""
+    return DEPLOYMENT.request(state, questions, images=images, temperature=temperature, prefer=prefer)
 
 
 def error_text(exc: Exception) -> str:
     """The message a caller sees for a refused request, naming the field when there is one."""
-    field = field_name(getattr(exc, "loc", []))
+    field = blink.field_name(exc.loc) if isinstance(exc, (blink.BlinkError, blink.BlinkBusy)) else ""
     return f"{exc} (field: {field})" if field else str(exc)
 
 
@@ -401,12 +375,13 @@ def questions_text(questions: dict) -> str:
 
 
 def ui_result(state, questions, temperature, model, image=None) -> tuple[str, str, str]:
-    """(meta html, answers html, answer JSON) for the page; a refused request shows its message in place."""
+    """(meta html, answers html, answer JSON) for the page; a refused request shows its message in place.
+    `temperature` None lets the calibrated (or default) temperature apply; the meta line says which did."""
     try:
         request = parse_request(state, questions, temperature, image_uris(image), "saved")
         result = DEPLOYMENT.submit(request, model)
     except (blink.BlinkError, blink.BlinkBusy) as exc:
-        body = {"error": str(exc), "loc": getattr(exc, "loc", [])}
+        body = {"error": str(exc), "loc": exc.loc}
         return render_error(exc), "", json.dumps(body, ensure_ascii=False, indent=2)
     except Exception as exc:  # noqa: BLE001 - shown as a message, never as a traceback
         log.exception("request failed")
@@ -418,19 +393,24 @@ def ui_result(state, questions, temperature, model, image=None) -> tuple[str, st
             json.dumps(result, ensure_ascii=False, indent=2))
 
 
-def ui_decide(state, questions, temperature, model, image, progress=gr.Progress()):  # noqa: B008 - Gradio idiom
+def chosen_temperature(temperature, moved: bool) -> float | None:
+    """The slider's temperature once the person has moved it; before that None (calibration or the default)."""
+    return temperature if moved else None
+
+
+def ui_decide(state, questions, temperature, moved, model, image, progress=gr.Progress()):  # noqa: B008 - Gradio idiom
     """The Decide button: recorded presets come back at once, anything edited runs the live model."""
     progress(0, desc="Running the model…")
-    return ui_result(state, questions, temperature, model, image)
+    return ui_result(state, questions, chosen_temperature(temperature, moved), model, image)
 
 
-def ui_preset(name: str, temperature, model):
+def ui_preset(name: str, temperature, moved, model):
     """Load a preset into the editors and show its answers (from the recording when there is one)."""
     ex = PRESETS.get(name)
     if ex is None:
         return (gr.update(), gr.update(), "", render_error(blink.BlinkError(f"no preset named {name!r}")), "", "{}")
     st, qs = state_text(ex["state"]), questions_text(ex["questions"])
-    meta, answers, raw = ui_result(st, qs, temperature, model)
+    meta, answers, raw = ui_result(st, qs, chosen_temperature(temperature, moved), model)
     return st, qs, f'*{ex.get("description", "")}*', meta, answers, raw
 
 
@@ -453,7 +433,7 @@ def build_question(questions, name: str, qtype: str, instructions: str, options:
     """The questions JSON with one question added from the form (permute, multi and abstain only when set)."""
     name = (name or "").strip()
     try:
-        current = {} if (questions or "").strip() in ("", "{}") else parse_questions(questions)
+        current = {} if (questions or "").strip() in ("", "{}") else blink.coerce_questions(questions)
         if current:
             blink.parse_questions(current)
     except blink.BlinkError as exc:
@@ -501,7 +481,7 @@ def opening_view(name: str | None) -> tuple[str, str, str, str, str, str]:
     note = f'*{ex.get("description", "")}*'
     if not DEPLOYMENT.instant(DEPLOYMENT.request(ex["state"], ex["questions"], prefer="saved")):
         return st, qs, note, '<div class="bk-hint">Press <b>Decide</b> to run the live model.</div>', "", "{}"
-    return (st, qs, note, *ui_result(st, qs, SETTINGS.temperature, None))
+    return (st, qs, note, *ui_result(st, qs, None, None))
 
 
 def build_page() -> None:
@@ -545,7 +525,9 @@ def build_page() -> None:
                 add = gr.Button("Add to questions", size="sm", elem_id="q-add")
             with gr.Row():
                 temperature = gr.Slider(0.05, 5.0, value=SETTINGS.temperature, step=0.05, label="Temperature",
-                                        elem_id="temperature")
+                                        info="untouched: the calibrated or default temperature applies (the "
+                                             "answer line says which); moved: yours", elem_id="temperature")
+                moved = gr.State(False)  # whether the person has moved the slider
                 model = gr.Dropdown(DEPLOYMENT.models(), value=DEPLOYMENT.default_model, label="Model",
                                     visible=len(DEPLOYMENT.models()) > 1, elem_id="model")
             run_btn = gr.Button("Decide", variant="primary", elem_id="decide")
@@ -557,9 +539,10 @@ def build_page() -> None:
             with gr.Accordion("Answer JSON", open=False):
                 raw = gr.Code(raw0, language="json", interactive=False, max_lines=40, elem_id="raw")
     outputs = [meta, answers, raw]
-    preset.change(ui_preset, [preset, temperature, model], [evidence, questions, preset_note, *outputs],
+    temperature.input(lambda: True, None, moved, api_visibility="private", queue=False, show_progress="hidden")
+    preset.change(ui_preset, [preset, temperature, moved, model], [evidence, questions, preset_note, *outputs],
                   api_visibility="private", show_progress="minimal")
-    run_btn.click(ui_decide, [evidence, questions, temperature, model, image], outputs, api_visibility="private")
+    run_btn.click(ui_decide, [evidence, questions, temperature, moved, model, image], outputs, api_visibility="private")
     q_type.change(choice_only_controls, q_type, [q_permute, q_multi], api_visibility="private",
                   concurrency_limit=None, show_progress="hidden")
     add.click(build_question, [questions, q_name, q_type, q_instr, q_opts, q_permute, q_multi, q_min_mass, q_min_conf],
@@ -579,7 +562,7 @@ def _refuse(exc: Exception) -> gr.Error:
 
 # The docstrings of the API functions are also their MCP tool descriptions: Gradio reads each parameter's description
 # from its own line under Args, so those lines stay whole however long.
-def decide(state: str | dict | list, questions: str | dict, temperature: float = 1.0, model: str = "",
+def decide(state: str | dict | list, questions: str | dict, temperature: float | None = None, model: str = "",
            prefer: str = "live", images: list | None = None) -> dict:
     """Answer typed questions about some evidence with a language model in one forward pass: each answer is read
     from the model's next-token probabilities over the options, no text is generated. Question types: choice (pick
@@ -588,7 +571,7 @@ def decide(state: str | dict | list, questions: str | dict, temperature: float =
     Args:
         state: the evidence: text, JSON text, or a JSON object or array.
         questions: {name: question}, an object or JSON text. A question is {"type": "choice", "instructions": "...", "criteria": ["a", "b"] or {"a": "what a means"}}, {"type": "noul", "instructions": "...", "criteria": {"true": "what counts as yes"}} or {"type": "score", "instructions": "...", "criteria": ["lowest level", "...", "highest level"]}.
-        temperature: softmax temperature over the option labels, above 0 (1.0 is the model's own).
+        temperature: softmax temperature over the option labels, above 0; leave it out (null) for the deployment's calibrated or default one.
         model: which served model answers; "" for the default (the info tool lists them).
         prefer: "live" runs the model; "saved" lets a bundled example come from its recording.
         images: image data URIs (data:image/png;base64,...) for a vision model, shown after the state.
@@ -612,7 +595,7 @@ def in_batch(exc: blink.BlinkError, i: int) -> blink.BlinkError:
     return blink.BlinkError(str(exc), ["body", "requests", i, *exc.loc[1:]])
 
 
-def parse_batch(requests, temperature: float) -> list:
+def parse_batch(requests, temperature: float | None) -> list:
     """The request list of /decide_batch: each item parsed to a blink.Request, or the error it raised."""
     if isinstance(requests, str):
         requests = blink.json_text(requests, "requests")
@@ -635,7 +618,7 @@ def parse_batch(requests, temperature: float) -> list:
 def batch_item(result) -> dict:
     """One /decide_batch result as the caller reads it: the answer, or {error, loc} for a refused request."""
     if isinstance(result, (blink.BlinkError, blink.BlinkBusy)):
-        return {"error": error_text(result), "loc": getattr(result, "loc", [])}
+        return {"error": error_text(result), "loc": result.loc}
     if isinstance(result, gr.Error):  # ZeroGPU's own refusal (over quota, no GPU free)
         return {"error": f"{result.title}: {result.message}", "loc": []}
     if isinstance(result, Exception):
@@ -644,20 +627,22 @@ def batch_item(result) -> dict:
     return result
 
 
-def decide_batch(requests: list | str, temperature: float = 1.0, model: str = "") -> list:
+def decide_batch(requests: list | str, temperature: float | None = None, model: str = "") -> list:
     """Answer several requests in one call, packed into shared forward passes (the decide tool, for many pieces of
     evidence at once).
 
     Args:
         requests: a list of up to 64 {"state": ..., "questions": {...}} objects, each as decide takes them.
-        temperature: softmax temperature over the option labels, above 0.
+        temperature: softmax temperature over the option labels, above 0; leave it out (null) for the deployment's calibrated or default one.
         model: which served model answers; "" for the default.
 
     Returns:
         one item per request, in order: {answers, meta}, or {error, loc} for a request that was refused (the others are still answered).
     """
     try:
-        temperature, model = blink.check_temperature(temperature), DEPLOYMENT.model_id(model)
+        if temperature is not None:
+            temperature = blink.check_temperature(temperature)
+        model = DEPLOYMENT.model_id(model)
         results = DEPLOYMENT.submit_many(parse_batch(requests, temperature), model)
     except blink.BlinkError as exc:
         raise _refuse(exc) from None
@@ -686,19 +671,9 @@ def info() -> dict:
 # the same per-model Batcher as the page, so API and page traffic share forwards.
 
 WIRE = APIRouter(prefix="/v1")
+
+
 WIRE_THREADS = anyio.CapacityLimiter(SETTINGS.concurrency)  # never the threads Gradio's events run on
-
-
-def check_key(request: HTTPRequest) -> None:
-    """With BLINK_API_KEY set, the caller must send `Authorization: Bearer <key>` (compared in constant time; the
-    key itself never appears in a reply or a log); without it any Authorization header is accepted."""
-    key = SETTINGS.api_key
-    if key is None:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-        raise blink.WireError("missing or wrong API key: send the deployment's key as Authorization: Bearer <key>",
-                              [], 401, "authentication_error")
 
 
 def check_room() -> None:
@@ -706,31 +681,26 @@ def check_room() -> None:
     full."""
     stats = WIRE_THREADS.statistics()
     if stats.borrowed_tokens >= stats.total_tokens and stats.tasks_waiting >= SETTINGS.queue_size:
-        raise blink.WireError(f"busy: {SETTINGS.concurrency} requests are running and {SETTINGS.queue_size} waiting; "
-                              "retry shortly", [], 503, "overloaded", retry_after=1)
+        raise wire.WireError(f"busy: {SETTINGS.concurrency} requests are running and {SETTINGS.queue_size} waiting; "
+                             "retry shortly", [], 503, "overloaded", retry_after=1)
 
 
 async def read_body(request: HTTPRequest) -> tuple[object, dict[str, bytes]]:
     """The request body, refused past BLINK_MAX_BODY_BYTES before it is read whole (a declared length at once, a
-    chunked body as it arrives), with its zstd encoding undone; then JSON, or a multipart form whose `request` part
-    is the JSON and whose other parts are images (returned by name)."""
+    chunked body as it arrives), then decoded by wire.request_body; a multipart form's parts read here."""
     limit = SETTINGS.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.strip().isdigit() and int(declared) > limit:
-        raise blink.body_too_large(limit)
+        raise wire.body_too_large(limit)
     raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > limit:
-            raise blink.body_too_large(limit)
-    data = blink.decoded_body(bytes(raw), request.headers.get("content-encoding", ""), limit)
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind == "multipart/form-data":
+            raise wire.body_too_large(limit)
+    data = wire.decoded_body(bytes(raw), request.headers.get("content-encoding", ""), limit)
+    if wire.is_multipart(request.headers.get("content-type", "")):
         return await read_form(request, data, limit)
-    if kind and kind != "application/json" and not kind.endswith("+json"):
-        raise blink.WireError(f"Content-Type {kind!r:.60} is not supported: send application/json (or "
-                              "multipart/form-data with images)", ["body"], 415, "unsupported_media_type")
-    return blink.wire_json(data), {}
+    return wire.request_body(data, request.headers.get("content-type", "")), {}
 
 
 async def read_form(request: HTTPRequest, data: bytes, limit: int) -> tuple[object, dict[str, bytes]]:
@@ -741,26 +711,21 @@ async def read_form(request: HTTPRequest, data: bytes, limit: int) -> tuple[obje
     try:
         form = await HTTPRequest(request.scope, replay).form(max_files=64, max_fields=64, max_part_size=limit)
     except Exception as exc:  # noqa: BLE001 - any malformed form is the caller's
-        raise blink.WireError(f"the multipart body cannot be read: {getattr(exc, 'detail', exc)}", ["body"], 400,
-                              "invalid_request") from None
-    parts = {name: value for name, value in form.multi_items()}
-    if "request" not in parts:
-        raise blink.WireError("the multipart body needs a `request` part holding the JSON request",
-                              ["body", "request"], kind="missing")
-    main = parts.pop("request")
-    body = blink.wire_json(await main.read() if hasattr(main, "read") else main.encode())
-    return body, {name: await v.read() if hasattr(v, "read") else v.encode() for name, v in parts.items()}
+        raise wire.WireError(f"the multipart body cannot be read: {getattr(exc, 'detail', exc)}", ["body"], 400,
+                             "invalid_request") from None
+    parts = {name: await v.read() if hasattr(v, "read") else v.encode() for name, v in form.multi_items()}
+    return wire.form_body(parts)
 
 
 def quota_request(request: HTTPRequest) -> gr.Request | None:
     """On ZeroGPU, @spaces.GPU charges the caller whose X-IP-Token (which Hugging Face adds to every request) it finds
     in Gradio's request context. A wire route has none of its own, so it is handed that one header, as a Gradio
-    event would be (nothing else of the request, the API key least of all)."""
+    event would be (nothing else of the request, the API key least of all). Tested off a Space only."""
     token = request.headers.get("x-ip-token")
     return gr.Request(headers={"x-ip-token": token}) if token else None
 
 
-def answer_wire(protocol: blink.WireProtocol, body, parts: dict, quota: gr.Request | None) -> dict:
+def answer_wire(protocol: wire.WireProtocol, body, parts: dict, quota: gr.Request | None) -> dict:
     """Parse, answer through the model's Batcher, shape; in a wire thread whose context carries the caller's ZeroGPU
     token (the Batcher runs a batch in its oldest caller's context)."""
     if quota is not None:
@@ -776,34 +741,24 @@ def gpu_refusal(exc: Exception) -> Exception:
     if not (isinstance(exc, gr.Error) and title.startswith("ZeroGPU")):
         return exc
     quota = "quota" in title.lower() or "credits" in title.lower()
-    return blink.WireError(f"{title}: {exc.message}", [], 429 if quota else 503,
-                           "rate_limit_exceeded" if quota else "overloaded", retry_after=60 if quota else 5)
+    return wire.WireError(f"{title}: {exc.message}", [], 429 if quota else 503,
+                          "rate_limit_exceeded" if quota else "overloaded", retry_after=60 if quota else 5)
 
 
-def wire_reply(protocol: blink.WireProtocol, payload: dict | None, exc: Exception | None = None) -> Response:
-    """The JSON reply of a wire route: the answer, or the protocol's error body with its status (Retry-After when
-    retrying helps); a request id header either way."""
-    status, headers = 200, {protocol.request_id_header: f"req_{uuid.uuid4().hex}"}
+def wire_reply(protocol: wire.WireProtocol, payload: dict | None, exc: Exception | None = None) -> Response:
+    """The JSON reply of a wire route (wire.reply shapes it); a failure inside the model is logged here."""
     if exc is not None:
-        err = blink.wire_refusal(gpu_refusal(exc))
-        if err.status >= 500 and err.kind == "server_error":
+        exc = gpu_refusal(exc)
+        if wire.wire_refusal(exc).kind == "server_error":
             log.error("wire request failed: %r", exc)
-        status, payload = protocol.error(err)
-        if err.retry_after is not None:
-            headers["retry-after"] = f"{err.retry_after:g}"
-        if err.status == 401:
-            headers["www-authenticate"] = "Bearer"
-    try:
-        content = json.dumps(payload, ensure_ascii=False, allow_nan=False)
-    except ValueError:  # a non-finite number from the model
-        return wire_reply(protocol, None, RuntimeError("the model returned a non-finite number"))
+    status, headers, content = wire.reply(protocol, payload, exc)
     return Response(content, status, headers, media_type="application/json")
 
 
-async def wire_route(request: HTTPRequest, protocol: blink.WireProtocol) -> Response:
+async def wire_route(request: HTTPRequest, protocol: wire.WireProtocol) -> Response:
     """One wire call: key, room, body; then parsed, answered and shaped in a wire thread."""
     try:
-        check_key(request)
+        wire.check_bearer(request.headers.get("authorization", ""), SETTINGS.api_key)
         check_room()
         body, parts = await read_body(request)
         payload = await anyio.to_thread.run_sync(answer_wire, protocol, body, parts, quota_request(request),
@@ -816,23 +771,23 @@ async def wire_route(request: HTTPRequest, protocol: blink.WireProtocol) -> Resp
 @WIRE.post("/systemone")
 async def systemone(request: HTTPRequest) -> Response:
     """TypeSafe's System One API: {model, state, questions, assets?} -> {model, answers, usage}."""
-    return await wire_route(request, blink.SYSTEM_ONE)
+    return await wire_route(request, wire.SYSTEM_ONE)
 
 
 @WIRE.post("/decisions")
 async def decisions(request: HTTPRequest) -> Response:
     """OpenAI's Decisions API: {model, input, questions} -> {model, answers, usage}."""
-    return await wire_route(request, blink.DECISIONS)
+    return await wire_route(request, wire.DECISIONS)
 
 
 @WIRE.get("/models")
 async def models(request: HTTPRequest) -> Response:
     """The served models (and the default model's alias) as System One clients list them."""
     try:
-        check_key(request)
-    except blink.WireError as exc:
-        return wire_reply(blink.SYSTEM_ONE, None, exc)
-    return wire_reply(blink.SYSTEM_ONE, blink.models_listing(DEPLOYMENT))
+        wire.check_bearer(request.headers.get("authorization", ""), SETTINGS.api_key)
+    except wire.WireError as exc:
+        return wire_reply(wire.SYSTEM_ONE, None, exc)
+    return wire_reply(wire.SYSTEM_ONE, wire.models_listing(DEPLOYMENT))
 
 
 # ==================================================================================================================
@@ -864,15 +819,46 @@ def start() -> gr.Blocks:
     return build_demo()
 
 
-demo = start()
+@functools.cache
+def built_demo() -> gr.Blocks:
+    """The page and its models, built once, on first use: importing app.py builds nothing, launching does."""
+    return start()
+
+
+def __getattr__(name: str):
+    """`app.demo`, the Blocks app Gradio's tools look for, built on first access."""
+    if name == "demo":
+        return built_demo()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def json_tool_results() -> None:
+    """MCP tool results as JSON text an agent parses: Gradio writes a tool's dict or list result with str(), Python's
+    repr. Its result writer is given JSON text instead (file results keep Gradio's own handling)."""
+    from gradio import mcp
+    from gradio_client import utils as client_utils
+
+    write = mcp.GradioMCPServer.postprocess_output_data
+    if getattr(write, "writes_json", False):
+        return
+
+    def write_json(self, data, root_url: str):
+        as_json = [json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list))
+                   and not client_utils.is_file_obj_with_meta(v) else v for v in data]
+        return write(self, as_json, root_url)
+
+    write_json.writes_json = True
+    mcp.GradioMCPServer.postprocess_output_data = write_json
 
 
 def launch(**kwargs):
-    """Start the server with the page's theme and styles (Gradio 6 takes them at launch), the wire routes on the same
-    port, and the API as MCP tools. Server-side rendering stays off: with it (Spaces turn it on) a Node front answers
-    every path but Gradio's own, the /v1 routes included."""
-    return demo.launch(theme=gr.themes.Soft(), css=CSS, ssr_mode=False, mcp_server=True,
-                       app_kwargs={"routes": WIRE.routes}, **kwargs)
+    """Build the models and the page, then start the server with the page's theme and styles (Gradio 6 takes them at
+    launch), the wire routes on the same port, and the API as MCP tools whose results are JSON. Server-side rendering
+    stays off: with it (Spaces turn it on) a Node front answers every path but Gradio's own, the /v1 routes
+    included."""
+    json_tool_results()
+    return built_demo().launch(theme=gr.themes.Soft(), css=CSS, ssr_mode=False, mcp_server=True,
+                               app_kwargs={"routes": WIRE.routes}, **kwargs)
 
 
 if __name__ == "__main__":

@@ -67,8 +67,9 @@ import sys
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
@@ -101,7 +102,12 @@ class ImageError(BlinkError):
 
 
 class BlinkBusy(RuntimeError):
-    """The batching queue is full: the server is over capacity (retry shortly)."""
+    """The batching queue is full: the server is over capacity (retry shortly); `loc` as BlinkError's (empty: the
+    request as a whole)."""
+
+    def __init__(self, message: str, loc: list | None = None):
+        super().__init__(message)
+        self.loc = list(loc) if loc else []
 
 
 # ==================================================================================================================
@@ -200,7 +206,7 @@ def parse_model_list(value: str) -> tuple[tuple[str, str | None], ...]:
     return tuple(specs)
 
 
-def _cuda() -> bool:
+def cuda_available() -> bool:
     """True when torch is installed and sees a CUDA device."""
     if importlib.util.find_spec("torch") is None:
         return False
@@ -390,7 +396,7 @@ class Settings:
         values["models"] = parse_model_list(env.get("BLINK_MODELS", "")) or (
             ((single, env_word(env, "BLINK_REVISION", None)),) if single else ())
         zero_gpu = _zero_gpu(env)
-        return cls(**values, gpu=zero_gpu or _cuda() if gpu is None else gpu, zero_gpu=zero_gpu,
+        return cls(**values, gpu=zero_gpu or cuda_available() if gpu is None else gpu, zero_gpu=zero_gpu,
                    on_space=bool(env.get("SPACE_ID")))
 
 
@@ -427,17 +433,17 @@ def text(x) -> str:
     return json.dumps(x, ensure_ascii=False, indent=2)
 
 
-def json_text(value: str, field_name: str):
+def json_text(value: str, name: str):
     """A field given as JSON text, parsed; a BlinkError naming the field when it does not parse."""
     try:
         return json.loads(value)
     except json.JSONDecodeError as exc:
-        raise BlinkError(f"{field_name} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-                         ["body", field_name]) from None
+        raise BlinkError(f"{name} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
+                         ["body", name]) from None
     except RecursionError:
-        raise BlinkError(f"{field_name} nests too deep to read", ["body", field_name]) from None
+        raise BlinkError(f"{name} nests too deep to read", ["body", name]) from None
     except ValueError as exc:  # an integer with more digits than Python converts
-        raise BlinkError(f"{field_name} cannot be read: {exc}", ["body", field_name]) from None
+        raise BlinkError(f"{name} cannot be read: {exc}", ["body", name]) from None
 
 
 def as_state(state):
@@ -457,12 +463,12 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")  # valid as JSON escapes, yet no enc
 _TOO_LONG_INT = 10**MAX_INT_DIGITS
 
 
-def _is_text(s: str) -> bool:
+def is_text(s: str) -> bool:
     """False for a string holding a lone surrogate (no tokenizer, hash or recording can encode it)."""
     return s.isascii() or not _SURROGATE.search(s)
 
 
-def _where(loc: list) -> str:
+def field_name(loc: list) -> str:
     """A request location as a dotted name: ['body', 'state', 'a', 0] -> 'state.a.0'."""
     return ".".join(map(str, loc[1:]))
 
@@ -475,23 +481,23 @@ def check_json(value, loc: list, budget: int, max_depth: int, limit: int | None 
     while pending:
         item, where, depth = pending.pop()
         if depth > max_depth:
-            raise BlinkError(f"{_where(where)} nests deeper than {max_depth} levels", where)
+            raise BlinkError(f"{field_name(where)} nests deeper than {max_depth} levels", where)
         if isinstance(item, str):
-            if not _is_text(item):
-                raise BlinkError(f"{_where(where)} is not valid Unicode text (a lone surrogate)", where)
+            if not is_text(item):
+                raise BlinkError(f"{field_name(where)} is not valid Unicode text (a lone surrogate)", where)
             chars += len(item)
         elif isinstance(item, dict):
             for k, v in item.items():
-                if not isinstance(k, str) or not _is_text(k):
-                    raise BlinkError(f"{_where(where)} has a non-text key {k!r:.80}", where)
+                if not isinstance(k, str) or not is_text(k):
+                    raise BlinkError(f"{field_name(where)} has a non-text key {k!r:.80}", where)
                 chars += len(k)
                 pending.append((v, [*where, k], depth + 1))
         elif isinstance(item, (list, tuple)):
             pending.extend((v, [*where, i], depth + 1) for i, v in enumerate(item))
         elif isinstance(item, int) and not isinstance(item, bool) and abs(item) >= _TOO_LONG_INT:
-            raise BlinkError(f"{_where(where)} is an integer of over {MAX_INT_DIGITS} digits", where)
+            raise BlinkError(f"{field_name(where)} is an integer of over {MAX_INT_DIGITS} digits", where)
         elif item is not None and not isinstance(item, (bool, int, float)):
-            raise BlinkError(f"{_where(where)} must be text or JSON (got {type(item).__name__})", where)
+            raise BlinkError(f"{field_name(where)} must be text or JSON (got {type(item).__name__})", where)
         if chars > budget:
             raise BlinkError(f"the request holds over {limit or budget} characters of text", ["body"])
     return chars
@@ -750,25 +756,43 @@ class Request:
     state: object
     questions: tuple[Question, ...]
     spec: dict  # the questions as sent: the recording key and the page read them
+    key: str  # the recording key, computed once
+    located: ImageSubmission | None  # its images, located and counted once (None: it has none)
     images: tuple = ()
     temperature: float | None = None
     prefer: str = "live"
     bias: dict | None = None
 
-    def key(self) -> str:
-        """The request's recording key."""
-        return request_key(self.state, self.spec)
-
     def holds_images(self) -> bool:
         """True when the request carries images: a non-empty `images` list or a data URI inside the state."""
-        return bool(self.images) or contains_image_uri(self.state)
+        return self.located is not None
+
+
+def coerce_questions(questions):
+    """Questions as every entry takes them: an object, or JSON text holding one (blank text is refused)."""
+    if not isinstance(questions, str):
+        return questions
+    if not questions.strip():
+        raise BlinkError("questions is empty: give a JSON object of named questions", ["body", "questions"])
+    return json_text(questions, "questions")
+
+
+def coerce_state(state):
+    """Evidence as every entry takes it: text that parses as a JSON object or array is that JSON (as_state), other
+    text stays text, blank text is refused, JSON values pass through."""
+    if isinstance(state, str) and not state.strip():
+        raise BlinkError("state is empty: give the evidence as text or JSON", ["body", "state"])
+    return as_state(state)
 
 
 def parse_request(state, questions, *, images=None, temperature=None, prefer: str = "live", bias: dict | None = None,
                   settings: Settings | None = None) -> Request:
-    """A whole request (size, nesting, types, every question, temperature) checked and parsed before any model
-    work; `images` is a list of data URIs (None: none). Limits come from `settings` (default: the environment's)."""
+    """A whole request (size, nesting, types, every question, temperature, where its images stand) checked and
+    parsed before any model work, the same for every entry (page, API, MCP, wire routes, batch, decide()): state and
+    questions given as JSON text are read by coerce_state and coerce_questions. `images` is a list of data URIs
+    (None: none). Limits come from `settings` (default: the environment's)."""
     settings = settings or env_settings()
+    state, questions = coerce_state(state), coerce_questions(questions)
     budget, depth = settings.max_request_chars, settings.max_json_depth
     used = check_json(state, ["body", "state"], budget, depth)
     check_json(questions, ["body", "questions"], budget - used, depth, budget)
@@ -779,7 +803,10 @@ def parse_request(state, questions, *, images=None, temperature=None, prefer: st
         raise BlinkError(f"prefer must be 'live' or 'saved' (got {prefer!r:.80})", ["body", "prefer"])
     if images is not None and not isinstance(images, list):
         raise ImageError("images must be a list of data URIs", ["body", "images"])
-    return Request(state, parsed, questions, tuple(images or ()), temperature, prefer, bias)
+    images = tuple(images or ())
+    located = locate_images(state, images, settings.image_limits)
+    return Request(state, parsed, questions, request_key(state, questions), located, images, temperature, prefer,
+                   bias)
 
 
 def request_key(state, questions: dict) -> str:
@@ -841,12 +868,12 @@ def softmax(logits: list[float], temperature: float) -> list[float]:
     return [v / s for v in e]
 
 
-def _confidence(p_top: float, k: int) -> float:
+def choice_confidence(p_top: float, k: int) -> float:
     """How far the top probability stands above uniform, 0 (uniform) to 1 (certain)."""
     return (p_top - 1 / k) / (1 - 1 / k) if k > 1 else 1.0
 
 
-def _top(keys: list[str], probs: list[float]) -> str:
+def top_key(keys: list[str], probs: list[float]) -> str:
     """The most probable key; ties go to the earlier option."""
     return keys[max(range(len(keys)), key=lambda i: (probs[i], -i))]
 
@@ -857,9 +884,9 @@ def answer_for(question: Question, probs: list[float]) -> dict:
     keys = question.keys
     z = sum(probs) or 1.0
     p = {k: v / z for k, v in zip(keys, probs)}
-    best = _top(keys, [p[k] for k in keys])
+    best = top_key(keys, [p[k] for k in keys])
     if question.type == "choice":
-        return {"type": "choice", "choice": best, "probabilities": p, "confidence": _confidence(p[best], len(keys))}
+        return {"type": "choice", "choice": best, "probabilities": p, "confidence": choice_confidence(p[best], len(keys))}
     if question.type == "noul":
         return {"type": "noul", "noul": p["yes"], "probabilities": p}
     return {
@@ -868,7 +895,7 @@ def answer_for(question: Question, probs: list[float]) -> dict:
         "probabilities": p,
         "legend": {k: text(question.spec["criteria"][int(k)]) for k in keys},
         "choice": best,
-        "confidence": min(1.0, max(0.0, _confidence(p[best], len(keys)))),
+        "confidence": min(1.0, max(0.0, choice_confidence(p[best], len(keys)))),
     }
 
 
@@ -927,7 +954,7 @@ def multi_answer(keys: list[str], p_yes: list[float]) -> dict:
     """A multi-label choice: independent p(yes) per option, and the options above 0.5 in request order."""
     p = dict(zip(keys, p_yes))
     return {"type": "choice", "multi": True, "choices": [k for k in keys if p[k] > 0.5], "probabilities": p,
-            "confidence": min(_confidence(max(v, 1 - v), 2) for v in p_yes)}
+            "confidence": min(choice_confidence(max(v, 1 - v), 2) for v in p_yes)}
 
 
 _PICKS = {"choice": ("choice",), "noul": ("noul",), "score": ("score", "choice")}
@@ -938,7 +965,7 @@ def answer_confidence(answer: dict) -> float:
     if "confidence" in answer:
         return answer["confidence"]
     p = answer["probabilities"]["yes"]
-    return _confidence(max(p, 1 - p), 2)
+    return choice_confidence(max(p, 1 - p), 2)
 
 
 def abstention_reasons(rule: dict[str, float], mass: float | None, confidence: float) -> list[str]:
@@ -979,7 +1006,7 @@ def answer_question(question: Question, readout: Readout, temperature: float) ->
         answer = answer_for(question, average(dists))
         if question.rotations is not None:
             answer["rotations"] = len(dists)
-            answer["rotation_choices"] = [_top(keys, d) for d in dists]
+            answer["rotation_choices"] = [top_key(keys, d) for d in dists]
             answer["order_sensitivity"] = order_sensitivity(dists)
     answer["label_mass"] = readout_mass(readout)
     return apply_abstention(answer, question.abstain) if question.abstain else answer
@@ -997,12 +1024,14 @@ def assemble(request: Request, readouts: dict[str, Readout], temperatures: dict[
 
 @dataclass(frozen=True)
 class ImageSubmission:
-    """A request's images located and counted, nothing decoded yet; `loc` is where the first image stands."""
+    """A request's images located and counted, nothing decoded yet: the (start, end) spans of the data URIs in each
+    string of the state, by the string's location; `loc` is where the first image stands."""
 
     state: object
     images: tuple
     limits: ImageLimits
     loc: list
+    spans: dict = field(default_factory=dict)  # tuple(loc) -> [(start, end), ...]
 
 
 @dataclass(frozen=True)
@@ -1019,13 +1048,13 @@ class ImageRequest:
 
 
 MAX_HEADER = 256  # how far past "data:image/" a header's comma is looked for
-_IMAGE_PREFIX = "data:image/"
+IMAGE_PREFIX = "data:image/"
 _CANONICAL_IMAGE_URI = re.compile(r"data:image/(?:png|jpeg|webp);base64,[A-Za-z0-9+/]*={0,2}", re.IGNORECASE)
 _IMAGE_DATA = re.compile(r"data:(image/(?:png|jpeg|webp));base64,([A-Za-z0-9+/]+={0,2})\Z", re.IGNORECASE)
 _IMAGE_FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP"}
 _CANONICAL_IMAGE_HEADERS = {f"data:{mime};base64" for mime in _IMAGE_FORMATS}
 _BAD_IMAGE_URI = "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data"
-def _scan_image_uris(value: str) -> Iterator[tuple[int, int, str | None]]:
+def scan_image_uris(value: str) -> Iterator[tuple[int, int, str | None]]:
     """(start, end, error) per image data URI in a string: a canonical URI's span, or a refused header's error.
     "data:image/" without a ";base64," header within MAX_HEADER characters is plain text."""
     low = value.lower()
@@ -1034,17 +1063,17 @@ def _scan_image_uris(value: str) -> Iterator[tuple[int, int, str | None]]:
         low = "".join(char.lower() if len(char.lower()) == 1 else char for char in value)
     pos = 0
     while True:
-        start = low.find(_IMAGE_PREFIX, pos)
+        start = low.find(IMAGE_PREFIX, pos)
         if start < 0:
             return
         comma = low.find(",", start, start + MAX_HEADER)
         if comma < 0:
-            pos = start + len(_IMAGE_PREFIX)
+            pos = start + len(IMAGE_PREFIX)
             continue
         header = low[start:comma]
         compact = "".join(header.split())
         if not compact.endswith(";base64"):
-            pos = start + len(_IMAGE_PREFIX)
+            pos = start + len(IMAGE_PREFIX)
             continue
         if compact not in _CANONICAL_IMAGE_HEADERS or header != compact:
             error = ("image data URI parameters or whitespace are not supported"
@@ -1066,7 +1095,7 @@ def contains_image_uri(value) -> bool:
     pending = [value]
     while pending:
         item = pending.pop()
-        if isinstance(item, str) and next(_scan_image_uris(item), None) is not None:
+        if isinstance(item, str) and next(scan_image_uris(item), None) is not None:
             return True
         if isinstance(item, dict):
             pending.extend(item.values())
@@ -1075,7 +1104,7 @@ def contains_image_uri(value) -> bool:
     return False
 
 
-def _state_strings(state) -> Iterator[tuple[str, list]]:
+def state_strings(state) -> Iterator[tuple[str, list]]:
     """Every string in the state with its location in the request body, in the order the JSON renders them."""
     pending = [(state, ["body", "state"])]
     while pending:
@@ -1093,22 +1122,20 @@ def _listed_uri(uri, i: int, count: int) -> None:
     loc = ["body", "images", i]
     if not isinstance(uri, str):
         raise ImageError(f"image {count + 1} must be a data URI", loc)
-    first = next(_scan_image_uris(uri), None)
+    first = next(scan_image_uris(uri), None)
     if first is None or first[0] != 0:
         raise ImageError(_BAD_IMAGE_URI, loc)
     if first[2] is not None:
         raise ImageError(first[2], loc)
 
 
-def inspect_images(state, images=(), limits: ImageLimits = ImageLimits()) -> ImageSubmission | None:
-    """Locate and count a request's images (inside the state, and the listed data URIs) without decoding any
-    base64 or pixel; None when it has none."""
+def locate_images(state, images=(), limits: ImageLimits = ImageLimits()) -> ImageSubmission | None:
+    """Locate and count a request's images (inside the state, and the listed data URIs) in one scan, without
+    decoding any base64 or pixel; None when it has none."""
     images = () if images is None else images
-    if not images and not contains_image_uri(state):
-        return None
     if not isinstance(images, (list, tuple)):
         raise ImageError("images must be a list of data URIs", ["body", "images"])
-    count, first_loc = 0, None
+    count, first_loc, spans = 0, None, {}
 
     def count_one(loc: list) -> None:
         nonlocal count, first_loc
@@ -1117,15 +1144,16 @@ def inspect_images(state, images=(), limits: ImageLimits = ImageLimits()) -> Ima
             raise ImageError(f"at most {limits.max_images} images per request", loc)
         first_loc = first_loc or loc
 
-    for value, loc in _state_strings(state):
-        for _, _, error in _scan_image_uris(value):
+    for value, loc in state_strings(state):
+        for start, end, error in scan_image_uris(value):
             if error is not None:
                 raise ImageError(error, loc)
             count_one(loc)
+            spans.setdefault(tuple(loc), []).append((start, end))
     for i, uri in enumerate(images):
         _listed_uri(uri, i, count)
         count_one(["body", "images", i])
-    return ImageSubmission(state, tuple(images), limits, first_loc) if count else None
+    return ImageSubmission(state, tuple(images), limits, first_loc, spans) if count else None
 
 
 def _image_size(height: int, width: int, limits: ImageLimits) -> tuple[int, int]:
@@ -1199,7 +1227,7 @@ def _decode_image(uri: str, index: int, loc: list, limits: ImageLimits) -> Image
         raise ImageError(f"image {index} cannot be decoded: {exc}", loc) from None
 
 
-def _map_state_values(value, loc: list, transform):
+def map_values(value, loc: list, transform):
     """A copy of the state with every non-container value replaced by transform(value, loc); no recursion."""
     if not isinstance(value, (dict, list)):
         return transform(value, loc)
@@ -1258,14 +1286,12 @@ def decode_images(submission: ImageSubmission) -> ImageRequest:
         if not isinstance(value, str):
             return value
         parts, offset = [], 0
-        for start, end, error in _scan_image_uris(value):
-            if error is not None:
-                raise ImageError(error, loc)
+        for start, end in submission.spans.get(tuple(loc), ()):
             parts.extend((value[offset:start], add(value[start:end], loc)))
             offset = end
         return "".join(parts) + value[offset:] if parts else value
 
-    marked = _map_state_values(submission.state, ["body", "state"], lift)
+    marked = map_values(submission.state, ["body", "state"], lift)
     marked = _attach(marked, [add(uri, ["body", "images", i]) for i, uri in enumerate(submission.images)])
     names = {marker: f"[image {i}]" for i, marker in enumerate(markers, 1)}
 
@@ -1275,13 +1301,13 @@ def decode_images(submission: ImageSubmission) -> ImageRequest:
                 value = value.replace(marker, name)
         return value
 
-    return ImageRequest(_map_state_values(marked, ["body", "state"], visible), marked, tuple(found),
+    return ImageRequest(map_values(marked, ["body", "state"], visible), marked, tuple(found),
                         tuple(markers), limits, submission.loc)
 
 
 def extract_images(state, images=(), limits: ImageLimits = ImageLimits()) -> ImageRequest | None:
     """Locate, count, then decode a request's images (inline data URIs and/or the images list); None if none."""
-    submission = inspect_images(state, images, limits)
+    submission = locate_images(state, images, limits)
     return decode_images(submission) if submission is not None else None
 
 
@@ -1350,6 +1376,13 @@ class Engine:
     reads_images = False
     fabricated = False
     recording: Recording | None = None
+    source: str | None = None  # where the model's weights are read from (a folder or a hub id); None: no weights
+    revision: str | None = None  # the hub revision of those weights (None: the default branch, or none)
+
+    @property
+    def live(self) -> Engine:
+        """The engine that runs the model for live requests: this one (a hybrid engine names its live half)."""
+        return self
 
     def __init__(self, model_id: str, settings: Settings):
         self.model_id = model_id
@@ -1357,12 +1390,13 @@ class Engine:
         self.image_limits = settings.image_limits
 
     def images(self, request: Request) -> ImageSubmission | None:
-        """The request's images located and counted (nothing decoded), or None; refused at the first image's
-        location when the model reads text only."""
-        submission = inspect_images(request.state, request.images, self.image_limits)
-        if submission is not None and not self.reads_images:
-            raise ImageError("this model reads text only", submission.loc)
-        return submission
+        """The request's located images under this engine's limits (nothing decoded), or None; refused at the first
+        image's location when the model reads text only."""
+        if request.located is None:
+            return None
+        if not self.reads_images:
+            raise ImageError("this model reads text only", request.located.loc)
+        return replace(request.located, limits=self.image_limits)
 
     def prepare(self, request: Request) -> Job:
         """The request made ready to run (or its error raised)."""
@@ -1547,11 +1581,11 @@ class Recording:
 
     def has(self, request: Request) -> bool:
         """True when this exact request was recorded."""
-        return request.key() in self.requests
+        return request.key in self.requests
 
     def readouts(self, request: Request) -> tuple[dict[str, Readout], dict]:
         """The recorded readout of this exact request and its entry, or ReplayMiss."""
-        hit = self.requests.get(request.key())
+        hit = self.requests.get(request.key)
         if hit is None or set(hit["logits"]) != {q.key for q in request.questions}:
             raise ReplayMiss(
                 "Edited input. This page only has saved runs for the built-in examples and presets. "
@@ -1903,8 +1937,9 @@ def graft_text_weights(vision_model, text_model) -> int:
 
 
 # Live engines by id. The GPU function looks its engine up here instead of receiving it as an argument: on ZeroGPU
-# the call runs in a forked worker where only module-level state carries the real weights.
-_LIVE: dict = {}
+# the call runs in a forked worker where only module-level state carries the real weights. Held weakly: an engine
+# its deployment replaced (Deployment.install) and nothing else holds is released with its weights.
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 @dataclass
@@ -2358,7 +2393,7 @@ class VllmEngine(PromptEngine):
             t0 = time.perf_counter()
             outputs = self.llm.generate([{"prompt_token_ids": prompts[i].ids} for i, _ in requests], params,
                                         use_tqdm=False)
-            model_ms = _since_ms(t0)
+            model_ms = since_ms(t0)
         if len(outputs) != len(requests):
             raise RuntimeError(f"vLLM answered {len(outputs)} of {len(requests)} prompts")
         scores: list[list[float]] = [[] for _ in prompts]
@@ -2391,7 +2426,8 @@ class HybridEngine(Engine):
 
     def __init__(self, replay: ReplayEngine | None, live: PromptEngine):
         super().__init__(live.model_id, live.settings)
-        self.replay, self.live = replay, live
+        self.replay, self._live = replay, live
+        self.source, self.revision = live.source, live.revision
         self.recording = replay.recording if replay is not None else None
         self.reads_images = live.reads_images
         self.image_limits = live.image_limits
@@ -2401,7 +2437,12 @@ class HybridEngine(Engine):
         if (request.prefer == "saved" and self.replay is not None and not request.holds_images()
                 and self.recording.has(request)):
             return self.replay.prepare(request)
-        return self.live.prepare(request)
+        return self._live.prepare(request)
+
+    @property
+    def live(self) -> PromptEngine:
+        """The live half: the model everything but a recorded example runs on."""
+        return self._live
 
     def run(self, jobs: list[Job]) -> list[Forward | Exception]:
         """Each job by the half that prepared it."""
@@ -2790,7 +2831,7 @@ def _forward(key: int, seqs: list[list[int]], cands: list[list[int]],
                 computed += sum(map(len, group))
             for i, row in zip(rows, part):
                 out[i], cached[i] = row, read
-    return out, Prefill(_since_ms(t0), computed, cached)
+    return out, Prefill(since_ms(t0), computed, cached)
 
 
 def _stamp(device, sync: bool) -> float:
@@ -2866,7 +2907,7 @@ def answer_meta(engine: Engine, forward: Forward, temps: dict[str, float], sourc
     return {**meta, **forward.extra}
 
 
-def _since_ms(t0: float) -> float:
+def since_ms(t0: float) -> float:
     """Milliseconds since a perf_counter stamp, rounded."""
     return round((time.perf_counter() - t0) * 1000, 1)
 
@@ -3015,11 +3056,14 @@ class Deployment:
         return {"answers": assemble(job.request, forward.readouts, temps),
                 "meta": answer_meta(job.engine, forward, temps, sources, latency_ms)}
 
-    def _answer_all(self, items: list, model: str | None) -> list:
-        """Parsed requests (or the error parsing each raised) prepared, run together and answered; one result or
-        exception per item, in order. One request's failure never reaches another."""
+    def answer_all(self, items: list, model: str | None, run_live: Callable[[list[Job]], list] = run_jobs) -> list:
+        """The one request path: parsed requests (or the error parsing each raised) prepared in the caller's thread
+        (tokenizing and image decoding never hold up the model), run, and answered; one result or exception per
+        item, in order. A recording or the mock answers at once; live jobs go to `run_live` together (run_jobs in
+        this thread, or a Batcher that packs them with other callers'). One request's failure never reaches
+        another."""
         eng = self.engine(model)
-        t0 = time.perf_counter()
+        started = time.perf_counter()
         out: list = list(items)
         jobs: dict[int, Job] = {}
         for i, item in enumerate(items):
@@ -3027,10 +3071,13 @@ class Deployment:
                 out[i] = _or_error(eng.prepare, item)
                 if isinstance(out[i], Job):
                     jobs[i] = out[i]
-        results = run_jobs(list(jobs.values()))
-        latency_ms = _since_ms(t0)
-        for (i, job), result in zip(jobs.items(), results):
-            out[i] = result if isinstance(result, Exception) else _or_error(self.answer, job, result, latency_ms)
+        instant = [i for i, job in jobs.items() if not job.engine.runs_model]
+        live = [i for i, job in jobs.items() if job.engine.runs_model]
+        results = dict(zip(instant, run_jobs([jobs[i] for i in instant])))
+        if live:
+            results.update(zip(live, run_live([jobs[i] for i in live])))
+        for i, job in jobs.items():
+            out[i] = _answer_or_error(self, job, results[i], started)
         return out
 
     def decide(self, state, questions, temperature: float | None = None, bias: dict | None = None,
@@ -3043,7 +3090,7 @@ class Deployment:
         they stand. Image requests always run the live model.
         `temperature` given here wins; else a calibration fitted for this model applies, else the default."""
         request = self.request(state, questions, images=images, temperature=temperature, prefer=prefer, bias=bias)
-        (result,) = self._answer_all([request], model)
+        (result,) = self.answer_all([request], model)
         if isinstance(result, Exception):
             raise result
         return result
@@ -3063,8 +3110,8 @@ class Deployment:
         for t in temps:
             if t is not None:
                 check_temperature(t)
-        return self._answer_all([_or_error(self._pair, req, i, t) for i, (req, t) in enumerate(zip(requests, temps))],
-                                model)
+        return self.answer_all([_or_error(self._pair, req, i, t) for i, (req, t) in enumerate(zip(requests, temps))],
+                               model)
 
     def _pair(self, req, i: int, temperature: float | None) -> Request:
         """One [state, questions] or [state, questions, images] item of decide_many, parsed."""
@@ -3085,28 +3132,9 @@ class Deployment:
             return self._batchers[mid]
 
     def submit_many(self, items: list, model: str | None = None) -> list:
-        """What a server calls: parsed requests (or the error parsing each raised) answered, one result or exception
-        per item, in order. Each is prepared in the caller's thread (tokenizing and image decoding never hold up the
-        model); a recording or the mock answers at once; live jobs wait in the model's Batcher, which packs them
-        with other callers' into shared forwards. A full queue refuses a job with BlinkBusy."""
-        eng = self.engine(model)
-        started = [time.perf_counter() for _ in items]
-        out: list = list(items)
-        live: dict[int, Job] = {}
-        for i, item in enumerate(items):
-            if isinstance(item, Exception):
-                continue
-            job = _or_error(eng.prepare, item)
-            if isinstance(job, Job) and job.engine.runs_model:
-                live[i] = job
-            elif isinstance(job, Job):
-                out[i] = _answer_or_error(self, job, _attempt(job.engine.run, [job]), started[i])
-            else:
-                out[i] = job
-        if live:
-            for (i, job), result in zip(live.items(), self.batcher(model).submit_all(list(live.values()))):
-                out[i] = _answer_or_error(self, job, result, started[i])
-        return out
+        """What a server calls: answer_all with live jobs waiting in the model's Batcher, which packs them with other
+        callers' into shared forwards. A full queue refuses a job with BlinkBusy."""
+        return self.answer_all(items, model, lambda jobs: self.batcher(model).submit_all(jobs))
 
     def submit(self, request: Request, model: str | None = None) -> dict:
         """One parsed request through submit_many; its error raised."""
@@ -3128,7 +3156,7 @@ def _answer_or_error(deployment: Deployment, job: Job, result: Forward | Excepti
     """The answer of a job whose engine returned `result`, or the error it (or answering) raised."""
     if isinstance(result, Exception):
         return result
-    return _or_error(deployment.answer, job, result, _since_ms(started))
+    return _or_error(deployment.answer, job, result, since_ms(started))
 
 
 _PROCESS: list[Deployment] = []  # the deployment of this process, built from the environment on first use
@@ -3256,618 +3284,6 @@ class Batcher:
                     fut.set_exception(result)
                 else:
                     fut.set_result(result)
-
-
-# ==================================================================================================================
-# Wire protocols: System One and OpenAI Decisions
-# ==================================================================================================================
-# The two HTTP protocols the field calls decision models with, translated into a blink Request and back; a server
-# (app.py) reads the body, then calls <protocol>_call -> Deployment.submit -> <protocol>_response.
-#   System One (TypeSafe, client typesafe-sdk): POST /v1/systemone {model, state, questions, assets?} ->
-#     {model, answers: {name: answer}, usage}; GET /v1/models -> {models: [{name, description, release_date}]}.
-#     Images come as `assets` keyed by a placeholder that stands in the state, instructions or criteria (JSON
-#     data_base64, or a multipart part the SDK sends: a `request` JSON part plus `asset-N` parts).
-#   OpenAI Decisions (client openai >= 3.26): POST /v1/decisions {model, input, questions: [...]} ->
-#     {model, answers: [... in question order], usage}.
-# Answers use the field's formulas: choice confidence (p_max - 1/n) / (1 - 1/n); score confidence
-# max(0, 1 - sum_i p_i |i - mode| / (sum_i |i - (n-1)/2| / n)); blink's own decide() keeps its seed formulas. What
-# blink adds (label mass, rotations, multi's p(yes) per option, abstention, meta) goes under x_ names only, and an
-# abstained or multi answer keeps every standard field, so a strict client still parses it.
-
-DEFAULT_MODEL_ALIAS = "jev-latest"  # the System One SDKs' default model: answered by the default model
-_JSON_KINDS = {str: "a string", dict: "an object", list: "an array", bool: "a boolean"}
-TEXTLIKE = (str, dict, list)  # instructions and descriptions: text, or structured as an object or an array
-_IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
-DECISION_TYPES = {"predicate": "noul", "choice": "choice", "score": "score"}  # Decisions type -> blink type
-_DECISION_PARTS = {"user": ("input_text", "input_image", "input_json"), "developer": ("input_text",),
-                   "system": ("input_text",), "assistant": ("output_text", "refusal")}
-_DECISION_ITEMS = ("function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output")
-BLINK_EXTRAS = ("label_mass", "rotations", "rotation_choices", "order_sensitivity", "multi", "choices", "abstained",
-                "reason")  # answer fields blink adds, sent as x_<name>
-
-
-class WireError(BlinkError):
-    """A refused wire request: its HTTP status and error type (422 "value_error" and the like are field-level
-    validation errors), and `retry_after` seconds when trying again later can help."""
-
-    def __init__(self, message: str, loc: list | None = None, status: int = 422, kind: str = "value_error",
-                 retry_after: float | None = None):
-        super().__init__(message, loc)
-        self.status, self.kind, self.retry_after = status, kind, retry_after
-
-
-@dataclass(frozen=True)
-class WireCall:
-    """A wire request in blink's terms: the served model that answers it, the parsed Request, and the questions as
-    the protocol sent them (answers are shaped from them: System One's legends, Decisions' names and values)."""
-
-    model: str
-    request: Request
-    sent: dict | list
-
-
-def _field(loc: list) -> str:
-    """A body location as people read it: ['body', 'questions', 'q', 'type'] -> 'questions.q.type'."""
-    return _where(loc) or "the body"
-
-
-def _need(obj: dict, name: str, loc: list):
-    """A required field's value, or a 422 naming it."""
-    if name not in obj:
-        raise WireError(f"{_field([*loc, name])} is required", [*loc, name], kind="missing")
-    return obj[name]
-
-
-def _typed(value, kinds: tuple, loc: list, nullable: bool = False):
-    """The value when it is of one of the JSON kinds, else a 422 saying what the field takes."""
-    if (value is None and nullable) or isinstance(value, kinds):
-        return value
-    want = " or ".join(_JSON_KINDS[k] for k in kinds) + (" or null" if nullable else "")
-    raise WireError(f"{_field(loc)} must be {want} (got {type(value).__name__})", loc, kind="type_error")
-
-
-def wire_model(model, deployment: Deployment) -> str:
-    """The served model a wire request names (a served id, or the alias of the default model); a 404 naming the
-    served ones otherwise."""
-    if model == DEFAULT_MODEL_ALIAS:
-        return deployment.default_model
-    if isinstance(model, str) and model in deployment.models():
-        return model
-    raise WireError(f"model {model!r:.80} is not served here; this deployment serves {', '.join(deployment.models())} "
-                    f"({DEFAULT_MODEL_ALIAS!r} answers with {deployment.default_model})", ["body", "model"], 404,
-                    "model_not_found")
-
-
-def wire_json(data: bytes):
-    """A request body parsed as strict JSON (no NaN or Infinity), or a 422 saying where it breaks."""
-    def constant(name: str):
-        raise ValueError(f"{name} is not JSON")
-
-    try:
-        return json.loads(data, parse_constant=constant)
-    except json.JSONDecodeError as exc:
-        raise WireError(f"the body is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-                        ["body", exc.pos], kind="json_invalid") from None
-    except RecursionError:
-        raise WireError("the body nests too deep to read", ["body"], kind="json_invalid") from None
-    except ValueError as exc:  # bytes that are not UTF-8 text, NaN or Infinity, an integer of too many digits
-        raise WireError(f"the body is not valid JSON: {exc}", ["body"], kind="json_invalid") from None
-
-
-def zstd_module():
-    """The zstd codec: compression.zstd (Python 3.14) or the backports.zstd package; None when neither is here."""
-    for name in ("compression.zstd", "backports.zstd"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    return None
-
-
-def body_too_large(limit: int, what: str = "request body") -> WireError:
-    """The refusal of a body over BLINK_MAX_BODY_BYTES."""
-    return WireError(f"the {what} is over {limit} bytes (BLINK_MAX_BODY_BYTES)", ["body"], 413, "request_too_large")
-
-
-def decoded_body(data: bytes, encoding: str, limit: int) -> bytes:
-    """A request body with its Content-Encoding undone: none, or zstd (what typesafe-sdk sends for bodies of 1 KiB and
-    more when zstd is available), decompressed frame by frame and never past `limit` bytes."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return data
-    if encoding != "zstd":
-        raise WireError(f"Content-Encoding {encoding!r:.40} is not supported: send the body as it is, or as zstd",
-                        ["body"], 415, "unsupported_media_type")
-    zstd = zstd_module()
-    if zstd is None:
-        raise WireError("this server cannot read zstd bodies (it lacks backports.zstd): send the body uncompressed "
-                        "(typesafe-sdk: compression=False)", ["body"], 415, "unsupported_media_type")
-    out = bytearray()
-    while data:
-        frame = zstd.ZstdDecompressor()
-        try:
-            out += frame.decompress(data, max_length=limit + 1 - len(out))
-        except zstd.ZstdError as exc:
-            raise WireError(f"the zstd body cannot be decompressed: {exc}", ["body"], 400, "invalid_request") from None
-        if len(out) > limit:
-            raise body_too_large(limit, "decompressed request body")
-        if not frame.eof:
-            raise WireError("the zstd body ends in the middle of a frame", ["body"], 400, "invalid_request")
-        data = frame.unused_data
-    return bytes(out)
-
-
-# ---- images: System One assets and Decisions image parts become data URIs blink's image rules read --------------
-
-
-def _sniffed_mime(raw: bytes) -> str | None:
-    """The image type of some bytes, from their signature: PNG, JPEG or WebP."""
-    if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
-        return "image/webp"
-    return next((mime for magic, mime in _IMAGE_MAGIC if raw.startswith(magic)), None)
-
-
-def _asset_uri(key: str, asset, parts: Mapping[str, bytes], claimed: set, limits: ImageLimits) -> str:
-    """One System One asset (inline data_base64, or the multipart part it names) as a data URI, its type detected
-    from its bytes; a 422 naming the asset otherwise."""
-    import base64
-    import binascii
-
-    loc = ["body", "assets", key]
-    _typed(asset, (dict,), loc)
-    if asset.get("type") not in (None, "image"):
-        raise WireError(f"asset {key!r}: type must be image", [*loc, "type"])
-    if asset.get("format") not in (None, "png", "jpg", "jpeg"):
-        raise WireError(f"asset {key!r}: format must be png, jpg or jpeg", [*loc, "format"])
-    part = _typed(asset.get("part"), (str,), [*loc, "part"], nullable=True)
-    if part is not None:
-        if part not in parts:
-            raise WireError(f"asset {key!r}: the request has no multipart part named {part!r:.80}", [*loc, "part"])
-        if part in claimed:
-            raise WireError(f"asset {key!r}: part {part!r:.80} is claimed by another asset", [*loc, "part"])
-        claimed.add(part)
-        raw = parts[part]
-    else:
-        data = _typed(asset.get("data_base64"), (str,), [*loc, "data_base64"], nullable=True)
-        if data is None:
-            raise WireError(f"asset {key!r} needs data_base64 or a multipart part", [*loc, "data_base64"],
-                            kind="missing")
-        if len(data) > 4 * math.ceil(limits.max_bytes / 3) + 4:
-            raise WireError(f"asset {key!r} is over {limits.max_bytes} bytes", [*loc, "data_base64"])
-        try:
-            raw = base64.b64decode("".join(data.split()), validate=True)
-        except binascii.Error:
-            raise WireError(f"asset {key!r}: data_base64 is not valid base64", [*loc, "data_base64"]) from None
-    if not raw or len(raw) > limits.max_bytes:
-        raise WireError(f"asset {key!r} must be an image of 1 to {limits.max_bytes} bytes", loc)
-    mime = _sniffed_mime(raw)
-    if mime is None:
-        raise WireError(f"asset {key!r} is not a PNG, JPEG or WebP image", loc)
-    return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
-
-
-def asset_uris(assets, parts: Mapping[str, bytes], engine: Engine) -> dict[str, str]:
-    """Every System One asset as a data URI, by its placeholder; refused (naming the asset) when the model reads
-    text only, and when a multipart image part is claimed by no asset."""
-    if assets is None:
-        return {}
-    _typed(assets, (dict,), ["body", "assets"])
-    if not assets:
-        raise WireError("assets, when given, must hold at least one asset", ["body", "assets"], kind="too_short")
-    if "" in assets:  # a placeholder must be something that can stand in the text
-        raise WireError("asset names must be non-empty", ["body", "assets", ""])
-    first = next(iter(assets))
-    if not engine.reads_images:
-        raise WireError(f"asset {first!r}: this model reads text only, so it cannot take images", ["body", "assets",
-                                                                                                    first])
-    claimed: set = set()
-    uris = {key: _asset_uri(key, asset, parts, claimed, engine.image_limits) for key, asset in assets.items()}
-    unclaimed = sorted(set(parts) - claimed)
-    if unclaimed:
-        raise WireError(f"multipart part {unclaimed[0]!r:.80} is claimed by no asset", ["body", "assets"])
-    return uris
-
-
-def _image_uri_count(state) -> int:
-    """How many image data URIs stand in the state (blink numbers them [image 1], [image 2], ... in this order)."""
-    return sum(1 for value, _ in _state_strings(state) for _, _, error in _scan_image_uris(value) if error is None)
-
-
-def _replace_in_texts(value, pattern: re.Pattern, replace: Callable):
-    """A copy of instructions or criteria with every placeholder inside a string replaced (object keys, the option
-    names, stay as they are)."""
-    return _map_state_values(value, [], lambda v, _loc: pattern.sub(replace, v) if isinstance(v, str) else v)
-
-
-def place_assets(state, questions: dict, uris: dict[str, str]) -> tuple[object, dict, list[str]]:
-    """Each asset where its placeholder stands: inside the state the image itself (a data URI read where it stands);
-    inside instructions and criteria its name as the model sees it, [image N]. An asset the state does not hold is
-    listed after the state. Returns (state, questions, listed images)."""
-    if not uris:
-        return state, questions, []
-    pattern = re.compile("|".join(map(re.escape, sorted(uris, key=len, reverse=True))))
-    numbers: dict[str, int] = {}
-    count = 0
-
-    def place(value, _loc):
-        nonlocal count
-        if not isinstance(value, str):
-            return value
-        found = [(m.start(), m.group()) for m in pattern.finditer(value)]
-        found += [(start, None) for start, _, error in _scan_image_uris(value) if error is None]
-        for _, key in sorted(found, key=lambda hit: hit[0]):
-            count += 1
-            if key is not None:
-                numbers.setdefault(key, count)
-        return pattern.sub(lambda m: uris[m.group()], value)
-
-    state = _map_state_values(state, ["body", "state"], place)
-    listed = [key for key in uris if key not in numbers]
-    numbers.update({key: count + i for i, key in enumerate(listed, 1)})
-    name = lambda m: f"[image {numbers[m.group()]}]"  # noqa: E731
-    placed = {}
-    for qkey, q in questions.items():
-        q = dict(q)
-        for part in ("instructions", "criteria"):
-            if q.get(part) is not None:
-                q[part] = _replace_in_texts(q[part], pattern, name)
-        placed[qkey] = q
-    return state, placed, [uris[key] for key in listed]
-
-
-# ---- System One ------------------------------------------------------------------------------------------------
-
-
-def _systemone_question(key: str, q) -> None:
-    """One System One question checked against the wire schema (blink's own parser checks everything else)."""
-    loc = ["body", "questions", key]
-    _typed(q, (dict,), loc)
-    qtype = _need(q, "type", loc)
-    if qtype == "box":
-        raise WireError(f"question {key!r}: box questions (locating a region of an image) are not supported; blink "
-                        "answers noul, choice and score questions", [*loc, "type"], 400, "unsupported_question_type")
-    if qtype not in QUESTION_TYPES:
-        raise WireError(f"question {key!r}: type must be noul, choice, score or box (got {qtype!r:.80})",
-                        [*loc, "type"], kind="union_tag_invalid")
-    _typed(q.get("instructions"), TEXTLIKE, [*loc, "instructions"], nullable=True)
-    crit_loc = [*loc, "criteria"]
-    if qtype == "noul":
-        criteria = _typed(q.get("criteria"), (dict,), crit_loc, nullable=True) or {}
-        for side in ("true", "false"):
-            _typed(criteria.get(side), TEXTLIKE, [*crit_loc, side], nullable=True)
-    elif qtype == "choice":
-        for option, description in _typed(_need(q, "criteria", loc), (dict,), crit_loc).items():
-            _typed(description, TEXTLIKE, [*crit_loc, option], nullable=True)
-    else:
-        for i, level in enumerate(_typed(_need(q, "criteria", loc), (list,), crit_loc)):
-            _typed(level, TEXTLIKE, [*crit_loc, i])
-
-
-def systemone_call(body, parts: Mapping[str, bytes], deployment: Deployment) -> WireCall:
-    """A System One body (with the image parts of its multipart form, if any) checked and parsed into blink's
-    terms; WireError or BlinkError naming the field otherwise."""
-    _typed(body, (dict,), ["body"])
-    model = wire_model(_typed(_need(body, "model", ["body"]), (str,), ["body", "model"]), deployment)
-    state = _typed(_need(body, "state", ["body"]), TEXTLIKE, ["body", "state"])
-    questions = _typed(_need(body, "questions", ["body"]), (dict,), ["body", "questions"])
-    if not questions:
-        raise WireError("questions must hold at least one question", ["body", "questions"], kind="too_short")
-    for key, q in questions.items():
-        _systemone_question(key, q)
-    uris = asset_uris(body.get("assets"), parts, deployment.engine(model))
-    state, placed, listed = place_assets(state, questions, uris)
-    return WireCall(model, deployment.request(state, placed, images=listed or None), questions)
-
-
-def score_confidence(dist: list[float]) -> float:
-    """The field's score confidence: one minus the expected distance from the most likely level, over that distance
-    for a uniform distribution around the middle level; 0 when the answer is as spread as that or more."""
-    n = len(dist)
-    mode = max(range(n), key=lambda i: (dist[i], -i))
-    spread = sum(abs(i - (n - 1) / 2) for i in range(n)) / n
-    return max(0.0, 1 - sum(p * abs(i - mode) for i, p in enumerate(dist)) / spread)
-
-
-def field_answer(question: Question, answer: dict) -> tuple[str, float, list[float], dict]:
-    """A blink answer in the field's terms: (the pick, its confidence by the field's formula, the distribution in
-    request order, blink's extras under x_ names). A multi question's distribution is its p(yes) per option
-    normalised (each p(yes) goes to x_p_yes); an abstained answer keeps its pick here (x_abstained says it)."""
-    keys = question.keys
-    dist = [answer["probabilities"][k] for k in keys]
-    extras = {f"x_{name}": answer[name] for name in BLINK_EXTRAS if name in answer}
-    if question.multi:
-        extras["x_p_yes"] = dict(answer["probabilities"])
-        total = sum(dist) or 1.0
-        dist = [p / total for p in dist]
-    confidence = score_confidence(dist) if question.type == "score" else _confidence(max(dist), len(keys))
-    return _top(keys, dist), confidence, dist, extras
-
-
-def expected_level(dist: list[float]) -> float:
-    """A score: the probability-weighted mean level."""
-    return sum(i * p for i, p in enumerate(dist))
-
-
-def systemone_answer(question: Question, answer: dict, sent: dict) -> dict:
-    """One answer in System One's shape (a score's legend echoes each level as sent), blink's extras under x_."""
-    pick, confidence, dist, extras = field_answer(question, answer)
-    probs = dict(zip(question.keys, dist))
-    if question.type == "noul":
-        return {"type": "noul", "noul": probs["yes"], **extras}
-    if question.type == "choice":
-        return {"type": "choice", "choice": pick, "confidence": confidence, "probabilities": probs, **extras}
-    return {"type": "score", "score": expected_level(dist), "confidence": confidence,
-            "legend": {str(i): level for i, level in enumerate(sent["criteria"])}, "probabilities": probs, **extras}
-
-
-def systemone_response(call: WireCall, result: dict) -> dict:
-    """The System One response of an answered request; blink's meta as x_meta."""
-    answers = {q.key: systemone_answer(q, result["answers"][q.key], call.sent[q.key]) for q in call.request.questions}
-    meta = result["meta"]
-    return {"model": call.model, "answers": answers,
-            "usage": {"input_tokens": int(meta["input_tokens"]), "output_tokens": 0}, "x_meta": meta}
-
-
-# ---- OpenAI Decisions ------------------------------------------------------------------------------------------
-
-
-def _decision_image(part: dict, loc: list) -> str:
-    """An input_image part's image: a data URL blink reads (http(s) URLs and file ids are not fetched)."""
-    url = _typed(_need(part, "image_url", loc), (str,), [*loc, "image_url"])
-    if not url[:11].lower().startswith(_IMAGE_PREFIX):
-        raise WireError(f"{_field([*loc, 'image_url'])}: images must be sent as data URLs (data:image/png;base64,"
-                        "...); URLs and file ids are not fetched", [*loc, "image_url"], 400, "unsupported_image_url")
-    return url
-
-
-def _decision_content(content, role: str, loc: list) -> str | list:
-    """A message's content as evidence: its text (parts joined by lines), or, with images or JSON data among its
-    parts, the list of them (an image as its data URL, read where it stands)."""
-    if isinstance(content, str):
-        return content
-    out = []
-    for i, part in enumerate(_typed(content, (list,), loc)):
-        ploc = [*loc, i]
-        kind = _need(_typed(part, (dict,), ploc), "type", ploc)
-        if kind not in _DECISION_PARTS[role]:
-            raise WireError(f"{_field(ploc)}: a {role} message takes {', '.join(_DECISION_PARTS[role])} parts (got "
-                            f"{kind!r:.40})", [*ploc, "type"])
-        if kind == "input_image":
-            out.append(_decision_image(part, ploc))
-        elif kind == "input_json":
-            out.append(_typed(_need(part, "data", ploc), (dict, list), [*ploc, "data"]))
-        else:
-            field_name = "refusal" if kind == "refusal" else "text"
-            out.append(_typed(_need(part, field_name, ploc), (str,), [*ploc, field_name]))
-    plain = all(isinstance(p, str) and not p[:11].lower().startswith(_IMAGE_PREFIX) for p in out)
-    return "\n".join(out) if plain else out
-
-
-def decision_state(value):
-    """Decisions `input` as blink's evidence: text as it is; one user message as its content; several items as the
-    list of {role, content} turns (tool calls and outputs as sent)."""
-    loc = ["body", "input"]
-    if isinstance(value, str):
-        return value
-    items = _typed(value, (list,), loc)
-    if not items:
-        raise WireError("input must be text or at least one input item", loc, kind="too_short")
-    turns = []
-    for i, item in enumerate(items):
-        iloc = [*loc, i]
-        _typed(item, (dict,), iloc)
-        if "role" in item:
-            role = item["role"]
-            if role not in _DECISION_PARTS:
-                raise WireError(f"{_field([*iloc, 'role'])} must be user, developer, system or assistant",
-                                [*iloc, "role"])
-            turns.append({"role": role, "content": _decision_content(_need(item, "content", iloc), role,
-                                                                     [*iloc, "content"])})
-        elif item.get("type") in _DECISION_ITEMS:
-            turns.append({k: v for k, v in item.items() if v is not None})
-        else:
-            raise WireError(f"{_field(iloc)} must be a message (with a role) or one of {', '.join(_DECISION_ITEMS)}",
-                            iloc)
-    if len(turns) == 1 and turns[0].get("role") == "user":
-        return turns[0]["content"]
-    return turns
-
-
-def _decision_instructions(value, loc: list, images: list, first_number: int) -> str:
-    """A question's instructions as text; an input_image part is listed after the state and named [image N]."""
-    if isinstance(value, str):
-        return value
-    lines = []
-    for i, part in enumerate(_typed(value, (str, list), loc)):
-        ploc = [*loc, i]
-        kind = _need(_typed(part, (dict,), ploc), "type", ploc)
-        if kind == "input_text":
-            lines.append(_typed(_need(part, "text", ploc), (str,), [*ploc, "text"]))
-        elif kind == "input_image":
-            images.append(_decision_image(part, ploc))
-            lines.append(f"[image {first_number + len(images) - 1}]")
-        else:
-            raise WireError(f"{_field(ploc)}: instructions take input_text and input_image parts (got {kind!r:.40})",
-                            [*ploc, "type"])
-    return "\n".join(lines)
-
-
-def _decision_options(q: dict, kind: str, loc: list) -> dict | list:
-    """A choice's {key: description} (a boolean value keyed by its JSON text) or a score's level texts."""
-    name, high = ("choices", MAX_OPTIONS) if kind == "choice" else ("levels", 10)
-    items = _typed(_need(q, name, loc), (list,), [*loc, name])
-    if not 2 <= len(items) <= high:
-        raise WireError(f"{_field([*loc, name])}: give 2 to {high} {name} (got {len(items)})", [*loc, name])
-    options: dict = {}
-    levels = []
-    for j, item in enumerate(items):
-        oloc = [*loc, name, j]
-        _typed(item, (dict,), oloc)
-        description = _typed(item.get("description"), (str,), [*oloc, "description"], nullable=True)
-        if kind == "score":
-            label = _typed(_need(item, "label", oloc), (str,), [*oloc, "label"])
-            levels.append(f"{label}: {description}" if description else label)
-            continue
-        value = _typed(_need(item, "value", oloc), (str, bool), [*oloc, "value"])
-        key = json.dumps(value) if isinstance(value, bool) else value
-        if key in options:
-            raise WireError(f"{_field([*oloc, 'value'])}: {key!r:.80} is offered twice", [*oloc, "value"])
-        options[key] = description
-    return options if kind == "choice" else levels
-
-
-def decisions_call(body, parts: Mapping[str, bytes], deployment: Deployment) -> WireCall:
-    """A Decisions body checked and parsed into blink's terms (each question keyed by its position); WireError or
-    BlinkError naming the field otherwise. Decisions bodies are JSON only: `parts` must be empty."""
-    _typed(body, (dict,), ["body"])
-    if parts:
-        raise WireError("Decisions requests are JSON, not multipart", ["body"], 415, "unsupported_media_type")
-    model = wire_model(_typed(_need(body, "model", ["body"]), (str,), ["body", "model"]), deployment)
-    state = decision_state(_need(body, "input", ["body"]))
-    sent = _typed(_need(body, "questions", ["body"]), (list,), ["body", "questions"])
-    if not sent:
-        raise WireError("questions must hold at least one question", ["body", "questions"], kind="too_short")
-    images: list[str] = []
-    in_state = _image_uri_count(state)
-    questions = {}
-    for i, q in enumerate(sent):
-        loc = ["body", "questions", i]
-        kind = _need(_typed(q, (dict,), loc), "type", loc)
-        if kind not in DECISION_TYPES:
-            raise WireError(f"{_field([*loc, 'type'])} must be predicate, choice or score (got {kind!r:.80})",
-                            [*loc, "type"], kind="union_tag_invalid")
-        _typed(q.get("name"), (str,), [*loc, "name"], nullable=True)
-        spec = {"type": DECISION_TYPES[kind], "instructions": _decision_instructions(
-            _need(q, "instructions", loc), [*loc, "instructions"], images, in_state + 1)}
-        if kind != "predicate":
-            spec["criteria"] = _decision_options(q, kind, loc)
-        spec.update({k: q[k] for k in ("permute", "multi", "abstain") if k in q})  # blink's opt-in features
-        questions[str(i)] = spec
-    return WireCall(model, deployment.request(state, questions, images=images or None), sent)
-
-
-def decision_answer(question: Question, answer: dict, sent: dict) -> dict:
-    """One answer in the Decisions shape, named as the question was (null when unnamed), blink's extras under x_."""
-    pick, confidence, dist, extras = field_answer(question, answer)
-    head = {"type": sent["type"], "name": sent.get("name")}
-    if question.type == "noul":
-        return {**head, "probability": dist[0], **extras}
-    if question.type == "choice":
-        values = [c["value"] for c in sent["choices"]]
-        return {**head, "choice": values[question.keys.index(pick)], "confidence": confidence,
-                "probabilities": [{"value": v, "probability": p} for v, p in zip(values, dist)], **extras}
-    return {**head, "score": expected_level(dist), "confidence": confidence,
-            "probabilities": [{"value": i, "label": level["label"], "probability": p}
-                              for i, (level, p) in enumerate(zip(sent["levels"], dist))], **extras}
-
-
-def decisions_response(call: WireCall, result: dict) -> dict:
-    """The Decisions response of an answered request, answers in question order; blink's meta as x_meta."""
-    answers = [decision_answer(q, result["answers"][q.key], sent) for q, sent in zip(call.request.questions,
-                                                                                      call.sent)]
-    meta = result["meta"]
-    tokens = int(meta["input_tokens"])
-    cached = int(meta.get("cached_tokens") or 0)  # read from prefixes kept by earlier requests
-    usage = {"input_tokens": tokens, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-             "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": tokens}
-    return {"model": call.model, "answers": answers, "usage": usage, "x_meta": meta}
-
-
-# ---- errors and the models list -------------------------------------------------------------------------------
-
-
-def wire_refusal(exc: Exception) -> WireError:
-    """Any failure of a wire request as a WireError: a full queue is a 503 to retry after a second, a request the
-    recording lacks on a recording-only host a 400, another BlinkError a 422 naming its field, and a failure inside
-    the model a 500 that names only its type (the details stay in the server log)."""
-    if isinstance(exc, WireError):
-        return exc
-    if isinstance(exc, BlinkBusy):
-        return WireError(str(exc), [], 503, "overloaded", retry_after=1)
-    if isinstance(exc, ReplayMiss):
-        return WireError(str(exc), exc.loc, 400, "not_recorded")
-    if isinstance(exc, BlinkError):
-        return WireError(str(exc), exc.loc)
-    return WireError(f"the model failed on this request ({type(exc).__name__})", [], 500, "server_error")
-
-
-def systemone_error(exc: Exception) -> tuple[int, dict]:
-    """(status, body) of a refused System One request: 422 {detail: [{loc, msg, type}]} for a field, else
-    {detail: {error_type, message}}."""
-    err = wire_refusal(exc)
-    if err.status == 422:
-        return 422, {"detail": [{"loc": err.loc or ["body"], "msg": str(err), "type": err.kind}]}
-    return err.status, {"detail": {"error_type": err.kind, "message": str(err)}}
-
-
-_OPENAI_TYPES = {401: "authentication_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-
-
-def decisions_param(loc: list) -> str | None:
-    """A body location as OpenAI names a parameter: ['body', 'questions', '2', 'criteria'] -> 'questions[2].choices'
-    (blink keys each question by its position and calls options criteria; the evidence is `input`)."""
-    out = ""
-    for prev, part in zip(["body", *loc], loc[1:]):
-        if prev == "questions" and (isinstance(part, int) or str(part).isdigit()) or isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + {"state": "input", "criteria": "choices"}.get(str(part), str(part))
-    return out or None
-
-
-def decisions_error(exc: Exception) -> tuple[int, dict]:
-    """(status, body) of a refused Decisions request: {error: {message, type, param, code}} (a field-level refusal
-    is a 400 invalid_request_error, as OpenAI's are)."""
-    err = wire_refusal(exc)
-    status = 400 if err.status == 422 else err.status
-    return status, {"error": {"message": str(err), "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
-                              "param": decisions_param(err.loc), "code": err.kind}}
-
-
-def weights_date(engine: Engine) -> str:
-    """The date (YYYY-MM-DD, UTC) of the served weights' config.json on this machine; "" when there is none (the
-    mock, a recording)."""
-    live = getattr(engine, "live", engine)
-    source = getattr(live, "source", None)
-    if source is None:
-        return ""
-    path = os.path.join(source, "config.json")
-    if not os.path.isfile(path):
-        from huggingface_hub import try_to_load_from_cache
-
-        path = try_to_load_from_cache(source, "config.json", revision=getattr(live, "revision", None))
-    if not isinstance(path, str) or not os.path.isfile(path):
-        return ""
-    return time.strftime("%Y-%m-%d", time.gmtime(os.path.getmtime(path)))
-
-
-def models_listing(deployment: Deployment) -> dict:
-    """GET /v1/models as the System One SDK reads it: every served model (the default first), then the default
-    model's alias. release_date is the date of the served weights on this machine ("" when it has none)."""
-    rows = []
-    for mid in deployment.models():
-        eng = deployment.engine(mid)
-        what = "default model" if mid == deployment.default_model else "served model"
-        rows.append({"name": mid, "description": f"blink {what}, {eng.name} engine", "release_date": weights_date(eng),
-                     "x_engine": eng.name})
-    default = rows[0]
-    rows.append({**default, "name": DEFAULT_MODEL_ALIAS, "description": f"alias of {deployment.default_model}"})
-    return {"models": rows}
-
-
-@dataclass(frozen=True)
-class WireProtocol:
-    """One wire protocol: how a body becomes a WireCall, how an answer and a refusal are shaped, and the response
-    header that carries the request id."""
-
-    call: Callable[..., WireCall]
-    response: Callable[[WireCall, dict], dict]
-    error: Callable[[Exception], tuple[int, dict]]
-    request_id_header: str
-
-
-SYSTEM_ONE = WireProtocol(systemone_call, systemone_response, systemone_error, "x-typesafe-request-id")
-DECISIONS = WireProtocol(decisions_call, decisions_response, decisions_error, "x-request-id")
 
 
 # ==================================================================================================================
@@ -4042,9 +3458,9 @@ def calibrate(data_path: str, model: str | None = None, out: str | None = None,
         if fitted is not None:
             temps[group] = fitted
     path = out or served.settings.calibration_path
-    live = getattr(eng, "live", eng)  # a hybrid engine's live half ran the requests
+    live = eng.live  # a hybrid engine's live half ran the requests
     entry = {"temperatures": temps, "fit": fits, "data": os.path.basename(data_path), "requests": len(items),
-             "engine": live.name, "revision": getattr(live, "revision", None),
+             "engine": live.name, "revision": live.revision,
              "hardware": hardware(), "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_calibration(path, eng.model_id, entry)
     return {"model": eng.model_id, "path": path, "start_temperature": start, **entry}
@@ -4065,642 +3481,16 @@ def format_calibration(report: dict) -> str:
 
 
 # ==================================================================================================================
-# Export: blink's prompt as a transformers DecisionConfig
-# ==================================================================================================================
-# transformers (>= 5.24) lets a model repository ship its decision prompt: decision.json (labels per question type,
-# temperature per type, noul option order) and decision_template.jinja, read by pipeline("decision") and
-# `transformers serve`. That template replaces the whole chat template and receives the request's raw `state` and one
-# `question` ({type, instructions, options, labels, descriptions}). The exported template applies blink's rendering
-# rules in Jinja (the mirror of user_message, option_text, text and the noul and score wording), sets blink's two
-# messages, and then runs the model's own chat template source unchanged, so transformers renders, token for token,
-# the prompt blink renders. Jinja's tojson is json.dumps(ensure_ascii=False) with default separators, as here.
-
-DECISION_RULES = r"""{#- blink's decision prompt: the system prompt, the user turn as blink renders it (evidence, criterion, lettered
-    options), then the model's own chat template with enable_thinking=False. Written by `python blink.py export`. -#}
-{%- macro blink_text(x) -%}
-{{- "" if x is none else (x if x is string else x|tojson(indent=2)) -}}
-{%- endmacro -%}
-{#- blink's GENERIC_KEY, ^(?:[A-Za-z]{1,2}|option[_ ]?\d+|opt\d+|\d+)$, where $ also matches before one final newline
-    and \d is a Unicode decimal digit (str.isdecimal) -#}
-{%- macro blink_generic(k) -%}
-{%- set s = k[:-1] if k.endswith("\n") else k -%}
-{%- if (s|length in [1, 2] and s.isascii() and s.isalpha())
-      or (s.startswith("option") and (s[6:].isdecimal() or (s[6:7] in ["_", " "] and s[7:].isdecimal())))
-      or (s.startswith("opt") and s[3:].isdecimal())
-      or s.isdecimal() -%}
-{{- "1" -}}
-{%- endif -%}
-{%- endmacro -%}
-{%- macro blink_option(k, desc) -%}
-{%- if desc is none or (desc is string and not desc.strip()) -%}
-{{- k -}}
-{%- else -%}
-{%- set d = blink_text(desc) -%}
-{{- d if (blink_generic(k) or k.strip().lower() == d.strip().lower()) else k ~ ": " ~ d -}}
-{%- endif -%}
-{%- endmacro -%}
-{%- set blink_ns = namespace(options=[]) -%}
-{%- for blink_key in question.options -%}
-{%- set blink_desc = question.descriptions[loop.index0] -%}
-{%- if question.type == "choice" -%}
-{%- set blink_shown = blink_option(blink_key, blink_desc) -%}
-{%- elif question.type == "noul" -%}
-{%- set blink_shown = ("Yes" if blink_key == "true" else "No") ~ ((" \u2014 " ~ blink_text(blink_desc)) if blink_desc else "") -%}
-{%- else -%}
-{%- set blink_shown = ("Level " ~ loop.index0 ~ ": " ~ blink_text(blink_desc)) if blink_desc is not none else ("Level " ~ loop.index0) -%}
-{%- endif -%}
-{%- set blink_ns.options = blink_ns.options + [{"letter": question.labels[loop.index0], "description": blink_shown}] -%}
-{%- endfor -%}
-{%- set blink_user = {"evidence": state, "criterion": blink_text(question.instructions).strip(), "options": blink_ns.options}|tojson -%}
-"""
-EXPORT_PROBE = {  # the export renders this through transformers and refuses to write a config that differs from blink
-    "state": {"ticket": "Zweimal belastet — refund? 🙂", "lines": [1, 2.5, None, True], "note": "AB\n"},
-    "questions": {
-        "tone": {"type": "choice", "instructions": "  What is the tone?\n", "criteria": {
-            "calm": "A polite message", "A": "a generic key", "opt3": {"nested": ["ü", 1]}, "Option 5": "not generic",
-            "same": "Same ", "blank": "  ", "none": None, "12": "digits", "lst": ["a", {"b": 2}]}},
-        "spam": {"type": "noul", "instructions": {"ask": "Is this spam?"}, "criteria": {"true": "Unsolicited ads"}},
-        "urgency": {"type": "score", "criteria": ["Can wait", "", {"when": "today"}]},
-    },
-}
-
-
-def decision_template(chat_template: str) -> str:
-    """The Jinja source transformers renders blink's prompt with: blink's rules, its two messages, then the model's
-    own chat template. The last tag keeps its newline so trim_blocks eats exactly that one and the model's template
-    starts a line of its own, as when it stands alone (its leading whitespace and lstrip_blocks act the same)."""
-    messages = (f'{{%- set messages = [{{"role": "system", "content": {json.dumps(SYSTEM, ensure_ascii=False)}}}, '
-                '{"role": "user", "content": blink_user}] -%}\n'
-                "{%- set add_generation_prompt = true -%}\n{%- set enable_thinking = false %}\n")
-    return DECISION_RULES + messages + chat_template
-
-
-def exported_labels(engine: PromptEngine) -> dict[str, list[str]]:
-    """decision.json's labels per question type as blink offers them: every verified label for a choice, the first
-    ten for a score's levels, A and B for a noul (yes first: noul_options puts true first)."""
-    return {"choice": list(engine.labels), "score": list(engine.labels[:10]), "noul": list(engine.labels[:2])}
-
-
-def check_label_ids(engine: PromptEngine) -> None:
-    """Refuse a model whose labels transformers would read as other tokens: it tokenizes each label on its own,
-    blink verified them right after the assistant header."""
-    from transformers.decision.template_utils import label_token_ids
-
-    for label, expected in zip(engine.labels, engine.label_ids):
-        try:
-            (got,) = label_token_ids(engine.tok, (label,))
-        except ValueError:
-            got = None
-        if got != expected:
-            raise BlinkError(f"label {label!r} is token {expected} after the assistant header but "
-                             f"{'not one token' if got is None else f'token {got}'} on its own: transformers would "
-                             "read another token, so this model cannot be exported")
-
-
-def check_export(folder: str, engine: PromptEngine, request: dict) -> int:
-    """Render `request` through transformers' prepare_inputs with the config in `folder` (on a copy of the tokenizer:
-    prepare_inputs adds its sentinel tokens to the one it is given) and refuse any prompt whose ids differ from
-    blink's. Returns the number of prompts compared."""
-    from transformers.decision import DecisionConfig
-
-    config = DecisionConfig.from_pretrained(folder)
-    theirs = config.prepare_inputs(request, copy.deepcopy(engine.tok))
-    ours = engine.render(parse_request(request["state"], request["questions"], settings=engine.settings))
-    if len(theirs) != len(ours):
-        raise BlinkError(f"transformers renders {len(theirs)} prompts for {len(ours)} questions")
-    for (inputs, (question,)), prompt in zip(theirs, ours):
-        if question.name != prompt.qkey or inputs["input_ids"][0].tolist() != prompt.ids:
-            raise BlinkError(f"question {prompt.qkey!r}: transformers renders other token ids than blink with this "
-                             "model's chat template; nothing was written")
-    return len(ours)
-
-
-def export(out_dir: str, model: str | None = None, settings: Settings | None = None) -> dict:
-    """Write decision.json and decision_template.jinja for a served model, plus decision_serve.json (the same with
-    the template inside, which `transformers serve --decision-config` needs), after checking its labels and rendering
-    a probe request both ways. Loads the tokenizer only. Returns what was written."""
-    import shutil
-    import tempfile
-
-    from transformers.decision import DecisionConfig
-
-    settings = settings or env_settings()
-    model_id = model or settings.default_model
-    engine = PromptEngine(model_id, settings.revision(model_id), settings)  # refuses labels that do not verify
-    check_label_ids(engine)
-    config = DecisionConfig(labels=exported_labels(engine),
-                            temperature=dict.fromkeys(QUESTION_TYPES, settings.temperature),
-                            chat_template=decision_template(engine.tok.get_chat_template()),
-                            noul_options=["true", "false"], sanitize_control_tokens=False)
-    with tempfile.TemporaryDirectory() as staging:  # nothing reaches out_dir until the probe renders the same
-        config.save_pretrained(staging)
-        checked = check_export(staging, engine, EXPORT_PROBE)
-        with open(os.path.join(staging, "decision_serve.json"), "w", encoding="utf-8") as fh:
-            json.dump(asdict(config), fh, ensure_ascii=False, indent=2)
-            fh.write("\n")
-        os.makedirs(out_dir, exist_ok=True)
-        files = sorted(os.listdir(staging))
-        for name in files:
-            shutil.copyfile(os.path.join(staging, name), os.path.join(out_dir, name))
-    return {"model": model_id, "revision": engine.revision, "folder": out_dir, "files": files,
-            "choice_labels": len(engine.labels), "temperature": settings.temperature, "probe_prompts": checked}
-
-
-# ==================================================================================================================
-# Bulk decisions: a dataset in, one answer per row out (resumable), serially or on Ray
-# ==================================================================================================================
-# `python blink.py batch IN --out OUT`. IN is JSON Lines, one request a line ({"id", "state", "questions",
-# "images"}; `id` text or a whole number, the line number when absent), or Parquet (the same columns; `questions` may
-# be JSON text) where pyarrow is installed. OUT is JSON Lines in input order: {"id", "answers", "meta"} per answered
-# row, {"id", "error", "loc"} per refused one. Rows go in chunks of BLINK_BATCH_MAX_REQUESTS through decide_many
-# (packed into shared forwards under BLINK_TOKEN_BUDGET); each chunk is written and flushed as it lands, so a crash
-# loses at most the rows in flight. Run again, OUT's ids are skipped and a half-written last line is cut off.
-# `--ray N` answers the same chunks on N Ray Data workers, each building its own engine from the same Settings.
-
-PARQUET_SUFFIXES = (".parquet", ".pq")
-PROGRESS_EVERY_S = 10.0  # how often progress is printed as a new line when stderr is not a terminal
-
-
-class EngineFault(RuntimeError):
-    """The engine (or a Ray worker) failed outside any one request: the run stops, what was written stays."""
-
-
-@dataclass(frozen=True)
-class Row:
-    """One row of a dataset: its id, where it stands ("line 7", "row 7") and its request body, or why it is refused."""
-
-    id: str | int
-    where: str
-    body: dict | None = None
-    error: BlinkError | None = None
-
-
-def id_key(row_id) -> str:
-    """An id as OUT compares it: 7 and "7" are different ids."""
-    return json.dumps(row_id, ensure_ascii=False)
-
-
-def body_row(body, n: int, unit: str) -> Row:
-    """A parsed line (or Parquet row) number n as a Row: its own id, else its number; refused when it is not an object
-    with a state, or its id is not text or a whole number."""
-    where = f"{unit} {n}"
-    if not isinstance(body, dict):
-        return Row(n, where, error=BlinkError(f"{where} must be a JSON object with state and questions (got "
-                                              f"{type(body).__name__})", ["body"]))
-    row_id = body.get("id")
-    if row_id is None:
-        row_id = n
-    elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or (
-            isinstance(row_id, str) and not _is_text(row_id)):
-        return Row(n, where, error=BlinkError(f"{where}: id must be text or a whole number (got {row_id!r:.80})",
-                                              ["body", "id"]))
-    if "state" not in body:
-        return Row(row_id, where, error=BlinkError(f"{where} has no state", ["body", "state"]))
-    return Row(row_id, where, body)
-
-
-def open_file(path: str, mode: str):
-    """A file opened in binary mode for reading ("rb") or appending ("ab"), or a BlinkError naming it."""
-    try:
-        return open(path, mode)
-    except OSError as exc:
-        raise BlinkError(f"cannot {'read' if 'r' in mode else 'write'} {path}: {exc.strerror}") from None
-
-
-def line_row(raw: bytes, n: int) -> Row:
-    """Line n of a JSON Lines file as a Row (a line that is not UTF-8 or not JSON is refused on its own)."""
-    where = f"line {n}"
-    try:
-        body = json.loads(raw.decode("utf-8-sig"))  # a byte-order mark some editors put first is not part of the JSON
-    except UnicodeDecodeError:
-        return Row(n, where, error=BlinkError(f"{where} is not UTF-8 text", ["body"]))
-    except json.JSONDecodeError as exc:
-        return Row(n, where, error=BlinkError(f"{where} is not JSON: {exc.msg} at column {exc.colno}", ["body"]))
-    except RecursionError:
-        return Row(n, where, error=BlinkError(f"{where} nests too deep to read", ["body"]))
-    except ValueError as exc:  # an integer with more digits than Python converts
-        return Row(n, where, error=BlinkError(f"{where} cannot be read: {exc}", ["body"]))
-    return body_row(body, n, "line")
-
-
-def _jsonl_rows(path: str) -> Iterator[Row]:
-    """Every non-blank line of a JSON Lines file as a Row, numbered from 1 as an editor numbers them."""
-    with open_file(path, "rb") as fh:
-        for n, raw in enumerate(fh, 1):
-            if raw.strip():
-                yield line_row(raw, n)
-
-
-def parquet_row(values: dict, n: int) -> Row:
-    """Row n of a Parquet file as a Row. `questions` given as JSON text is parsed (Arrow fills a struct's missing keys
-    with nulls, so JSON that varies from row to row is best stored as text); a value JSON has no type for (a date,
-    bytes, a decimal) is refused, so every row is JSON, as a JSON Lines row is."""
-    row = body_row(values, n, "row")
-    try:
-        json.dumps(values)
-    except (TypeError, ValueError) as exc:
-        return replace(row, body=None, error=BlinkError(f"{row.where} holds a value JSON cannot hold: {exc}", ["body"]))
-    if row.error is None and isinstance(values.get("questions"), str):
-        try:
-            return replace(row, body={**values, "questions": json_text(values["questions"], "questions")})
-        except BlinkError as exc:
-            return replace(row, body=None, error=BlinkError(f"{row.where}: {exc}", exc.loc))
-    return row
-
-
-def _parquet_rows(path: str) -> Iterator[Row]:
-    """Every row of a Parquet file as a Row, numbered from 1."""
-    if importlib.util.find_spec("pyarrow") is None:
-        raise BlinkError("reading Parquet needs pyarrow (pip install pyarrow)")
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.ParquetFile(path)
-    except Exception as exc:  # noqa: BLE001 - pyarrow's own error types vary by what is wrong with the file
-        raise BlinkError(f"{path} cannot be read as Parquet: {exc}") from None
-    n, batches = 0, table.iter_batches(batch_size=1024)
-    while True:
-        try:
-            values = next(batches).to_pylist()
-        except StopIteration:
-            return
-        except Exception as exc:  # noqa: BLE001 - a damaged page: the file cannot be run (found before any row runs)
-            raise BlinkError(f"{path} cannot be read past row {n}: {exc}") from None
-        for row in values:
-            n += 1
-            yield parquet_row(row, n)
-
-
-def read_rows(path: str) -> Iterator[Row]:
-    """The rows of a dataset file: Parquet by its suffix, JSON Lines otherwise."""
-    if not os.path.isfile(path):
-        raise BlinkError(f"{path} is not a file")
-    return _parquet_rows(path) if path.lower().endswith(PARQUET_SUFFIXES) else _jsonl_rows(path)
-
-
-def dataset_ids(rows: Iterator[Row]) -> set[str]:
-    """Every row's id key, or a BlinkError naming the first id two rows share (resuming needs each id once)."""
-    seen: dict[str, str] = {}
-    for row in rows:
-        key = id_key(row.id)
-        if key in seen:
-            raise BlinkError(f"{row.where}: id {row.id!r:.80} is also the id of {seen[key]}; every id must be unique "
-                             "(a row without an id is known by its line number)")
-        seen[key] = row.where
-    return set(seen)
-
-
-@dataclass(frozen=True)
-class Resume:
-    """What OUT already holds: the ids answered or refused, the model that answered, where its last whole line ends
-    and whether a half-written line follows it."""
-
-    done: frozenset = frozenset()
-    model: str | None = None
-    end: int = 0
-    cut: bool = False
-
-
-def read_out(path: str) -> Resume:
-    """What an earlier run left in OUT (nothing when OUT does not exist); a whole line that is not a batch result is
-    refused, so a run never appends to some other file."""
-    if not os.path.exists(path):
-        return Resume()
-    done, model, end = set(), None, 0
-    with open_file(path, "rb") as fh:
-        for n, raw in enumerate(fh, 1):
-            if not raw.endswith(b"\n"):  # a line cut short by a crash: answered again
-                break
-            end += len(raw)
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (ValueError, RecursionError):
-                record = None
-            if not isinstance(record, dict) or "id" not in record:
-                raise BlinkError(f"{path} line {n} is not a blink batch result; choose another --out")
-            done.add(id_key(record["id"]))
-            if not model and isinstance(record.get("meta"), dict):
-                model = record["meta"].get("model")
-    return Resume(frozenset(done), model, end, end < os.path.getsize(path))
-
-
-def row_chunks(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
-    """Rows in chunks of `size`, in order."""
-    chunk: list[Row] = []
-    for row in rows:
-        chunk.append(row)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def chunk_asks(rows: list[Row]) -> list[tuple]:
-    """The decide_many requests of a chunk's readable rows: (state, questions, images)."""
-    return [(r.body.get("state"), r.body.get("questions"), r.body.get("images")) for r in rows if r.error is None]
-
-
-def outcome(result) -> dict:
-    """What OUT says for one decide_many result: {answers, meta}, or {error, loc} for a refused request. Any other
-    failure is the engine's, not the request's: it stops the run (and the row is tried again on resume)."""
-    if isinstance(result, BlinkError):
-        return {"error": str(result), "loc": result.loc}
-    if isinstance(result, Exception):
-        raise EngineFault(f"the engine failed: {type(result).__name__}: {result}") from result
-    return result
-
-
-def decide_outcomes(served: Deployment, asks: list[tuple], temperature: float | None,
-                    model: str | None) -> list[dict]:
-    """One chunk's requests answered together by decide_many (packed into shared forwards), one outcome each."""
-    return [outcome(r) for r in served.decide_many(asks, temperature, model)] if asks else []
-
-
-def chunk_records(rows: list[Row], outcomes: list[dict]) -> list[dict]:
-    """OUT's records for a chunk, in row order: each readable row's outcome, each unreadable row's refusal."""
-    answered = iter(outcomes)
-    return [{"id": r.id, **(next(answered) if r.error is None else outcome(r.error))} for r in rows]
-
-
-def jsonl_line(record: dict) -> bytes:
-    """One record as a UTF-8 JSON line (escaped to ASCII when it holds text no encoding can write)."""
-    try:
-        return (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
-    except UnicodeEncodeError:
-        return (json.dumps(record) + "\n").encode("utf-8")
-
-
-def load_engine(served: Deployment, model: str | None) -> Engine:
-    """The served model's engine, loaded; a model that cannot load stops the run as an EngineFault naming why."""
-    try:
-        return served.engine(model)
-    except BlinkError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - missing files, no hub access, out of memory: all stop the run
-        raise EngineFault(f"the model could not be loaded: {type(exc).__name__}: {exc}") from exc
-
-
-def serial_outcomes(served: Deployment, chunks: Iterator[list[Row]], temperature: float | None,
-                    model: str | None) -> Iterator[tuple[list[Row], list[dict]]]:
-    """Each chunk with its outcomes, answered in this process."""
-    for rows in chunks:
-        yield rows, decide_outcomes(served, chunk_asks(rows), temperature, model)
-
-
-class RayWorker:
-    """One Ray Data worker: builds its own deployment from the driver's Settings once (on the hardware it was given,
-    with that hardware's defaults where the driver's were its own), then answers chunks, each a JSON list of
-    (state, questions, images), with the same steps as a serial run."""
-
-    def __init__(self, settings: Settings, temperature: float | None, model: str | None):
-        self.served = Deployment(settings.on_hardware(gpu=_cuda()))
-        load_engine(self.served, model)  # now, not inside the first chunk
-        self.temperature, self.model = temperature, model
-
-    def __call__(self, table):
-        """A pyarrow table of chunks as JSON text -> a table of their outcomes as JSON text."""
-        import pyarrow as pa
-
-        return pa.table({"outcomes": [
-            json.dumps(decide_outcomes(self.served, json.loads(asks), self.temperature, self.model))
-            for asks in table.column("asks").to_pylist()]})
-
-
-def ray_connect(address: str | None):
-    """Ray, connected: to the cluster at `address` (blink.py shipped to its workers), else to a new local one."""
-    if importlib.util.find_spec("ray") is None:
-        raise BlinkError("--ray needs Ray: pip install 'ray[data]' (tools/requirements-ray.txt pins the tested version)")
-    for name, value in (("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_DATA_DISABLE_PROGRESS_BARS", "1")):
-        os.environ.setdefault(name, value)
-    import ray
-
-    quiet = dict(logging_level=logging.ERROR, log_to_driver=False)
-    try:
-        if address:
-            ray.init(address=address, runtime_env={"py_modules": [sys.modules[__name__]]}, **quiet)
-        else:  # "local": a cluster of this machine alone, never one another program started
-            ray.init(address="local", include_dashboard=False, **quiet)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise BlinkError(f"cannot start or join Ray{f' at {address}' if address else ''}: {exc}") from None
-    return ray
-
-
-def ray_worker_resources(cluster: Mapping[str, float], workers: int) -> tuple[float, float]:
-    """(CPUs, GPUs) each worker asks for: one GPU each when the cluster has GPUs (refused when too few); a share of
-    the CPUs that leaves one free for Ray Data's own tasks (an actor pool holding every CPU starves them)."""
-    gpus = cluster.get("GPU", 0)
-    if gpus and gpus < workers:
-        raise BlinkError(f"--ray {workers} needs a GPU per worker; the cluster has {gpus:g}")
-    cpus = min(1.0, max(0.1, (cluster.get("CPU", 1) - 1) / workers))
-    return round(cpus, 2), 1.0 if gpus else 0.0
-
-
-def ray_outcomes(settings: Settings, chunks: Iterator[list[Row]], temperature: float | None, model: str | None,
-                 workers: int, address: str | None) -> Iterator[tuple[list[Row], list[dict]]]:
-    """Each chunk with its outcomes, answered by `workers` Ray Data workers (one engine each) and returned in order.
-    Chunks and outcomes travel as JSON text, one string column: Arrow never infers a schema from a request (every
-    row's body came from JSON, or was checked to be JSON, so the text holds exactly what the serial run answers)."""
-    chunks = list(chunks)
-    if not chunks:
-        return
-    ray = ray_connect(address)
-    try:
-        import ray.data
-
-        logging.getLogger("ray.data").setLevel(logging.ERROR)
-        ctx = ray.data.DataContext.get_current()
-        ctx.execution_options.preserve_order = True
-        ctx.enable_progress_bars = False
-        ctx.print_on_execution_start = False
-        cpus, gpus = ray_worker_resources(ray.cluster_resources(), workers)
-        items = [{"asks": json.dumps(chunk_asks(rows))} for rows in chunks]
-        answered = ray.data.from_items(items).map_batches(
-            RayWorker, fn_constructor_kwargs={"settings": settings, "temperature": temperature, "model": model},
-            batch_size=1, batch_format="pyarrow", num_cpus=cpus, num_gpus=gpus,
-            # one chunk at a time per worker: the worker whose model loaded first must not queue every chunk up
-            compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1))
-        landed = iter(chunks)
-        try:
-            for table in answered.iter_batches(batch_size=1, batch_format="pyarrow"):
-                for text in table.column("outcomes").to_pylist():
-                    yield next(landed), json.loads(text)
-        except ray.exceptions.RayError as exc:
-            raise EngineFault(f"the Ray job failed: {_first_line(exc)}") from None
-    finally:
-        ray.shutdown()
-
-
-def _first_line(exc: BaseException) -> str:
-    """The last line of an exception's message that names an error (Ray wraps the worker's traceback in its own)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    named = [line for line in lines if "Error" in line or "Exception" in line]
-    return (named or lines or [type(exc).__name__])[-1][:500]
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """Where a batch run stands: rows to answer this run (`total`), rows written, refusals among them, rows skipped
-    because OUT had them, whether a half-written line was cut off, seconds since answering began (model loading
-    excluded for a serial run; a Ray run includes starting its workers) and until the first chunk landed, and the
-    model and engine that answered."""
-
-    total: int
-    rows: int = 0
-    errors: int = 0
-    skipped: int = 0
-    repaired: bool = False
-    seconds: float = 0.0
-    first_s: float | None = None
-    model: str = ""
-    engine: str = ""
-    fabricated: bool = False
-    workers: int = 0
-    held: int = 0  # records OUT held when the run began
-
-    @property
-    def rate(self) -> float:
-        """Rows written per second."""
-        return self.rows / self.seconds if self.seconds > 0 else 0.0
-
-    def eta_s(self) -> float | None:
-        """Seconds left at the current rate (None before the first rows)."""
-        return (self.total - self.rows) / self.rate if self.rate > 0 else None
-
-    def summary(self) -> str:
-        """The run's last line: rows, errors, speed, model and engine."""
-        engine = self.engine or "—"
-        if self.fabricated:
-            engine += " (fabricated numbers)"
-        if self.workers:
-            engine += f" on {self.workers} Ray worker{'s' * (self.workers > 1)}"
-        notes = [f"first rows after {self.first_s:.1f} s"] if self.first_s is not None else []
-        if self.skipped:
-            notes.append(f"{self.skipped} already in OUT")
-        if self.repaired:
-            notes.append("a half-written last line redone")
-        return (f"batch: {self.rows} rows, {self.errors} errors in {self.seconds:.1f} s ({self.rate:.1f} rows/s)"
-                + "".join(f"; {n}" for n in notes) + f"; model {self.model}, engine {engine}")
-
-
-def batch_steps(in_path: str, out_path: str, served: Deployment | None = None, temperature: float | None = None,
-                model: str | None = None, workers: int = 0, address: str | None = None) -> Iterator[BatchStats]:
-    """Answer every row of IN not yet in OUT and append it to OUT in input order, yielding where the run stands
-    after setting up and after each chunk. Bad rows become refusals in OUT; input that cannot be run at all (a
-    duplicate id, an unknown model, an OUT that is not a batch result) is refused before anything is written."""
-    served = served or deployment()
-    if temperature is not None:
-        check_temperature(temperature)
-    model_id = served.model_id(model)
-    if os.path.abspath(in_path) == os.path.abspath(out_path):
-        raise BlinkError("--out must be another file than the input")
-    ids = dataset_ids(read_rows(in_path))
-    resume = read_out(out_path)
-    if resume.model and resume.model != model_id:
-        raise BlinkError(f"{out_path} holds answers from {resume.model}; this run serves {model_id}: choose another "
-                         "--out")
-    skipped = len(ids & resume.done)
-    stats = BatchStats(len(ids) - skipped, skipped=skipped, repaired=resume.cut, model=model_id, workers=workers,
-                       held=len(resume.done))
-    pending = (row for row in read_rows(in_path) if id_key(row.id) not in resume.done)
-    chunks = row_chunks(pending, served.settings.batch_max_requests)
-    with open_file(out_path, "ab") as fh:
-        fh.truncate(resume.end)  # a half-written last line goes; its row is answered again
-        yield stats
-        if workers:
-            answered = ray_outcomes(served.settings, chunks, temperature, model, workers, address)
-        else:
-            answered = serial_outcomes(served, chunks, temperature, model)
-            if stats.total:
-                load_engine(served, model)  # before the clock starts
-        t0 = time.perf_counter()
-        for rows, outcomes in answered:
-            records = chunk_records(rows, outcomes)
-            fh.write(b"".join(jsonl_line(r) for r in records))
-            fh.flush()
-            os.fsync(fh.fileno())
-            meta = next((r["meta"] for r in records if "meta" in r), {})
-            seconds = time.perf_counter() - t0
-            stats = replace(stats, rows=stats.rows + len(records), seconds=seconds,
-                            errors=stats.errors + sum("error" in r for r in records),
-                            first_s=seconds if stats.first_s is None else stats.first_s,
-                            engine=stats.engine or meta.get("engine", ""),
-                            fabricated=stats.fabricated or bool(meta.get("fabricated")))
-            yield stats
-
-
-def batch(in_path: str, out_path: str, served: Deployment | None = None, temperature: float | None = None,
-          model: str | None = None, workers: int = 0, address: str | None = None) -> BatchStats:
-    """batch_steps run to the end: the final BatchStats."""
-    stats = None
-    for stats in batch_steps(in_path, out_path, served, temperature, model, workers, address):
-        pass
-    return stats
-
-
-def _clock(seconds: float | None) -> str:
-    """Seconds as h:mm:ss or m:ss ("--" when unknown)."""
-    if seconds is None or not math.isfinite(seconds):
-        return "--"
-    m, s = divmod(int(seconds + 0.5), 60)
-    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
-
-
-def progress_line(stats: BatchStats, width: int = 24) -> str:
-    """One progress line: a bar, rows done of all, rows/s, errors and the time left."""
-    done = stats.rows / stats.total if stats.total else 1.0
-    bar = "#" * int(done * width) + "-" * (width - int(done * width))
-    return (f"batch [{bar}] {stats.rows}/{stats.total} rows  {stats.rate:.1f} rows/s  {stats.errors} errors  "
-            f"ETA {_clock(stats.eta_s())}")
-
-
-class Progress:
-    """Draws BatchStats on a stream: one line redrawn in place on a terminal, a new line every PROGRESS_EVERY_S
-    seconds otherwise; nothing when quiet."""
-
-    def __init__(self, stream, quiet: bool = False):
-        self.stream, self.quiet = stream, quiet
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.shown_at = -math.inf
-
-    def show(self, stats: BatchStats) -> None:
-        """Draw the progress line if it is time to."""
-        now = time.monotonic()
-        if self.quiet or now - self.shown_at < (0.1 if self.tty else PROGRESS_EVERY_S):
-            return
-        self.shown_at = now
-        self.stream.write(f"\r{progress_line(stats)}\033[K" if self.tty else progress_line(stats) + "\n")
-        self.stream.flush()
-
-    def end(self, stats: BatchStats | None, stopped: str | None = None) -> None:
-        """The summary line (and why the run stopped, with how to resume)."""
-        if self.quiet and not stopped:
-            return
-        lines = [stats.summary()] if stats is not None and not self.quiet else []
-        if stopped:
-            lines.append(f"{stopped}; run the same command again to resume")
-        self.stream.write(("\r\033[K" if self.tty else "") + "".join(line + "\n" for line in lines))
-        self.stream.flush()
-
-
-# ==================================================================================================================
 # Command line
 # ==================================================================================================================
 
 
-def _json_arg(value: str, name: str):
-    """A JSON command-line argument given inline or as a file path."""
+def file_or_text(value: str) -> str:
+    """A command-line argument given inline or as a file path: the file's text, else the argument itself."""
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as fh:
-            value = fh.read()
-    if name == "state":
-        return as_state(value)
-    try:
-        return json.loads(value)
-    except (ValueError, RecursionError) as exc:  # ValueError covers JSONDecodeError and over-long integers
-        raise BlinkError(f"--{name} is neither a file nor valid JSON: {exc}") from None
+            return fh.read()
+    return value
 
 
 def example_files() -> list[str]:
@@ -4718,7 +3508,7 @@ def load_example(path: str) -> dict:
 
 def hardware() -> str:
     """A one-line description of the machine the model runs on."""
-    if _cuda():
+    if cuda_available():
         import torch
 
         return f"{torch.cuda.get_device_name(0)} (CUDA)"
@@ -4746,9 +3536,9 @@ def record(model_id: str | None = None, path: str | None = None, settings: Setti
         request = parse_request(example["state"], example["questions"], settings=settings)
         t0 = time.perf_counter()
         result = live.forward(request)
-        requests[request.key()] = {
+        requests[request.key] = {
             "example": os.path.basename(file), **recording_entry(result.readouts), "input_tokens": result.input_tokens,
-            "latency_ms": _since_ms(t0), "model_ms": result.model_ms}
+            "latency_ms": since_ms(t0), "model_ms": result.model_ms}
     data = {"model": model_id, "revision": live.revision, "hardware": hardware(),
             "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "requests": requests}
     with open(path or settings.replay_path_for(model_id), "w", encoding="utf-8") as fh:
@@ -4757,48 +3547,19 @@ def record(model_id: str | None = None, path: str | None = None, settings: Setti
     return data
 
 
-def read_back(out_path: str, stats: BatchStats | None) -> BatchStats | None:
-    """stats with the rows this run has in OUT as read back from the file: Ctrl-C can land between a chunk's write
-    and its count."""
-    if stats is None:
-        return None
-    try:
-        return replace(stats, rows=len(read_out(out_path).done) - stats.held)
-    except (OSError, BlinkError):
-        return stats
-
-
-def run_batch(args: argparse.Namespace) -> int:
-    """`python blink.py batch IN --out OUT`: progress on stderr, then the summary line; 130 when interrupted, 1 when
-    the engine failed (what was written stays: the same command resumes)."""
-    show = Progress(sys.stderr, args.quiet)
-    if args.quiet:  # nor the bar transformers draws while the model loads
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    stats = None
-    try:
-        for stats in batch_steps(args.data, args.out, deployment(), args.temperature, args.model, args.ray,
-                                 args.ray_address):
-            show.show(stats)
-    except KeyboardInterrupt:
-        stats = read_back(args.out, stats)
-        show.end(stats, f"interrupted: {stats.rows if stats else 0} rows of this run are in {args.out}")
-        return 130
-    except EngineFault as exc:
-        show.end(stats, f"stopped: {exc}")
-        return 1
-    show.end(stats)
-    return 0
+ADAPTER_COMMANDS = {"batch": "adapters.bulk", "export": "adapters.export"}  # commands whose code lives beside blink
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python blink.py --state S --questions Q | batch IN --out OUT | record | prepare | calibrate DATA.jsonl |
-    export DIR"""
-    parser = argparse.ArgumentParser(prog="blink.py", description="one-pass typed decisions from a language model")
-    parser.add_argument("command", nargs="?",
-                        choices=("decide", "batch", "record", "prepare", "calibrate", "export"), default="decide")
-    parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line; batch: the "
-                                                "requests, JSON Lines or Parquet; export: the folder to write "
-                                                "decision.json and decision_template.jinja to")
+    """python blink.py --state S --questions Q | record | prepare | calibrate DATA.jsonl; `batch IN --out OUT` and
+    `export DIR` run the adapter module that holds them (imported only when asked for)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ADAPTER_COMMANDS:
+        return importlib.import_module(ADAPTER_COMMANDS[argv[0]]).main(argv[1:])
+    parser = argparse.ArgumentParser(prog="blink.py", description="one-pass typed decisions from a language model",
+                                     epilog="also: batch IN --out OUT (python blink.py batch -h), export DIR")
+    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare", "calibrate"), default="decide")
+    parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line")
     parser.add_argument("--state", help="evidence: a file, inline text or JSON")
     parser.add_argument("--questions", help="questions JSON: a file or inline")
     parser.add_argument("--image", action="append", default=None, metavar="FILE",
@@ -4806,14 +3567,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--model", default=None, help="one of the served models (BLINK_MODELS)")
     parser.add_argument("--out", default=None,
-                        help="record: where to write the recording; calibrate: where to write the temperatures; "
-                             "batch: the JSON Lines file answers are appended to (required)")
-    parser.add_argument("--quiet", action="store_true", help="batch: no progress bar and no summary line")
-    parser.add_argument("--ray", type=int, default=0, metavar="N",
-                        help="batch: answer on N Ray Data workers, one engine each (one GPU each where there are GPUs)")
-    parser.add_argument("--ray-address", default=None, metavar="ADDR",
-                        help="batch --ray: join the Ray cluster at ADDR (host:port, or auto) instead of starting one "
-                             "on this machine")
+                        help="record: where to write the recording; calibrate: where to write the temperatures")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
@@ -4824,20 +3578,6 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("calibrate needs a data file: python blink.py calibrate DATA.jsonl")
             print(format_calibration(calibrate(args.data, args.model, args.out)))
             return 0
-        if args.command == "export":
-            if args.data is None:
-                parser.error("export needs a folder: python blink.py export DIR [--model ID]")
-            done = export(args.data, args.model)
-            print(f"exported {done['model']} to {done['folder']}: {', '.join(done['files'])} ({done['choice_labels']} "
-                  f"choice labels, temperature {done['temperature']:g}; {done['probe_prompts']} probe prompts render "
-                  "the same token ids in transformers)")
-            return 0
-        if args.command == "batch":
-            if args.data is None or args.out is None:
-                parser.error("batch needs the requests and --out: python blink.py batch IN.jsonl --out OUT.jsonl")
-            if args.ray < 0 or (args.ray_address and not args.ray):
-                parser.error("--ray takes a number of workers of at least 1; --ray-address needs --ray")
-            return run_batch(args)
         if args.command == "record":
             data = record(args.model, args.out)
             print(f"recorded {len(data['requests'])} examples with {data['model']} on {data['hardware']}")
@@ -4845,8 +3585,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.state is None or args.questions is None:
             parser.error("decide needs --state and --questions")
         images = [image_data_uri(path) for path in args.image] if args.image else None
-        result = decide(_json_arg(args.state, "state"), _json_arg(args.questions, "questions"),
-                        temperature=args.temperature, model=args.model, images=images)
+        result = decide(file_or_text(args.state), file_or_text(args.questions), temperature=args.temperature,
+                        model=args.model, images=images)
     except BlinkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -48,7 +48,7 @@ def missing() -> str | None:
     """Why this check cannot run here (None when it can)."""
     if importlib.util.find_spec("vllm") is None:
         return "vllm is not installed"
-    if not blink._cuda():
+    if not blink.cuda_available():
         return "no CUDA device"
     return None
 

@@ -85,8 +85,8 @@ def test_editor_text_gives_back_the_recorded_request(launched):
     """What the page shows for a preset parses back to the very request that was recorded."""
     app, _ = launched
     for ex in app.PRESETS.values():
-        state = app.parse_state(app.state_text(ex["state"]))
-        questions = app.parse_questions(app.questions_text(ex["questions"]))
+        state = blink.coerce_state(app.state_text(ex["state"]))
+        questions = blink.coerce_questions(app.questions_text(ex["questions"]))
         assert blink.request_key(state, questions) == blink.request_key(ex["state"], ex["questions"]), ex["name"]
 
 

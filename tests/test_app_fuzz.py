@@ -104,7 +104,7 @@ def check_refusal(exc: AppError) -> str:
 
 def parsed(app, state, questions) -> tuple:
     """The request as the app reads it."""
-    return app.parse_state(state), app.parse_questions(questions)
+    return blink.coerce_state(state), blink.coerce_questions(questions)
 
 
 def check_answer(app, got: dict, state, questions, temperature) -> None:

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import blink
+from adapters import bulk
 
 QUESTIONS = {"team": {"type": "choice", "instructions": "Which team should handle this ticket?",
                       "criteria": ["billing", "technical", "account"]},
@@ -107,7 +108,7 @@ def big(tmp_path_factory, mock_dep):
     """A 300-row dataset with bad lines, answered once in full by the mock engine: (IN, expected, OUT records)."""
     folder = tmp_path_factory.mktemp("big")
     expected = make_dataset(folder / "in.jsonl", 300)
-    stats = blink.batch(str(folder / "in.jsonl"), str(folder / "out.jsonl"), mock_dep)
+    stats = bulk.batch(str(folder / "in.jsonl"), str(folder / "out.jsonl"), mock_dep)
     return folder / "in.jsonl", expected, records(folder / "out.jsonl"), stats
 
 
@@ -128,12 +129,12 @@ def test_resume_after_out_was_cut_mid_line(big, mock_dep, tmp_path):
     out = tmp_path / "out.jsonl"
     lines = (in_path.parent / "out.jsonl").read_bytes().splitlines(keepends=True)
     out.write_bytes(b"".join(lines[:100]) + lines[100][: len(lines[100]) // 2])  # killed while writing row 101
-    stats = blink.batch(str(in_path), str(out), mock_dep)
+    stats = bulk.batch(str(in_path), str(out), mock_dep)
     assert stats.skipped == 100 and stats.repaired and stats.rows == 200 and stats.total == 200
     assert "100 already in OUT" in stats.summary() and "half-written" in stats.summary()
     resumed = records(out)
     assert untimed(resumed) == untimed(full)  # nothing written twice, nothing lost, the same order
-    again = blink.batch(str(in_path), str(out), mock_dep)  # a finished run has nothing left to do
+    again = bulk.batch(str(in_path), str(out), mock_dep)  # a finished run has nothing left to do
     assert (again.rows, again.skipped, again.total) == (0, 300, 0) and records(out) == resumed
 
 
@@ -157,28 +158,28 @@ def test_a_run_that_stops_keeps_whole_chunks_and_resumes(big, mock_dep, tmp_path
     in_path, _, full, _ = big
     out = tmp_path / "out.jsonl"
     dying = blink.Deployment.serving(Dies(mock_dep.settings, 3, error))
-    raised = KeyboardInterrupt if isinstance(error, KeyboardInterrupt) else blink.EngineFault
+    raised = KeyboardInterrupt if isinstance(error, KeyboardInterrupt) else bulk.EngineFault
     with pytest.raises(raised) as caught:
-        blink.batch(str(in_path), str(out), dying)
-    if raised is blink.EngineFault:
+        bulk.batch(str(in_path), str(out), dying)
+    if raised is bulk.EngineFault:
         assert "CUDA out of memory" in str(caught.value)
     kept = records(out)  # two whole chunks: the third was in flight
     assert len(kept) == 2 * mock_dep.settings.batch_max_requests and untimed(kept) == untimed(full[: len(kept)])
-    stats = blink.batch(str(in_path), str(out), mock_dep)
+    stats = bulk.batch(str(in_path), str(out), mock_dep)
     assert stats.skipped == len(kept) and not stats.repaired and untimed(records(out)) == untimed(full)
 
 
 def test_an_interrupt_reports_the_rows_out_holds_even_between_a_write_and_its_count(big, mock_dep, tmp_path):
     in_path = big[0]
     out = tmp_path / "out.jsonl"
-    steps = blink.batch_steps(str(in_path), str(out), mock_dep)
+    steps = bulk.batch_steps(str(in_path), str(out), mock_dep)
     start = next(steps)
     first = next(steps)  # one chunk written; Ctrl-C now, before the caller saw a later count
-    assert blink.read_back(str(out), start).rows == first.rows == len(records(out)) > 0
+    assert bulk.read_back(str(out), start).rows == first.rows == len(records(out)) > 0
     steps.close()
-    again = next(blink.batch_steps(str(in_path), str(out), mock_dep))  # a resumed run: OUT held rows already
-    assert again.held == first.rows and blink.read_back(str(out), again).rows == 0
-    assert blink.read_back(str(out), None) is None
+    again = next(bulk.batch_steps(str(in_path), str(out), mock_dep))  # a resumed run: OUT held rows already
+    assert again.held == first.rows and bulk.read_back(str(out), again).rows == 0
+    assert bulk.read_back(str(out), None) is None
 
 
 def test_input_that_cannot_run_is_refused_before_anything_is_written(tmp_path, mock_dep):
@@ -187,38 +188,38 @@ def test_input_that_cannot_run_is_refused_before_anything_is_written(tmp_path, m
     row = {"state": "x", "questions": QUESTIONS}
     dup.write_text("\n".join(json.dumps(r) for r in ({**row, "id": 3}, row, row)) + "\n")  # line 3's id is 3
     with pytest.raises(blink.BlinkError, match=r"line 3: id 3 is also the id of line 1; every id must be unique"):
-        blink.batch(str(dup), str(out), mock_dep)
+        bulk.batch(str(dup), str(out), mock_dep)
     assert not out.exists()
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(row) + "\n")
     for kwargs, message in (({"model": "org/other"}, "unknown model 'org/other'"),
                             ({"temperature": -1.0}, "temperature must be a finite number above 0")):
         with pytest.raises(blink.BlinkError, match=message):
-            blink.batch(str(good), str(out), mock_dep, **kwargs)
+            bulk.batch(str(good), str(out), mock_dep, **kwargs)
         assert not out.exists()
     with pytest.raises(blink.BlinkError, match="another file than the input"):
-        blink.batch(str(good), str(good), mock_dep)
+        bulk.batch(str(good), str(good), mock_dep)
     with pytest.raises(blink.BlinkError, match="is not a file"):
-        blink.batch(str(tmp_path / "missing.jsonl"), str(out), mock_dep)
+        bulk.batch(str(tmp_path / "missing.jsonl"), str(out), mock_dep)
     with pytest.raises(blink.BlinkError, match="cannot write .*No such file or directory"):
-        blink.batch(str(good), str(tmp_path / "no-such-folder" / "out.jsonl"), mock_dep)
+        bulk.batch(str(good), str(tmp_path / "no-such-folder" / "out.jsonl"), mock_dep)
     stranger = tmp_path / "notes.txt"
     stranger.write_text("my notes\n")
     with pytest.raises(blink.BlinkError, match="notes.txt line 1 is not a blink batch result"):
-        blink.batch(str(good), str(stranger), mock_dep)
+        bulk.batch(str(good), str(stranger), mock_dep)
     assert stranger.read_text() == "my notes\n"
     other = blink.Deployment(blink.Settings(engine="mock", models=(("org/other", None),)))
-    blink.batch(str(good), str(out), other)
+    bulk.batch(str(good), str(out), other)
     with pytest.raises(blink.BlinkError, match="holds answers from org/other; this run serves"):
-        blink.batch(str(good), str(out), mock_dep)
+        bulk.batch(str(good), str(out), mock_dep)
 
 
 def test_a_model_that_cannot_load_stops_the_run_by_name(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"state": "x", "questions": QUESTIONS}) + "\n")
     missing = blink.Deployment(blink.Settings(engine="torch", models=((str(tmp_path / "no-model"), None),)))
-    with pytest.raises(blink.EngineFault, match="the model could not be loaded: OSError"):
-        blink.batch(str(src), str(tmp_path / "out.jsonl"), missing)
+    with pytest.raises(bulk.EngineFault, match="the model could not be loaded: OSError"):
+        bulk.batch(str(src), str(tmp_path / "out.jsonl"), missing)
     assert (tmp_path / "out.jsonl").read_bytes() == b""
 
 
@@ -240,7 +241,7 @@ def test_a_model_that_cannot_load_stops_the_run_by_name(tmp_path):
 def test_malformed_files_give_one_record_per_line(tmp_path, mock_dep, content, locs):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_bytes(content)
-    stats = blink.batch(str(src), str(out), mock_dep)
+    stats = bulk.batch(str(src), str(out), mock_dep)
     recs = records(out)
     assert [r.get("loc") for r in recs] == locs and stats.rows == len(locs)
     assert stats.errors == sum(loc is not None for loc in locs)
@@ -265,7 +266,7 @@ def test_fuzzed_files_never_stop_the_run(mock_dep, lines):
         with open(src, "wb") as fh:
             fh.write(b"\n".join(lines))
         try:
-            blink.batch(src, out, mock_dep)
+            bulk.batch(src, out, mock_dep)
         except blink.BlinkError as exc:  # a JSON object that happened to carry an id another line has
             assert "every id must be unique" in str(exc) and not os.path.exists(out)
             return
@@ -287,16 +288,16 @@ def test_parquet_gives_what_the_same_json_lines_give(tmp_path, mock_dep):
 
     dated = pa.Table.from_pylist([{"id": "d", "state": datetime.date(2026, 1, 2), "questions": json.dumps(QUESTIONS)}])
     pq.write_table(dated, tmp_path / "dated.parquet")
-    blink.batch(str(tmp_path / "dated.parquet"), str(tmp_path / "dated.jsonl"), mock_dep)
+    bulk.batch(str(tmp_path / "dated.parquet"), str(tmp_path / "dated.jsonl"), mock_dep)
     (refused,) = records(tmp_path / "dated.jsonl")
     assert refused["id"] == "d" and refused["loc"] == ["body"]
     assert refused["error"].startswith("row 1 holds a value JSON cannot hold: Object of type date")
-    stats = blink.batch(str(tmp_path / "in.parquet"), str(tmp_path / "pq.jsonl"), mock_dep)
+    stats = bulk.batch(str(tmp_path / "in.parquet"), str(tmp_path / "pq.jsonl"), mock_dep)
     from_parquet = records(tmp_path / "pq.jsonl")
     as_lines = [{**r, "questions": json.loads(r["questions"])} if r["questions"] != "{broken" else r for r in rows]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({k: v for k, v in r.items() if v is not None})
                                                  for r in as_lines) + "\n")
-    blink.batch(str(tmp_path / "in.jsonl"), str(tmp_path / "jl.jsonl"), mock_dep)
+    bulk.batch(str(tmp_path / "in.jsonl"), str(tmp_path / "jl.jsonl"), mock_dep)
     from_lines = records(tmp_path / "jl.jsonl")
     assert stats.rows == 40 and stats.errors == 1 and from_parquet[9]["id"] == 10
     assert from_parquet[7] == {"id": "p7", "loc": ["body", "questions"],
@@ -305,15 +306,15 @@ def test_parquet_gives_what_the_same_json_lines_give(tmp_path, mock_dep):
     assert [r.get("answers") for r in from_parquet] == [r.get("answers") for r in from_lines]
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(blink.BlinkError, match="cannot be read as Parquet"):
-        blink.batch(str(tmp_path / "bad.parquet"), str(tmp_path / "x.jsonl"), mock_dep)
+        bulk.batch(str(tmp_path / "bad.parquet"), str(tmp_path / "x.jsonl"), mock_dep)
 
 
 def test_a_ray_worker_answers_a_chunk_as_the_serial_steps_do(mock_dep):
     pa = pytest.importorskip("pyarrow")
     asks = [("Ticket 1: refund please", QUESTIONS, None), ("x", {"q": {"type": "noul", "multi": 3}}, None)]
-    worker = blink.RayWorker(mock_dep.settings, None, None)
+    worker = bulk.RayWorker(mock_dep.settings, None, None)
     (text,) = worker(pa.table({"asks": [json.dumps(asks)]})).column("outcomes").to_pylist()
-    serial = json.loads(json.dumps(blink.decide_outcomes(mock_dep, asks, None, None)))
+    serial = json.loads(json.dumps(bulk.decide_outcomes(mock_dep, asks, None, None)))
     assert untimed(json.loads(text)) == untimed(serial) and "answers" in serial[0]
     assert serial[1]["loc"] == ["body", "questions", "q", "multi"]
 
@@ -331,17 +332,17 @@ def test_a_worker_takes_its_own_hardware_defaults_and_keeps_what_was_set(mock_de
     zero = replace(zero, zero_gpu=True, prefix_cache_mb=None, derived=())
     assert zero.prefix_cache_mb == 0 and zero.on_hardware(gpu=True).prefix_cache_mb == 1024
     assert cpu.on_hardware(gpu=False) == cpu  # the same hardware: the same settings
-    worker = blink.RayWorker(replace(mock_dep.settings, zero_gpu=True, prefix_cache_mb=None, derived=()),
+    worker = bulk.RayWorker(replace(mock_dep.settings, zero_gpu=True, prefix_cache_mb=None, derived=()),
                              None, None)
     assert worker.served.settings.prefix_cache_mb == 1024 and not worker.served.settings.zero_gpu  # no GPU here
 
 
 def test_ray_workers_take_a_gpu_each_and_leave_a_cpu_free():
-    assert blink.ray_worker_resources({"CPU": 2.0}, 2) == (0.5, 0.0)
-    assert blink.ray_worker_resources({"CPU": 64.0, "GPU": 8.0}, 8) == (1.0, 1.0)
-    assert blink.ray_worker_resources({"CPU": 1.0}, 4) == (0.1, 0.0)
+    assert bulk.ray_worker_resources({"CPU": 2.0}, 2) == (0.5, 0.0)
+    assert bulk.ray_worker_resources({"CPU": 64.0, "GPU": 8.0}, 8) == (1.0, 1.0)
+    assert bulk.ray_worker_resources({"CPU": 1.0}, 4) == (0.1, 0.0)
     with pytest.raises(blink.BlinkError, match="needs a GPU per worker; the cluster has 2"):
-        blink.ray_worker_resources({"CPU": 16.0, "GPU": 2.0}, 4)
+        bulk.ray_worker_resources({"CPU": 16.0, "GPU": 2.0}, 4)
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:

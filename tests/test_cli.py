@@ -34,7 +34,7 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == "error: question 'q': a score takes a list of 2 to 10 levels"
     done = run("--state", "x", "--questions", "{broken", env={"BLINK_MOCK": "1"})
-    assert done.returncode == 2 and done.stderr.startswith("error: --questions is neither a file nor valid JSON")
+    assert done.returncode == 2 and done.stderr.startswith("error: questions is not valid JSON")
     assert "Traceback" not in done.stderr
 
 

@@ -17,6 +17,7 @@ from transformers.decision import DecisionConfig, parse_questions
 from transformers.decision.template_utils import label_token_ids
 
 import blink
+from adapters import export
 
 MODELS = {"standin": 200, "tiny_qwen": 300}  # engine fixture -> generated requests compared on it
 
@@ -29,7 +30,7 @@ def exported(tmp_path_factory):
     def folder(engine: blink.PromptEngine) -> str:
         if engine.model_id not in folders:
             out = tmp_path_factory.mktemp("export") / "decision"
-            done = blink.export(str(out), engine.model_id, DEFAULTS)
+            done = export.export(str(out), engine.model_id, DEFAULTS)
             assert done["files"] == ["decision.json", "decision_serve.json", "decision_template.jinja"]
             folders[engine.model_id] = str(out)
         return folders[engine.model_id]
@@ -131,7 +132,7 @@ def test_the_models_own_template_runs_unchanged_inside_the_export(tmp_path, tiny
     assert engine.tok.get_chat_template() == KNOTTY_TEMPLATE
     assert blink.wrap(engine.tok, "u").startswith("<|im_start|>system\nApply")  # its own shape, not ChatML's
     folder = tmp_path / "dec"
-    blink.export(str(folder), str(model), DEFAULTS)
+    export.export(str(folder), str(model), DEFAULTS)
     config, tok = DecisionConfig.from_pretrained(folder), copy.deepcopy(engine.tok)
     for req in gen.requests(60, seed=4):
         for inputs, _, prompt in theirs_and_ours(engine, config, tok, req):
@@ -193,16 +194,16 @@ def test_export_refuses_a_model_whose_labels_do_not_verify(tmp_path, tiny_qwen_d
     tok.save_pretrained(model)
     out = tmp_path / "dec"
     with pytest.raises(blink.BlinkError, match="A..Z must all verify"):
-        blink.export(str(out), str(model), DEFAULTS)
+        export.export(str(out), str(model), DEFAULTS)
     assert not out.exists()
 
 
 def test_export_refuses_labels_transformers_reads_as_other_tokens(tiny_qwen_dir):
     engine = blink.PromptEngine(tiny_qwen_dir, None, DEFAULTS)
-    blink.check_label_ids(engine)  # they agree on the real model
+    export.check_label_ids(engine)  # they agree on the real model
     engine.label_ids = [engine.label_ids[1], engine.label_ids[0], *engine.label_ids[2:]]
     with pytest.raises(blink.BlinkError, match="label 'A' is token .* but token .* on its own"):
-        blink.check_label_ids(engine)
+        export.check_label_ids(engine)
 
 
 def test_export_refuses_a_template_that_renders_other_ids(tmp_path, tiny_qwen, exported):
@@ -211,7 +212,7 @@ def test_export_refuses_a_template_that_renders_other_ids(tmp_path, tiny_qwen, e
     path = folder / "decision_template.jinja"
     path.write_text(path.read_text(encoding="utf-8").replace('"criterion"', '"Criterion"'), encoding="utf-8")
     with pytest.raises(blink.BlinkError, match="transformers renders other token ids"):
-        blink.check_export(str(folder), tiny_qwen, blink.EXPORT_PROBE)
+        export.check_export(str(folder), tiny_qwen, export.EXPORT_PROBE)
 
 
 @pytest.mark.parametrize("extra", [{"permute": 2}, {"multi": True}, {"abstain": {"min_label_mass": 0.5}}])

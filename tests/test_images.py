@@ -74,7 +74,7 @@ def test_text_mentioning_data_uris_is_plain_text():
 def test_images_not_given_is_none_or_empty():
     # the _NO_IMAGES sentinel is gone: (), [] and None all mean "no listed images"; the state's own still count
     for none in ((), [], None):
-        assert blink.inspect_images("text", none) is None and blink.extract_images("text", none) is None
+        assert blink.locate_images("text", none) is None and blink.extract_images("text", none) is None
         req = blink.extract_images(f"see {URI}", none, SMALL)
         assert req.state == "see [image 1]" and len(req.images) == 1 and req.loc == ["body", "state"]
     assert blink.extract_images(f"see {URI}", limits=SMALL).state == "see [image 1]"
@@ -174,10 +174,10 @@ def test_limits_come_from_the_environment_and_are_range_checked():
 
 
 def test_the_environment_is_not_read_by_the_image_functions(monkeypatch):
-    # Limits are read once, into Settings; inspect_images and extract_images take theirs as an argument only.
+    # Limits are read once, into Settings; locate_images and extract_images take theirs as an argument only.
     monkeypatch.setenv("BLINK_MAX_IMAGES", "nonsense")
-    assert blink.inspect_images({"text": "no images here"}) is None
-    assert blink.inspect_images([URI, URI]).limits == blink.ImageLimits()
+    assert blink.locate_images({"text": "no images here"}) is None
+    assert blink.locate_images([URI, URI]).limits == blink.ImageLimits()
     monkeypatch.setenv("BLINK_MAX_IMAGES", "1")
     assert len(blink.extract_images([URI, URI], limits=SMALL).images) == 2
 

@@ -22,6 +22,7 @@ import torch
 from conftest import DEFAULTS, ROOT, serving
 
 import blink
+from adapters import bulk
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -272,7 +273,7 @@ def test_hybrid_serves_recordings_and_runs_the_rest_on_vllm(fake_vllm, standin):
 def test_a_batch_ray_worker_answers_on_vllm_when_the_settings_say_so(fake_vllm, standin):
     pa = pytest.importorskip("pyarrow")
     settings = blink.Settings.from_env({"BLINK_BACKEND": "vllm", "BLINK_ENGINE": "torch"}, gpu=False)
-    worker = blink.RayWorker(settings, None, None)  # what each `batch --ray` worker builds from the driver's settings
+    worker = bulk.RayWorker(settings, None, None)  # what each `batch --ray` worker builds from the driver's settings
     asks = [(SMALL["state"], SMALL["questions"], None)]
     (text,) = worker(pa.table({"asks": [json.dumps(asks)]})).column("outcomes").to_pylist()
     (outcome,) = json.loads(text)

@@ -25,6 +25,7 @@ from typesafe_sdk import (Choice, Image, Noul, RetryPolicy, Score, TypeSafeAuthe
                           TypeSafeUnprocessableEntityError)
 
 import blink
+from adapters import wire
 
 KEY = "wire-test-key-7f3a9c"  # the guarded app's BLINK_API_KEY: it must never come back out
 TICKET = {"message": "I was charged twice for March and now nobody on the team can log in. Please fix this ASAP.",
@@ -365,7 +366,7 @@ def test_json_assets_and_multipart_parts_are_checked(mock_app):
 
 
 def test_placeholders_become_images_where_they_stand(mock_app):
-    state, questions, listed = blink.place_assets(
+    state, questions, listed = wire.place_assets(
         {"before": "data:image/png;base64,AAAA", "chart": "see <img:a> and <img:b>"},
         {"q": {"type": "choice", "instructions": "Compare <img:b> with <img:c>", "criteria": {"<img:a>": "<img:a>"}}},
         {"<img:a>": "data:image/png;base64,QQ==", "<img:b>": "data:image/png;base64,Qg==",
@@ -444,7 +445,7 @@ def test_an_oversized_body_is_refused_before_it_is_read(guarded):
 
     chunked = post(url, "/v1/systemone", content=chunks(), headers=auth)
     assert chunked.status_code == 413
-    zstd = blink.zstd_module()
+    zstd = wire.zstd_module()
     bomb = zstd.compress(json.dumps({**GOOD, "state": "x" * 5_000_000}).encode())
     assert len(bomb) < 65536
     inflated = post(url, "/v1/systemone", content=bomb, headers={**auth, "content-encoding": "zstd"})
