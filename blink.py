@@ -11,32 +11,28 @@ Every answer carries `label_mass`, the share of the model's whole next-token dis
 labels (a low mass: the model wanted to say something else). Opt-in per question: `permute` (order-robust average
 over rotations of the options), `multi` (independent yes-probability per option), `abstain` (thresholds on label mass
 or confidence). `python blink.py calibrate DATA.jsonl` fits temperatures per question type that decide() then applies.
-`python blink.py batch IN --out OUT` answers every row of a dataset, resumably, optionally on Ray (`--ray N`).
 
-One request takes one straight path: parse_request() checks it once and turns it into a Request of parsed Questions;
-an engine's prepare() makes it a Job (rendered token ids, decoded images, or a recording entry); the engine's run()
-returns a Forward per job (readouts, tokens, model time, where the numbers came from); answer() assembles the answers
-and meta from those two. A Deployment owns the settings, one engine per served model and the Batcher that packs
-concurrent requests into shared forwards.
+One request takes one straight path: parse_request() checks it once (the same for every entry: state and questions
+given as JSON text are read by one rule) and turns it into a Request of parsed Questions; an engine's prepare() makes
+it a Job (rendered token ids, decoded images, or a recording entry); the engine's run() returns a Forward per job
+(readouts, tokens, model time, where the numbers came from); answer() assembles the answers and meta from those two.
+A Deployment owns the settings, one engine per served model and the Batcher that packs concurrent requests into shared
+forwards; Deployment.answer_all is the one prepare -> run -> answer loop.
 
 Sections, in order: errors · settings · request schema · rendering · answers · images · engines (the interface,
 mock, replay, torch, vLLM, hybrid) · prefix cache · forward pass · deployment: engine selection, decide() and
-answers · batching · wire protocols: System One and OpenAI Decisions · calibration · export (blink's prompt as a
-transformers DecisionConfig) · bulk decisions (a dataset in, answers out; on Ray when one machine is not enough) ·
-command line.
+answers · batching · calibration · command line.
 
-Wire protocols: TypeSafe's System One API (POST /v1/systemone, GET /v1/models; client typesafe-sdk) and OpenAI's
-Decisions API (POST /v1/decisions; openai >= 3.26) parse into the same Request and go through the same Deployment;
-their answers carry the field's confidence formulas and blink's additions under x_ names.
+This file is the engine; what adapts it to the outside lives beside it in adapters/ and imports blink (never the
+reverse): adapters/wire.py (TypeSafe's System One API and OpenAI's Decisions API, served by app.py),
+adapters/bulk.py (`python blink.py batch IN --out OUT`, optionally on Ray) and adapters/export.py (`python blink.py
+export DIR`: blink's prompt as a transformers decision config).
 
 Engines (BLINK_ENGINE): "torch" runs the model; "replay" serves label logits the real model recorded for the
 bundled examples; "hybrid" serves those recordings for the bundled examples and runs the model for everything
 else; "mock" is a deterministic stand-in with fabricated numbers (BLINK_MOCK=1 also selects it). What runs a live
 model is BLINK_BACKEND: "torch" (transformers in this process) or "vllm" (a vLLM engine reads the label log-probs of
 the prompts blink renders; BLINK_VLLM_ARGS holds its engine arguments).
-
-`python blink.py export DIR` writes decision.json and decision_template.jinja, under which transformers'
-pipeline("decision") and `transformers serve` render blink's prompt token for token.
 
 Images: data URIs inside the state, or a top-level `images` list, go to a vision model (BLINK_VISION for a model with
 its own vision tower, BLINK_VISION_TOWER to graft blink-4b onto its base's tower); text-only models refuse them.
@@ -308,7 +304,7 @@ class Settings:
     batch_window_ms: float = setting("BLINK_BATCH_WINDOW_MS", 25.0, 0.0, 1000.0)  # how long a batch waits
     batch_max_requests: int = setting("BLINK_BATCH_MAX_REQUESTS", 32, 1, MAX_BATCH_REQUESTS)  # per forward call
     batch_max_queued: int = setting("BLINK_BATCH_MAX_QUEUED", 256, 1)  # requests waiting for the model
-    # the wire routes (/v1/systemone, /v1/decisions, /v1/models)
+    # the wire routes (System One, Decisions, the models list)
     api_key: str | None = setting("BLINK_API_KEY", None, secret=True)  # set: callers send Authorization: Bearer it
     max_body_bytes: int = setting("BLINK_MAX_BODY_BYTES", 64 * 1024 * 1024, 1024)  # on the wire and decompressed
     # hardware, found rather than set
@@ -3293,17 +3289,9 @@ class Batcher:
 # {group: T}, "fit": {group: {prompts, nll_before, nll_after, ece_before, ece_after}}, "data", "engine", "hardware",
 # "revision", "fitted_at"}}}. A group is "<type>:<option band>", e.g. "choice:3-4", "noul:2", "score:5-8". Only the
 # entry of the served model id is ever applied; an explicit request temperature always wins over it.
-#
-# Calibration data (`python blink.py calibrate DATA.jsonl`): one labelled request per line,
-#   {"state": ..., "questions": {...}, "labels": {question key: the correct option key}}
-# Noul labels are "yes" / "no"; score labels the level index as a string ("0".."9"). Questions without a label are
-# not run; multi questions cannot be labelled with one key and are refused. Every prompt of a labelled question is one
-# observation (each rotation of a permute question, with the label at its shown position).
+# Fitting (`python blink.py calibrate DATA.jsonl`) lives in adapters/calibrate.py.
 
 CALIBRATION_FORMAT = "blink-calibration/1"
-MIN_CALIBRATION_PROMPTS = 8  # a group with fewer labelled prompts is not fitted (a temperature from 3 points is noise)
-TEMPERATURE_RANGE = (0.05, 50.0)  # the fit searches inverse temperatures between these bounds
-ECE_BINS = 10
 _CALIBRATIONS: dict = {}  # path -> ((mtime_ns, size), file contents): reread only when the file changes
 
 
@@ -3332,152 +3320,6 @@ def calibration_for(path: str, model_id: str) -> dict[str, float]:
     entry = cached[1]["models"].get(model_id)
     return dict(entry["temperatures"]) if entry else {}
 
-
-def nll(obs: list[tuple[list[float], int]], temperature: float) -> float:
-    """Mean negative log-likelihood of the correct labels, observations being (label logits, correct index)."""
-    return sum(logsumexp([v / temperature for v in z]) - z[y] / temperature for z, y in obs) / len(obs)
-
-
-def ece(obs: list[tuple[list[float], int]], temperature: float, bins: int = ECE_BINS) -> float:
-    """Expected calibration error: the top probability against being right, in equal-width bins weighted by size."""
-    sums = [[0.0, 0.0] for _ in range(bins)]  # per bin: sum of confidences, number right
-    for z, y in obs:
-        p = softmax(z, temperature)
-        top = max(range(len(p)), key=lambda i: (p[i], -i))
-        cell = sums[min(bins - 1, int(p[top] * bins))]
-        cell[0] += p[top]
-        cell[1] += float(top == y)
-    return sum(abs(conf - right) for conf, right in sums) / len(obs)
-
-
-def fit_temperature(obs: list[tuple[list[float], int]], start: float) -> float:
-    """The temperature minimising NLL: NLL is convex in 1/T, so a golden-section search over 1/T finds it. Never
-    worse than `start` on these observations (the temperature used before fitting)."""
-    lo, hi = 1 / TEMPERATURE_RANGE[1], 1 / TEMPERATURE_RANGE[0]
-    ratio = (math.sqrt(5) - 1) / 2
-    for _ in range(100):
-        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-        if nll(obs, 1 / a) <= nll(obs, 1 / b):
-            hi = b
-        else:
-            lo = a
-    fitted = 2 / (lo + hi)
-    return fitted if nll(obs, fitted) <= nll(obs, start) else start
-
-
-def read_labelled(path: str, settings: Settings) -> list[tuple[int, Request, dict[str, str]]]:
-    """(line number, the request of its labelled questions, labels) per line of a calibration data file, each
-    checked."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BlinkError(f"calibration data {path} cannot be read: {exc}") from None
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path} line {n}"
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise BlinkError(f"{where}: not JSON: {exc}") from None
-        if not isinstance(item, dict) or not isinstance(item.get("labels"), dict) or not item["labels"]:
-            raise BlinkError(f"{where}: needs state, questions and labels {{question: correct option key}}",
-                             [f"line {n}", "labels"])
-        questions, labels = item.get("questions"), item["labels"]
-        try:
-            request = parse_request(item.get("state"), questions, settings=settings)
-        except BlinkError as exc:
-            raise BlinkError(f"{where}: {exc}", [f"line {n}", *exc.loc[1:]]) from None
-        parsed = {q.key: q for q in request.questions}
-        for qkey, key in labels.items():
-            loc = [f"line {n}", "labels", qkey]
-            if qkey not in parsed:
-                raise BlinkError(f"{where}: labels.{qkey} names no question", loc)
-            if parsed[qkey].multi:
-                raise BlinkError(f"{where}: question {qkey!r} is multi; calibration labels name one option", loc)
-            if str(key) not in parsed[qkey].keys:
-                raise BlinkError(f"{where}: labels.{qkey} is {key!r}, not one of the question's option keys", loc)
-        labelled = replace(request, questions=tuple(q for q in request.questions if q.key in labels),
-                           spec={qkey: q for qkey, q in questions.items() if qkey in labels})
-        out.append((n, labelled, {qkey: str(key) for qkey, key in labels.items()}))
-    if not out:
-        raise BlinkError(f"calibration data {path} has no labelled requests")
-    return out
-
-
-def labelled_observations(eng: Engine, items: list, path: str) -> dict[str, list[tuple[list[float], int]]]:
-    """Run every labelled request (packed, like decide_many) and group its prompts' (logits, correct index)."""
-    jobs = []
-    for n, request, _ in items:
-        try:
-            jobs.append(eng.prepare(request))
-        except BlinkError as exc:
-            raise BlinkError(f"{path} line {n}: {exc}") from None
-    groups: dict[str, list] = {}
-    for (n, request, labels), result in zip(items, run_jobs(jobs)):
-        if isinstance(result, Exception):
-            raise BlinkError(f"{path} line {n}: {result}") from None
-        for q in request.questions:
-            for row, z in zip(q.rows, result.readouts[q.key].logits):
-                if len(z) > 1:  # one option is certain at any temperature: nothing to fit
-                    groups.setdefault(q.group, []).append((z, [o.key for o in row.shown].index(labels[q.key])))
-    return groups
-
-
-def write_calibration(path: str, model_id: str, entry: dict) -> None:
-    """Put one model's entry into the calibration file, keeping every other model's; written atomically."""
-    data = load_calibration(path) if os.path.exists(path) else {"format": CALIBRATION_FORMAT, "models": {}}
-    data["models"][model_id] = entry
-    partial = f"{path}.tmp-{os.getpid()}"
-    with open(partial, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, ensure_ascii=False, indent=1)
-        fh.write("\n")
-    os.replace(partial, path)
-
-
-def calibrate(data_path: str, model: str | None = None, out: str | None = None,
-              served: Deployment | None = None) -> dict:
-    """Fit one temperature per question group on labelled requests by minimising NLL, and write it where the engine
-    reads it (`out`, else BLINK_CALIBRATION / calibration.json). Returns the fit report."""
-    served = served or deployment()
-    items = read_labelled(data_path, served.settings)  # a bad data file fails before any model loads
-    eng = served.engine(model)
-    if eng.fabricated:
-        raise BlinkError("calibration needs a model's own numbers; the mock engine's are fabricated")
-    groups = labelled_observations(eng, items, data_path)
-    start = served.settings.temperature
-    fits, temps = {}, {}
-    for group, obs in sorted(groups.items()):
-        fitted = fit_temperature(obs, start) if len(obs) >= MIN_CALIBRATION_PROMPTS else None
-        after = fitted if fitted is not None else start
-        fits[group] = {"prompts": len(obs), "temperature": fitted,
-                       "nll_before": nll(obs, start), "nll_after": nll(obs, after),
-                       "ece_before": ece(obs, start), "ece_after": ece(obs, after)}
-        if fitted is not None:
-            temps[group] = fitted
-    path = out or served.settings.calibration_path
-    live = eng.live  # a hybrid engine's live half ran the requests
-    entry = {"temperatures": temps, "fit": fits, "data": os.path.basename(data_path), "requests": len(items),
-             "engine": live.name, "revision": live.revision,
-             "hardware": hardware(), "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    write_calibration(path, eng.model_id, entry)
-    return {"model": eng.model_id, "path": path, "start_temperature": start, **entry}
-
-
-def format_calibration(report: dict) -> str:
-    """The fit report as a table: prompts, temperature, NLL and ECE before and after, per group."""
-    head = (f"calibrated {report['model']} on {report['requests']} requests from {report['data']}; "
-            f"before = temperature {report['start_temperature']:g}; wrote {report['path']}")
-    columns = (f"{'group':<12} {'prompts':>7} {'temperature':>11} {'NLL before':>10} {'NLL after':>9} "
-               f"{'ECE before':>10} {'ECE after':>9}")
-    lines = [head, columns]
-    for group, fit in report["fit"].items():
-        t = f"{fit['temperature']:.4f}" if fit["temperature"] is not None else "too few"
-        lines.append(f"{group:<12} {fit['prompts']:>7} {t:>11} {fit['nll_before']:>10.4f} {fit['nll_after']:>9.4f} "
-                     f"{fit['ece_before']:>10.4f} {fit['ece_after']:>9.4f}")
-    return "\n".join(lines)
 
 
 # ==================================================================================================================
@@ -3547,19 +3389,19 @@ def record(model_id: str | None = None, path: str | None = None, settings: Setti
     return data
 
 
-ADAPTER_COMMANDS = {"batch": "adapters.bulk", "export": "adapters.export"}  # commands whose code lives beside blink
+# commands whose code lives beside blink, imported only when asked for
+ADAPTER_COMMANDS = {"batch": "adapters.bulk", "export": "adapters.export", "calibrate": "adapters.calibrate"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python blink.py --state S --questions Q | record | prepare | calibrate DATA.jsonl; `batch IN --out OUT` and
-    `export DIR` run the adapter module that holds them (imported only when asked for)."""
+    """python blink.py --state S --questions Q | record | prepare; `calibrate DATA.jsonl`, `batch IN --out OUT` and
+    `export DIR` run the module beside blink that holds them (imported only when asked for)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ADAPTER_COMMANDS:
         return importlib.import_module(ADAPTER_COMMANDS[argv[0]]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="blink.py", description="one-pass typed decisions from a language model",
-                                     epilog="also: batch IN --out OUT (python blink.py batch -h), export DIR")
-    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare", "calibrate"), default="decide")
-    parser.add_argument("data", nargs="?", help="calibrate: labelled requests, one JSON object a line")
+                                     epilog="also: calibrate DATA.jsonl, batch IN --out OUT, export DIR (each with -h)")
+    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare"), default="decide")
     parser.add_argument("--state", help="evidence: a file, inline text or JSON")
     parser.add_argument("--questions", help="questions JSON: a file or inline")
     parser.add_argument("--image", action="append", default=None, metavar="FILE",
@@ -3567,16 +3409,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--model", default=None, help="one of the served models (BLINK_MODELS)")
     parser.add_argument("--out", default=None,
-                        help="record: where to write the recording; calibrate: where to write the temperatures")
+                        help="record: where to write the recording")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
             print(standin_folder(env_settings().cache_dir))
-            return 0
-        if args.command == "calibrate":
-            if args.data is None:
-                parser.error("calibrate needs a data file: python blink.py calibrate DATA.jsonl")
-            print(format_calibration(calibrate(args.data, args.model, args.out)))
             return 0
         if args.command == "record":
             data = record(args.model, args.out)

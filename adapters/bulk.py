@@ -54,14 +54,14 @@ def body_row(body, n: int, unit: str) -> Row:
     where = f"{unit} {n}"
     if not isinstance(body, dict):
         return Row(n, where, error=blink.BlinkError(f"{where} must be a JSON object with state and questions (got "
-                                              f"{type(body).__name__})", ["body"]))
+                                                    f"{type(body).__name__})", ["body"]))
     row_id = body.get("id")
     if row_id is None:
         row_id = n
     elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or (
             isinstance(row_id, str) and not blink.is_text(row_id)):
         return Row(n, where, error=blink.BlinkError(f"{where}: id must be text or a whole number (got {row_id!r:.80})",
-                                              ["body", "id"]))
+                                                    ["body", "id"]))
     if "state" not in body:
         return Row(row_id, where, error=blink.BlinkError(f"{where} has no state", ["body", "state"]))
     return Row(row_id, where, body)
@@ -148,8 +148,8 @@ def dataset_ids(rows: list[Row]) -> set[str]:
     for row in rows:
         key = id_key(row.id)
         if key in seen:
-            raise blink.BlinkError(f"{row.where}: id {row.id!r:.80} is also the id of {seen[key]}; every id must be unique "
-                             "(a row without an id is known by its line number)")
+            raise blink.BlinkError(f"{row.where}: id {row.id!r:.80} is also the id of {seen[key]}; every id must be "
+                                   "unique (a row without an id is known by its line number)")
         seen[key] = row.where
     return set(seen)
 
@@ -276,7 +276,8 @@ class RayWorker:
 def ray_connect(address: str | None):
     """Ray, connected: to the cluster at `address` (blink.py shipped to its workers), else to a new local one."""
     if importlib.util.find_spec("ray") is None:
-        raise blink.BlinkError("--ray needs Ray: pip install 'ray[data]' (tools/requirements-ray.txt pins the tested version)")
+        raise blink.BlinkError("--ray needs Ray: pip install 'ray[data]' (tools/requirements-ray.txt pins the tested "
+                               "version)")
     for name, value in (("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_DATA_DISABLE_PROGRESS_BARS", "1")):
         os.environ.setdefault(name, value)
     import ray
@@ -404,8 +405,8 @@ def batch_steps(in_path: str, out_path: str, served: blink.Deployment | None = N
     ids = dataset_ids(rows)
     resume = read_out(out_path)
     if resume.model and resume.model != model_id:
-        raise blink.BlinkError(f"{out_path} holds answers from {resume.model}; this run serves {model_id}: choose another "
-                         "--out")
+        raise blink.BlinkError(f"{out_path} holds answers from {resume.model}; this run serves {model_id}: choose "
+                               "another --out")
     skipped = len(ids & resume.done)
     stats = BatchStats(len(ids) - skipped, skipped=skipped, repaired=resume.cut, model=model_id, workers=workers,
                        held=len(resume.done))

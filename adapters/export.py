@@ -101,8 +101,8 @@ def check_label_ids(engine: blink.PromptEngine) -> None:
             got = None
         if got != expected:
             raise blink.BlinkError(f"label {label!r} is token {expected} after the assistant header but "
-                             f"{'not one token' if got is None else f'token {got}'} on its own: transformers would "
-                             "read another token, so this model cannot be exported")
+                                   f"{'not one token' if got is None else f'token {got}'} on its own: transformers "
+                                   "would read another token, so this model cannot be exported")
 
 
 def check_export(folder: str, engine: blink.PromptEngine, request: dict) -> int:
@@ -118,8 +118,8 @@ def check_export(folder: str, engine: blink.PromptEngine, request: dict) -> int:
         raise blink.BlinkError(f"transformers renders {len(theirs)} prompts for {len(ours)} questions")
     for (inputs, (question,)), prompt in zip(theirs, ours):
         if question.name != prompt.qkey or inputs["input_ids"][0].tolist() != prompt.ids:
-            raise blink.BlinkError(f"question {prompt.qkey!r}: transformers renders other token ids than blink with this "
-                             "model's chat template; nothing was written")
+            raise blink.BlinkError(f"question {prompt.qkey!r}: transformers renders other token ids than blink with "
+                                   "this model's chat template; nothing was written")
     return len(ours)
 
 

@@ -85,12 +85,15 @@ def _typed(value, kinds: tuple, loc: list, nullable: bool = False):
 
 
 def wire_model(model, deployment: blink.Deployment) -> str:
-    """The served model a wire request names (a served id, or the alias of the default model); a 404 naming the
-    served ones otherwise."""
+    """The served model a wire request names (the default model's alias maps to it; the deployment's own check
+    does the rest), or a 404 naming the served ones."""
     if model == DEFAULT_MODEL_ALIAS:
         return deployment.default_model
-    if isinstance(model, str) and model in deployment.models():
-        return model
+    try:
+        if model.strip():  # the deployment reads '' as its default; the wire names a model
+            return deployment.model_id(model)
+    except blink.BlinkError:
+        pass
     raise WireError(f"model {model!r:.80} is not served here; this deployment serves {', '.join(deployment.models())} "
                     f"({DEFAULT_MODEL_ALIAS!r} answers with {deployment.default_model})", ["body", "model"], 404,
                     "model_not_found")
@@ -265,7 +268,8 @@ def asset_uris(assets, parts: Mapping[str, bytes], engine: blink.Engine) -> dict
 
 def _image_uri_count(state) -> int:
     """How many image data URIs stand in the state (blink numbers them [image 1], [image 2], ... in this order)."""
-    return sum(1 for value, _ in blink.state_strings(state) for _, _, error in blink.scan_image_uris(value) if error is None)
+    return sum(1 for value, _ in blink.state_strings(state) for _, _, error in blink.scan_image_uris(value)
+               if error is None)
 
 
 def _replace_in_texts(value, pattern: re.Pattern, replace: Callable):

@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import blink  # noqa: E402
+from adapters import calibrate  # noqa: E402
 import peers  # noqa: E402
 import saved  # noqa: E402
 
@@ -162,7 +163,7 @@ Labelled = tuple[blink.Request, dict]  # a request and its labels {question key:
 
 def labelled(path: str, settings: blink.Settings) -> list[Labelled]:
     """The labelled requests of a calibration-format file (checked by blink's own reader)."""
-    return [(request, labels) for _, request, labels in blink.read_labelled(path, settings)]
+    return [(request, labels) for _, request, labels in calibrate.read_labelled(path, settings)]
 
 
 def every_order(items: list[Labelled], settings: blink.Settings) -> list[Labelled]:

@@ -523,32 +523,46 @@ def test_meta_line_names_the_temperature_source(launched, tmp_path):
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def test_spaces_comes_before_torch_and_weights_load_at_import():
-    """`import spaces` precedes anything that can touch CUDA, and importing the app builds the engine (weights
-    placed at start, as ZeroGPU wants)."""
+def test_spaces_comes_before_torch_and_weights_load_at_start():
+    """`import spaces` precedes anything that can touch CUDA; importing the app builds no engine, starting it (what
+    launch does, before the server runs) builds them all (weights placed at start, as ZeroGPU wants)."""
     import os
     import subprocess
     import sys
 
-    # after the import no engine may be built any more: engine() must hand back the one built at import
-    probe = ("import sys, app, blink; m = list(sys.modules)\n"
-             "def late(*args, **kwargs):\n    raise AssertionError('the engine was not built at import')\n"
+    # after start() no engine may be built any more: engine() must hand back the one start() built
+    probe = ("import sys, app, blink; m = list(sys.modules); at_import = len(blink._LIVE)\n"
+             "app.built_demo()\n"
+             "def late(*args, **kwargs):\n    raise AssertionError('the engine was not built at start')\n"
              "blink.TorchEngine.__init__ = late\n"
-             "eng = app.DEPLOYMENT.engine(); live = getattr(eng, 'live', eng)\n"
-             "print(m.index('spaces') < m.index('torch'), isinstance(live, blink.TorchEngine), "
+             "live = app.DEPLOYMENT.engine().live\n"
+             "print(m.index('spaces') < m.index('torch'), at_import, isinstance(live, blink.TorchEngine), "
              "type(live.model).__name__)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300,
                          check=False, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-3:] == ["True", "True", "LlamaForCausalLM"]
+    assert out.stdout.split()[-4:] == ["True", "0", "True", "LlamaForCausalLM"]
 
 
 def test_gpu_reservation_fits_the_work(launched):
     app, _ = launched
     eng = app.DEPLOYMENT.engine()
-    key = getattr(eng, "live", eng).key  # the served live model, whose settings cap the reservation
+    key = eng.live.key  # the served live model, whose settings cap the reservation
     small = blink._gpu_seconds(key, [[1] * 200] * 4, [[1, 2]] * 4)
     large = blink._gpu_seconds(key, [[1] * 100_000] * 8, [[1, 2]] * 8)
     assert small == blink.GPU_RESERVE_BASE_S + 1
     assert small < large == app.SETTINGS.gpu_duration
+
+
+def test_an_api_call_without_a_temperature_gets_the_deployments_own(launched, client):
+    """Gradio's API sends no temperature unless the caller gives one: calibration (or the default) applies, as on
+    /v1/systemone and decide()."""
+    app, _ = launched
+    with serving(app, blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)):
+        plain = client.predict("x", {"q": {"type": "noul"}}, api_name="/decide")["meta"]
+        asked = client.predict("x", {"q": {"type": "noul"}}, 0.5, api_name="/decide")["meta"]
+        (batch,) = client.predict([{"state": "x", "questions": {"q": {"type": "noul"}}}], api_name="/decide_batch")
+    assert (plain["temperature"], plain["temperature_source"]) == (app.SETTINGS.temperature, "default")
+    assert (asked["temperature"], asked["temperature_source"]) == (0.5, "request")
+    assert batch["meta"]["temperature_source"] == "default"

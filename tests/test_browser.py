@@ -161,3 +161,21 @@ def test_form_adds_a_multi_question_with_a_threshold(page):
     page.get_by_label("score").check()
     expect(page.locator("#q-permute")).to_be_hidden()
     expect(page.locator("#q-multi")).to_be_hidden()
+
+
+def test_the_temperature_applies_only_once_the_slider_is_moved(page, launched):
+    """Untouched, the slider sends no temperature (the calibrated or default one applies, and the answer line says
+    which); moved, the person's value applies."""
+    from playwright.sync_api import expect
+
+    app, _ = launched
+    page.reload()
+    page.locator("#evidence textarea").fill("Two charges of $480 appeared on the March invoice.")
+    with serving(app, blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)):
+        page.locator("#decide").click()
+        expect(page.locator("#meta .bk-meta")).to_contain_text(f"T = {app.SETTINGS.temperature:g} (default)")
+        box = page.locator("#temperature input[type=number]")
+        box.fill("2.5")
+        box.press("Enter")
+        page.locator("#decide").click()
+        expect(page.locator("#meta .bk-meta")).to_contain_text("T = 2.5 (request)")

@@ -7,7 +7,6 @@ the rest run on the mock engine (fabricated numbers, labelled so in x_meta)."""
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import base64
 import io
@@ -576,9 +575,10 @@ def test_mcp_client_lists_and_calls_the_decide_tool(mock_app):
     assert set(decide.inputSchema["required"]) == {"state", "questions"}
     assert "noul" in props["questions"]["description"] and props["state"]["description"]
     assert not result.isError
-    got = ast.literal_eval(result.content[0].text)
+    got = json.loads(result.content[0].text)  # JSON an agent parses, not Python's repr of a dict
     want = app.DEPLOYMENT.decide(TICKET["message"], questions)["answers"]
     assert got["answers"] == want and got["meta"]["fabricated"] is True
+    assert got["meta"]["temperature_source"] == "default"  # no temperature given: the deployment's own applies
     assert refused.isError and "field: questions.q.criteria" in refused.content[0].text
 
 
