@@ -1086,20 +1086,6 @@ def scan_image_uris(value: str) -> Iterator[tuple[int, int, str | None]]:
         pos = match.end()
 
 
-def contains_image_uri(value) -> bool:
-    """True when a string anywhere in the value (nested lists and object values) holds an image data URI."""
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, str) and next(scan_image_uris(item), None) is not None:
-            return True
-        if isinstance(item, dict):
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
-    return False
-
-
 def state_strings(state) -> Iterator[tuple[str, list]]:
     """Every string in the state with its location in the request body, in the order the JSON renders them."""
     pending = [(state, ["body", "state"])]
@@ -3373,9 +3359,10 @@ def record(model_id: str | None = None, path: str | None = None, settings: Setti
     requests = {}
     for file in example_files():
         example = load_example(file)
-        if "images" in example or contains_image_uri(example["state"]):
+        request = parse_request(example["state"], example["questions"], images=example.get("images"),
+                                settings=settings)
+        if request.holds_images():
             continue
-        request = parse_request(example["state"], example["questions"], settings=settings)
         t0 = time.perf_counter()
         result = live.forward(request)
         requests[request.key] = {

@@ -61,7 +61,7 @@ def test_importing_app_builds_no_model_and_launching_does():
 @pytest.mark.parametrize("state, questions", [
     ('{"order": 7, "items": ["kettle"]}', '{"q": {"type": "noul", "instructions": "Refund?"}}'),
     ("[1, 2]", {"q": {"type": "noul"}}),
-    ("plain words {not json", '{"q": {"type": "choice", "criteria": ["a", "b"]}}'),
+    ("plain words {not json", '{"q": {"type": "choice", "criteria": {"a": "first", "b": "second"}}}'),
 ])
 def test_json_text_means_the_same_on_every_entry(state, questions, mock_served):
     """decide(), the wire's Request and a batch row all go through parse_request: the same key and rendering."""

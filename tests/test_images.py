@@ -65,7 +65,7 @@ def test_other_image_types_are_refused():
 
 def test_text_mentioning_data_uris_is_plain_text():
     for s in ("data:image/png is a format", "see data:image/png,abc", "data:image/" + "x" * 300 + ";base64,AAAA"):
-        assert not blink.contains_image_uri(s)
+        assert blink.locate_images(s) is None
         assert blink.extract_images(s) is None
     assert blink.extract_images({"a": 1, "b": [None, True, 2.5]}) is None
     assert blink.extract_images("text", []) is None
