@@ -113,7 +113,7 @@ def test_feature_preset_shows_badges_checklist_rotations_and_abstention(page, la
     answers = blink.assemble(request, raw, dict.fromkeys(ex["questions"], 1.0))
     pick_preset(page, INCIDENT)
     expect(page.locator("#meta .bk-replay")).to_contain_text("no model call")
-    expect(page.locator("#meta .bk-meta")).to_contain_text("T = 1 (request)")
+    expect(page.locator("#meta .bk-meta")).to_contain_text("T = 1 (default)")  # the slider was not moved
     for qkey, answer in answers.items():
         card = page.locator(f'#answers .bk-card[data-question="{qkey}"]')
         badge = card.locator(".bk-mass")

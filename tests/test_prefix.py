@@ -141,7 +141,7 @@ def test_cut_points_end_the_shared_parts_whatever_follows(eng):
     # The header ends every prompt alike, whatever the evidence; the evidence cut ends every prompt over one piece of
     # evidence alike, whatever the question (even one that opens with punctuation, which some pre-tokenizers join
     # to the quote before it).
-    states = [DOC, OTHER_DOC, {"ticket": 7, "text": "(urgent) refund"}, "", "  spaced", 3, ["a", "b"]]
+    states = [DOC, OTHER_DOC, {"ticket": 7, "text": "(urgent) refund"}, ".", "  spaced", 3, ["a", "b"]]
     by_state = {str(s): render(eng, s, {**QUESTIONS, **NEW_QUESTIONS}) for s in states}
     headers = {tuple(p.ids[: p.cuts[0]]) for prompts in by_state.values() for p in prompts}
     assert len(headers) == 1

@@ -224,7 +224,7 @@ def test_the_wire_examples_run_against_the_launched_app(launched, tmp_path):
                 assert answers and all("type" in a for a in answers.values()), out
             else:
                 assert out.strip() and "Error" not in out, out
-    assert "decide" in outputs[3] and "'answers'" in outputs[3]  # the MCP example listed the tools, called decide
+    assert "decide" in outputs[3] and '"answers"' in outputs[3]  # the MCP example listed the tools, called decide
 
 
 def test_the_space_installs_the_mcp_extra_of_its_own_gradio():
