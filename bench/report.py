@@ -145,10 +145,11 @@ def run_report(res: dict) -> str:
             f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "
             f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run), blink's "
             f"linear layers by {res['settings'].get('linear_layers', 'torch')}.")
-    parts = [head, "", steadiness_line(res), "", *targets_list(res), "",
-             "Against transformers' pipeline(\"decision\"), time per request (mean of the repetitions; ratios > 1: "
-             "blink faster; `pipeline` runs its own built-in prompt, `pipeline_export` blink's exported one):", "",
-             *decision_table(res), "", "Over HTTP (`/v1/systemone`):", "", *http_table(res)]
+    parts = [head, "", steadiness_line(res), "", *targets_list(res)]
+    if res.get("decision"):  # runs before the decision peers existed have none
+        parts += ["", "Against transformers' pipeline(\"decision\"), time per request (mean of the repetitions; "
+                  "ratios > 1: blink faster; `pipeline` runs its own built-in prompt, `pipeline_export` blink's "
+                  "exported one):", "", *decision_table(res), "", "Over HTTP (`/v1/systemone`):", "", *http_table(res)]
     if res["cells"]:
         parts += ["", "Time per request (* = scaled from a subsample of the questions, see the JSON; a ratio is "
                   "starred when either of its sides is):", "", *cells_table(res), "", "Prefill against the machine:",
@@ -297,14 +298,23 @@ REPORTS = {"run": run_report, "budget": lambda res: "\n".join(budget_table(res))
            "batch": batch_report, "models": models_report, "order": order_report}
 
 
+# The fields that mark a file of each kind that records no command (older files; a file read from stdin has no name).
+SIGNATURES = {"run": {"cells", "targets", "matmul_gflops_start_end"}, "batch": {"arms", "pipeline", "loop_rows"},
+              "order": {"arms", "questions", "temperature"}}
+
+
 def kind(res, name: str) -> str:
-    """Which bench script wrote a results file: from the command it records, else from the file's name
-    (`full`, `decision` and `quick` are run.py's)."""
+    """Which bench script wrote a results file: from the command it records, else from the file's name (`full`,
+    `decision` and `quick` are run.py's), else from the fields it has; 'generic' when none tells."""
     command = res.get("command", "") if isinstance(res, dict) else ""
     if command.startswith("python bench/"):
         return command.split()[1][len("bench/"):-len(".py")]
     stem = os.path.splitext(os.path.basename(name))[0]
-    return "run" if stem in ("full", "decision", "quick") else stem
+    if stem in ("full", "decision", "quick"):
+        return "run"
+    if stem in REPORTS:
+        return stem
+    return next((k for k, keys in SIGNATURES.items() if isinstance(res, dict) and keys <= res.keys()), "generic")
 
 
 def report(res, name: str = "") -> str:
