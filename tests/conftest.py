@@ -91,9 +91,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 240):
+def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 600):
     """The app started in a process of its own on a free loopback port, with extra environment and Python run
-    before `import app` (e.g. to slow the model down); yields (url, path of its combined stdout/stderr log)."""
+    before `import app` (e.g. to gate the model); yields (url, path of its combined stdout/stderr log). A start took
+    10-20 s on two idle cores and a few minutes at a load average of 10: the deadline only stops one that hangs (a
+    start that fails ends the wait at once, with its log)."""
     import pathlib
     import subprocess
     import tempfile
