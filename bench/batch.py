@@ -12,10 +12,9 @@ Every arm is a fresh process, as a user runs it, over the same rows (a support t
 - batch: `python blink.py batch IN --out OUT` (rows packed BLINK_BATCH_MAX_REQUESTS at a time into shared forwards);
 - ray: the same command with `--ray N` (a local Ray cluster started by the command; N workers, one engine each).
 
-Each engine runs on --threads CPU threads (default 1, as each Ray worker here gets one; on this shared 2-core machine
-two threads ran small forwards up to 7x slower while other jobs held the cores). The three model arms run --repeats
-times (default 2), interleaved, and each arm's fastest run counts (this is a
-shared machine: a burst of load from elsewhere should cost one run, not the comparison). Reported per arm: the whole
+Each engine runs on --threads CPU threads (default 1, as each Ray worker gets one). The three model arms run
+--repeats times (default 2), interleaved, and each arm's fastest run counts (a burst of load from other processes
+should cost one run, not the comparison). Reported per arm: the whole
 process's wall time (Python start, model load, Ray start included), the answering time
 and rows/s that the command's summary line prints, when the first rows landed, and the steady rate after them (the
 rows after the first chunk of each worker, over the time after the first chunk landed). The
@@ -40,6 +39,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import blink  # noqa: E402
+import report  # noqa: E402
 import saved  # noqa: E402
 
 SUMMARY = re.compile(r"batch: (\d+) rows, (\d+) errors in ([\d.]+) s \(([\d.]+) rows/s\)"
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for arm in arms:
         arm["max_gap_to_loop"] = max_gap(answers(arm["out"]), reference)
         arm["runs_rows_per_s"] = [a["rows_per_s"] for a in runs[arm["arm"]]]
-    pipeline = []
+    pipeline: list[dict] = []
     if args.pipeline_rows:
         many = os.path.join(work, "many.jsonl")
         write_rows(many, args.pipeline_rows)
@@ -167,9 +167,12 @@ def main(argv: list[str] | None = None) -> int:
             extra = ["--ray", str(workers)] if workers else []
             pipeline.append(run_arm(name, [sys.executable, blink_py, "batch", many, "--out", path, *extra],
                                     {"BLINK_MOCK": "1"}, path, chunk * max(workers, 1)))
+    for arm in arms + pipeline:  # where this run kept its files says nothing about the result
+        del arm["out"]
     by = {a["arm"]: a for a in arms}
     result = {
-        "model": settings.default_model, "hardware": blink.hardware(), "rows": args.rows,
+        "command": saved.command("batch.py", argv), "model": settings.default_model, "hardware": blink.hardware(),
+        "rows": args.rows,
         "loop_rows": min(args.loop_rows, args.rows), "workers": args.workers, "repeats": args.repeats,
         "threads_per_engine": args.threads or "default",
         "rows_per_call": chunk, "token_budget": settings.token_budget, "arms": arms, "pipeline": pipeline,
@@ -181,14 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     saved.write_json(args.out, result)
     print(f"{result['model']} on {result['hardware']}; {args.rows} rows ({result['loop_rows']} for the loop), "
           f"{chunk} rows per decide_many call, {result['threads_per_engine']} thread(s) per engine")
-    print(f"{'arm':<13} {'rows':>6} {'wall s':>8} {'answer s':>9} {'rows/s':>8} {'first rows s':>12} "
-          f"{'steady rows/s':>13} {'max gap':>9} {'load':>11}")
-    for a in arms + pipeline:
-        gap = f"{a['max_gap_to_loop']:.1e}" if "max_gap_to_loop" in a else "—"
-        first = f"{a['first_rows_s']:.1f}" if a["first_rows_s"] is not None else "—"
-        steady = f"{a['steady_rows_per_s']:.2f}" if a["steady_rows_per_s"] else "—"
-        print(f"{a['arm']:<13} {a['rows']:>6} {a['wall_s']:>8.1f} {a['answer_s']:>9.1f} {a['rows_per_s']:>8.2f} "
-              f"{first:>12} {steady:>13} {gap:>9} {a['load_avg_1min'][0]:>5.1f}-{a['load_avg_1min'][1]:<5.1f}")
+    print("\n".join(report.batch_table(result)))
     times = {k: "—" if result[k] is None else f"{result[k]}x" for k in ("speedup_batch_over_loop",
              "speedup_ray_over_batch", "speedup_ray_over_batch_steady")}  # None: too few rows to tell
     print(f"batch {times['speedup_batch_over_loop']} the hand loop's rows/s; --ray {args.workers} "

@@ -147,7 +147,8 @@ def load(c: Candidate, settings: blink.Settings) -> tuple[blink.TorchEngine, dic
     convert_s = time.perf_counter() - t0
     t0, c0 = time.perf_counter(), time.process_time()
     engine = blink.TorchEngine(folder, settings=settings)
-    stats = {"folder": folder, "folder_bytes": disk_bytes(folder), "prepare_s": round(convert_s, 2),
+    stats = {"folder": os.path.relpath(folder, settings.cache_dir),  # under BLINK_CACHE, wherever that is
+             "folder_bytes": disk_bytes(folder), "prepare_s": round(convert_s, 2),
              "load_s": round(time.perf_counter() - t0, 2), "load_cpu_s": round(time.process_time() - c0, 2),
              "parameters": sum(p.numel() for p in engine.model.parameters()),
              "architecture": type(engine.model).__name__, "labels_verified": len(engine.labels)}

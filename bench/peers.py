@@ -350,7 +350,7 @@ def systemone_probe(url: str, model: str, body: dict) -> str | None:
 def vllm_row(engine: blink.TorchEngine, cfg: dict) -> dict:
     """vLLM reading the same label logits from blink's own prompts (one engine request per question, prefix caching
     on, max_tokens=1 with logprobs of the label ids) against blink at its defaults, on the `document` and `again`
-    cases. Runs only where CUDA and vllm are present; never run on the CPU machines this bench was written on."""
+    cases. Runs only where CUDA and vllm are present; untested: no committed results file has a vLLM row yet."""
     if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
         return {"target": "vLLM", "skipped": "needs CUDA and the vllm package"}
     from vllm import LLM, SamplingParams

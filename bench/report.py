@@ -1,10 +1,22 @@
-"""Markdown tables from a results file: `python bench/report.py bench/results/decision.json` (or full.json,
-budget.json, overhead.json), for README.md and bench/README.md."""
+"""Markdown tables from results files, for README.md and bench/README.md:
+
+    python bench/report.py bench/results/decision.json     # one file
+    python bench/report.py bench/results/*.json            # every file, each under its name
+    git show 543d9f8:bench/results/full.json | python bench/report.py -    # a committed earlier run, from stdin
+
+Every file bench/ writes has its tables here (run.py's full/decision/quick, budget, overhead, drift, batch, models,
+order); a results file of any other kind prints as generic tables of its fields, so every file prints."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import saved  # noqa: E402
 
 ARM_NAMES = {"blink_plain": "blink", "blink_prefix": "blink prefix", "unbatched": "forward/question",
              "per_option": "per-option LL", "generate": "generate+parse"}
@@ -15,18 +27,25 @@ def _s(row: dict) -> str:
     return f"{row['wall_s']:.2f}{'*' if row['extrapolated'] else ''}"
 
 
+def _ratio(cell: dict, arm: str, peer: str, digits: int) -> str:
+    """How many times faster blink arm `arm` answered than `peer` in one cell, starred when either side was scaled
+    from a subsample."""
+    scaled = cell["arms"][arm]["extrapolated"] or cell["arms"][peer]["extrapolated"]
+    return f"{cell['speedup'][arm][peer]:.{digits}f}x{'*' if scaled else ''}"
+
+
 def cells_table(res: dict) -> list[str]:
-    """One row per cell: time per request of every arm and the speed-ups."""
+    """One row per cell: time per request of every arm and the speed-ups (* where a side was scaled)."""
     head = ("| doc tokens | questions | options | " + " | ".join(f"{n} (s)" for n in ARM_NAMES.values())
             + " | blink vs per-option | blink vs forward/question | prefix vs blink | differ (unbatched/per-option/generate) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in res["cells"]:
-        a, s, g = c["arms"], c["speedup"], c["agreement"]
+        a, g = c["arms"], c["agreement"]
         differ = "/".join(f"{len(g[p]['differ'])} of {g[p]['compared']}" for p in ("unbatched", "per_option", "generate"))
         lines.append(f"| {c['doc_tokens']} | {c['questions']} | {c['options']} | "
                      + " | ".join(_s(a[k]) for k in ARM_NAMES)
-                     + f" | {s['blink_plain']['per_option']:.1f}x | {s['blink_plain']['unbatched']:.2f}x"
-                     f" | {s['blink_prefix']['blink_plain']:.1f}x | {differ} |")
+                     + f" | {_ratio(c, 'blink_plain', 'per_option', 1)} | {_ratio(c, 'blink_plain', 'unbatched', 2)}"
+                     f" | {_ratio(c, 'blink_prefix', 'blink_plain', 1)} | {differ} |")
     return lines
 
 
@@ -64,15 +83,18 @@ CASE_NAMES = {"document": "questions over a new document", "again": "the same do
 
 
 def decision_table(res: dict) -> list[str]:
-    """blink at its defaults against pipeline("decision") per case: time per request, ratios, tokens."""
+    """blink at its defaults against pipeline("decision") per case: time per request, ratios, tokens, and the
+    questions where a peer picked another option than blink."""
     peers_ = [k[3:] for k in next(iter(res["decision"].values())) if k.startswith("vs_") and k != "vs_unbatched"]
     head = ("| case | questions | prompt tokens | computed by blink | read from the cache | blink (s) | "
-            + " | ".join(f"{p} (s) | blink vs {p} (wall / CPU)" for p in peers_) + " | differ from unbatched |")
+            + " | ".join(f"{p} (s) | blink vs {p} (wall / CPU) | {p} picks unlike blink" for p in peers_)
+            + " | differ from unbatched |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for case, row in res["decision"].items():
         a, reps = row["arms"], len(row["arms"]["blink"]["wall_s"])
         cells = " | ".join(f"{a[p]['total_wall_s'] / reps:.2f} | {row['vs_' + p]['wall']:.2f}x / "
-                           f"{row['vs_' + p]['cpu']:.2f}x" for p in peers_)
+                           f"{row['vs_' + p]['cpu']:.2f}x | {len(row['vs_' + p]['picks_differ_from_blink'])} of "
+                           f"{row['questions']}" for p in peers_)
         lines.append(f"| {CASE_NAMES[case]} | {row['questions']} | {row['prompt_tokens']} | {row['prefill_tokens']} "
                      f"| {row['cached_tokens']} | {a['blink']['total_wall_s'] / reps:.2f} | {cells} | "
                      f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']} |")
@@ -103,6 +125,40 @@ def targets_list(res: dict) -> list[str]:
     return out
 
 
+def steadiness_line(res: dict) -> str:
+    """Whether the machine held steady over a run, from the matmul probes of its start and end (recomputed for
+    a file written before runs recorded the flag)."""
+    s = saved.steadiness(*res["matmul_gflops_start_end"])
+    start, end = s["matmul_gflops_start_end"]
+    probes = (f"matmul probe {start:.0f} GFLOP/s at the start of the run and {end:.0f} at its end "
+              f"({s['matmul_change']:.0%} apart)")
+    if s["unsteady"]:
+        return (f"**Unsteady machine:** {probes}, more than the {s['unsteady_threshold']:.0%} a steady run stays "
+                "within: the machine's speed changed during the run, so read its ratios with care.")
+    return f"Steady machine: {probes}, within {s['unsteady_threshold']:.0%}."
+
+
+def run_report(res: dict) -> str:
+    """bench/run.py (full, --decision, --quick): the targets, the decision peers, HTTP, the grid and serving."""
+    head = (f"Measured {res['started_at']} by `{res['command']}` in {res['duration_s'] / 60:.1f} min: {res['model']} "
+            f"({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), {res['hardware']}, "
+            f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "
+            f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run), blink's "
+            f"linear layers by {res['settings'].get('linear_layers', 'torch')}.")
+    parts = [head, "", steadiness_line(res), "", *targets_list(res)]
+    if res.get("decision"):  # runs before the decision peers existed have none
+        parts += ["", "Against transformers' pipeline(\"decision\"), time per request (mean of the repetitions; "
+                  "ratios > 1: blink faster; `pipeline` runs its own built-in prompt, `pipeline_export` blink's "
+                  "exported one):", "", *decision_table(res), "", "Over HTTP (`/v1/systemone`):", "", *http_table(res)]
+    if res["cells"]:
+        parts += ["", "Time per request (* = scaled from a subsample of the questions, see the JSON; a ratio is "
+                  "starred when either of its sides is):", "", *cells_table(res), "", "Prefill against the machine:",
+                  "", *flops_table(res)]
+    if res["throughput"]:
+        parts += ["", "Serving:", "", *throughput_table(res)]
+    return "\n".join(parts)
+
+
 def budget_table(res: dict) -> list[str]:
     """bench/budget.py: CPU and wall time of each workload at each value of the setting it varies."""
     lines = ["| workload | setting | value | CPU s (sum of runs) | wall s per run |", "|---|---|---|---|---|"]
@@ -127,28 +183,159 @@ def overhead_table(res: dict) -> list[str]:
     return lines
 
 
-def report(res: dict) -> str:
-    """The whole markdown block."""
-    if res["command"].startswith("python bench/budget.py"):
-        return "\n".join(budget_table(res))
-    if res["command"].startswith("python bench/overhead.py"):
-        return "\n".join(overhead_table(res))
-    head = (f"Measured {res['started_at']} by `{res['command']}` in {res['duration_s'] / 60:.1f} min: {res['model']} "
-            f"({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), {res['hardware']}, "
-            f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "
-            f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run), blink's "
-            f"linear layers by {res['settings'].get('linear_layers', 'torch')}.")
-    parts = [head, "", *targets_list(res), "", "Against transformers' pipeline(\"decision\"), time per request "
-             "(mean of the repetitions; ratios > 1: blink faster):", "", *decision_table(res), "",
-             "Over HTTP (`/v1/systemone`):", "", *http_table(res)]
-    if res["cells"]:
-        parts += ["", "Time per request (* = scaled from a subsample of the questions, see the JSON):", "",
-                  *cells_table(res), "", "Prefill against the machine:", "", *flops_table(res)]
-    if res["throughput"]:
-        parts += ["", "Serving:", "", *throughput_table(res)]
-    return "\n".join(parts)
+DRIFT_MODELS = {"stand-in": "stand-in", "qwen3.5-tiny": "tiny Qwen3.5 (linear + full attention)"}
+
+
+def drift_table(res: dict) -> list[str]:
+    """bench/drift.py: bfloat16 plain and shared-prefix paths against float32, per model and document."""
+    lines = ["| model | evidence tokens | bf16 plain: largest logit / probability difference | bf16 shared prefix | "
+             "prefix vs plain (both bf16) | picks that differ (plain / prefix) |", "|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        gaps = " | ".join(f"{r[k]['max_logit_diff']:.3f} / {r[k]['max_prob_diff']:.3f}"
+                          for k in ("bf16_plain", "bf16_prefix", "bf16_prefix_vs_bf16_plain"))
+        lines.append(f"| {DRIFT_MODELS.get(r['model'], r['model'])} | {r['doc_tokens']} | {gaps} | "
+                     f"{len(r['bf16_plain']['picks_differ'])} / {len(r['bf16_prefix']['picks_differ'])} of "
+                     f"{r['questions']} |")
+    return lines
+
+
+BATCH_ARMS = {"loop": "loop of `decide()`", "batch": "`blink.py batch`", "ray": "`blink.py batch --ray {workers}`",
+              "pipeline": "no model, serial", "pipeline ray": "no model, `--ray {workers}`"}
+
+
+def batch_table(res: dict) -> list[str]:
+    """bench/batch.py: rows/s of each arm, when its first rows landed, and how far its answers are from the loop's."""
+    lines = ["| arm | rows | wall s | answer s | rows/s | first rows after s | steady rows/s | max gap to loop | "
+             "1-min load |", "|---|---|---|---|---|---|---|---|---|"]
+    for a in [*res["arms"], *res["pipeline"]]:
+        rate = f"{a['rows_per_s']:,.0f}" if a["rows_per_s"] >= 1000 else f"{a['rows_per_s']:.2f}"
+        steady = a["steady_rows_per_s"]
+        steady = "—" if not steady else f"{steady:,.0f}" if steady >= 1000 else f"{steady:.2f}"
+        first = "—" if a["first_rows_s"] is None else f"{a['first_rows_s']:.1f}"
+        gap = "—" if "max_gap_to_loop" not in a else "0" if a["max_gap_to_loop"] == 0 else f"{a['max_gap_to_loop']:.1e}"
+        lines.append(f"| {BATCH_ARMS.get(a['arm'], a['arm']).format(workers=res['workers'])} | {a['rows']:,} | "
+                     f"{a['wall_s']:.1f} | {a['answer_s']:.1f} | {rate} | {first} | {steady} | {gap} | "
+                     f"{a['load_avg_1min'][0]:.1f}-{a['load_avg_1min'][1]:.1f} |")
+    return lines
+
+
+def batch_report(res: dict) -> str:
+    """bench/batch.py: how it ran, then the per-arm table."""
+    return "\n".join([f"Measured {res['measured_at']}: {res['model']} on {res['hardware']}, {res['rows']} rows "
+                      f"({res['loop_rows']} for the loop), {res['rows_per_call']} rows per decide_many call, "
+                      f"{res['threads_per_engine']} thread(s) per engine, each model arm's fastest of "
+                      f"{res['repeats']} runs.", "", *batch_table(res)])
+
+
+def order_table(res: dict) -> list[str]:
+    """bench/order.py: how often a choice flips when only its options' order changes, per arm."""
+    plain = res["arms"]["plain"]["prompts"]
+    lines = ["| arm | questions that flip | picks unlike the listed order's | accuracy | prompts (x plain) | "
+             "model s | mean label mass |", "|---|---|---|---|---|---|---|"]
+    for name, a in res["arms"].items():
+        lines.append(f"| {name} | {a['flip_rate']:.0%} | {a['disagreement']:.0%} | {a['accuracy']:.0%} | "
+                     f"{a['prompts']} ({a['prompts'] / plain:.1f}x) | {a['model_ms'] / 1000:.1f} | "
+                     f"{a['mean_label_mass']:.3f} |")
+    return lines
+
+
+def order_report(res: dict) -> str:
+    """bench/order.py: how it ran, then the per-arm table."""
+    return "\n".join([f"Measured {res['measured_at']}: {res['model']} on {res['hardware']}, {res['questions']} "
+                      f"questions under every rotation of their options, temperature {res['temperature']:g}.", "",
+                      *order_table(res)])
+
+
+def models_report(res: dict) -> str:
+    """bench/models.py: its own tables (imported here, so they are written in one place)."""
+    import models  # loads blink and torch: only for this kind of file
+
+    return models.report(res)
+
+
+def _cell(value) -> str:
+    """One value of a generic table: numbers to 4 significant digits, lists and objects as compact JSON."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, dict)):
+        text = json.dumps(value, ensure_ascii=False)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return "—" if value is None else str(value)
+
+
+def _scalar(value) -> bool:
+    """A value a table cell holds as it is (not a nested list or object)."""
+    return not isinstance(value, (list, dict))
+
+
+def _table(rows: list[tuple[str, dict]], first: str) -> list[str]:
+    """A markdown table of named rows, one column per field any row has (nested fields as compact JSON)."""
+    columns = list(dict.fromkeys(k for _, row in rows for k in row))
+    lines = ["| " + " | ".join([first, *columns]) + " |", "|" + "---|" * (len(columns) + 1)]
+    return lines + ["| " + " | ".join([name, *(_cell(row.get(k)) for k in columns)]) + " |" for name, row in rows]
+
+
+def generic_report(res) -> str:
+    """Any results file: its plain fields as a list, then one table per list or map of objects (a file of a kind
+    this script has no tables for, e.g. a new bench script's, still prints)."""
+    if not isinstance(res, dict):
+        res = {"results": res}
+    fields, tables = [], []
+    for key, value in res.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            tables += ["", f"{key}:", "", *_table([(str(i), v) for i, v in enumerate(value)], "#")]
+        elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            tables += ["", f"{key}:", "", *_table(list(value.items()), "name")]
+        elif isinstance(value, dict) and all(_scalar(v) for v in value.values()):
+            fields.append(f"- {key}: " + ", ".join(f"{k} {_cell(v)}" for k, v in value.items()))
+        else:
+            fields.append(f"- {key}: {_cell(value)}")
+    return "\n".join([*fields, *tables])
+
+
+REPORTS = {"run": run_report, "budget": lambda res: "\n".join(budget_table(res)),
+           "overhead": lambda res: "\n".join(overhead_table(res)), "drift": lambda res: "\n".join(drift_table(res)),
+           "batch": batch_report, "models": models_report, "order": order_report}
+
+
+# The fields that mark a file of each kind that records no command (older files; a file read from stdin has no name).
+SIGNATURES = {"run": {"cells", "targets", "matmul_gflops_start_end"}, "batch": {"arms", "pipeline", "loop_rows"},
+              "order": {"arms", "questions", "temperature"}}
+
+
+def kind(res, name: str) -> str:
+    """Which bench script wrote a results file: from the command it records, else from the file's name (`full`,
+    `decision` and `quick` are run.py's), else from the fields it has; 'generic' when none tells."""
+    command = res.get("command", "") if isinstance(res, dict) else ""
+    if command.startswith("python bench/"):
+        return command.split()[1][len("bench/"):-len(".py")]
+    stem = os.path.splitext(os.path.basename(name))[0]
+    if stem in ("full", "decision", "quick"):
+        return "run"
+    if stem in REPORTS:
+        return stem
+    return next((k for k, keys in SIGNATURES.items() if isinstance(res, dict) and keys <= res.keys()), "generic")
+
+
+def report(res, name: str = "") -> str:
+    """The markdown block of one results file; `name` is its path, which says its kind when the file does not."""
+    return REPORTS.get(kind(res, name), generic_report)(res)
+
+
+def main(paths: list[str]) -> int:
+    """Print the tables of every file named (`-` reads stdin), each under its name when there are several."""
+    paths = paths or [os.path.join(HERE, "results", "decision.json")]
+    for i, path in enumerate(paths):
+        if path == "-":
+            res = json.load(sys.stdin)
+        else:
+            with open(path, encoding="utf-8") as fh:
+                res = json.load(fh)
+        if len(paths) > 1:
+            print(f"{'' if i == 0 else chr(10)}## {path}\n")
+        print(report(res, path))
+    return 0
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1] if len(sys.argv) > 1 else "bench/results/decision.json", encoding="utf-8") as fh:
-        print(report(json.load(fh)))
+    sys.exit(main(sys.argv[1:]))

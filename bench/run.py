@@ -3,7 +3,7 @@
     python bench/run.py --decision  # blink at its defaults against transformers' pipeline("decision") and
                                     # `transformers serve` (the README's three numbers; about 10 min on 2 CPU cores)
     python bench/run.py --quick     # a small version of every part, under a minute
-    python bench/run.py             # all of it, plus the grid of prompting methods (about 40 min)
+    python bench/run.py             # all of it, plus the grid of prompting methods (about 30 min on 2 CPU cores)
     python bench/run.py --model <id or folder>
 
 Decision peers, blink with no BLINK_* variable set: pipeline("decision") with its own prompt and with blink's
@@ -362,6 +362,10 @@ def summary_line(res: dict, path: str) -> str:
     """The one line the command ends with: the decision targets first, then the grid's and serving's."""
     parts = [f"blink bench ({res['mode']}, {res['model']}, {res['hardware']}, {res['threads']['threads']} "
              f"thread(s), {res['duration_s']:.0f} s)"]
+    if res["unsteady"]:
+        start, end = res["matmul_gflops_start_end"]
+        parts.append(f"UNSTEADY machine: matmul {start:.0f} GFLOP/s at the start, {end:.0f} at the end "
+                     f"({res['matmul_change']:.0%} change, over {res['unsteady_threshold']:.0%})")
     verdict = {True: "met", False: "MISSED", None: "target is for the full run's cell"}
     for t in res["targets"]:
         if t["threshold"] == 0:
@@ -474,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"x{s['blink_plain']['per_option']} per-option, prefix x{s['blink_prefix']['blink_plain']} plain "
                   f"({c['cell_seconds']}s)", flush=True)
 
-    # Measured again after the cells: on a shared machine the best of the two is the closer to the ceiling.
+    # Measured again after the cells: on a shared machine the best of the two is the closer to the ceiling, and a
+    # large change between the two flags the run as unsteady (saved.steadiness).
     matmul_end = limits.matmul_flops(device)
     matmul = max(matmul_start, matmul_end)
     against_matmul(cells, matmul / 1e9)
@@ -492,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "threads": threads,
         "matmul_gflops": round(matmul / 1e9, 2),
-        "matmul_gflops_start_end": [round(matmul_start / 1e9, 2), round(matmul_end / 1e9, 2)],
+        **saved.steadiness(matmul_start / 1e9, matmul_end / 1e9),
         "settings": {"token_budget": settings.token_budget, "prefix_cache": settings.prefix_cache,
                      "prefix_cache_mb": settings.prefix_cache_mb, "prefix_min_tokens": settings.prefix_min_tokens,
                      "prefix_kv_tokens": settings.prefix_kv_tokens, "readout": settings.readout,
@@ -519,9 +524,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 NOTES = [
-    "Every arm runs the same weights on the same rendered prompts (blink's template), in one process. The peers "
-    "run the model as from_pretrained loads it (torch's own kernels); where blink runs a CPU's linear layers by "
-    "oneDNN (BLINK_CPU_MATMUL=auto measured it faster, settings.linear_layers), they get their own copy of it.",
+    "Every arm runs the same weights in one process. The peers run the model as from_pretrained loads it (torch's "
+    "own kernels); where blink runs a CPU's linear layers by oneDNN (BLINK_CPU_MATMUL=auto measured it faster, "
+    "settings.linear_layers), they get their own copy of it.",
+    "Prompts: every arm of the grid (cells) runs blink's rendered prompts (blink's template). Of the decision "
+    "peers, pipeline('decision') runs its own built-in prompt, so it answers a different prompt and may pick "
+    "differently (decision.<case>.vs_pipeline.picks_differ_from_blink); pipeline_export reads blink's exported "
+    "config and runs blink's prompt token for token.",
+    "unsteady is true when the matmul probe at the end of the run differs from the one at its start by more than "
+    "unsteady_threshold (of the larger): the machine's speed changed during the run, so its ratios are suspect.",
     "Cells whose arm says extrapolated=true ran only measured_questions of the request's questions; wall_s and "
     "prefill_tokens are scaled to the whole request (the peers answer each question independently, so their cost "
     "is linear in the question count; blink plain runs whole batches of the subsample).",

@@ -1,4 +1,5 @@
-"""What every bench script keeps of a run: the command line that ran it, and its results as a JSON file."""
+"""What every bench script keeps of a run: the command line that ran it, its results as a JSON file, and whether the
+machine held steady while it ran."""
 
 from __future__ import annotations
 
@@ -20,3 +21,17 @@ def write_json(path: str, res: dict) -> str:
         fh.write("\n")
     os.replace(path + ".tmp", path)
     return path
+
+
+# A run whose matmul probe at its end differs from the one at its start by more than this share (of the larger) ran
+# on an unsteady machine: other work took the cores, or the clock changed, part way through; its ratios are suspect.
+UNSTEADY_MATMUL_CHANGE = 0.10
+
+
+def steadiness(start_gflops: float, end_gflops: float) -> dict:
+    """The matmul probes of a run's start and end, their relative change, and `unsteady` when it is over
+    UNSTEADY_MATMUL_CHANGE."""
+    change = abs(start_gflops - end_gflops) / max(start_gflops, end_gflops)
+    return {"matmul_gflops_start_end": [round(start_gflops, 2), round(end_gflops, 2)],
+            "matmul_change": round(change, 3), "unsteady_threshold": UNSTEADY_MATMUL_CHANGE,
+            "unsteady": change > UNSTEADY_MATMUL_CHANGE}

@@ -91,9 +91,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 240):
+def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 600):
     """The app started in a process of its own on a free loopback port, with extra environment and Python run
-    before `import app` (e.g. to slow the model down); yields (url, path of its combined stdout/stderr log)."""
+    before `import app` (e.g. to gate the model); yields (url, path of its combined stdout/stderr log). A start took
+    10-20 s on two idle cores and a few minutes at a load average of 10: the deadline only stops one that hangs (a
+    start that fails ends the wait at once, with its log)."""
     import pathlib
     import subprocess
     import tempfile
@@ -130,18 +132,87 @@ def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeou
 
 
 SECRET = "hf_SECRETtokenValue1234567890"  # set as HF_TOKEN in the crowded app: it must never come back out
-# Forward passes made slow (0.5 s each) so a handful of callers overflow a tiny queue and a one-request Batcher.
-SLOW_FORWARD = ("import time, blink\n_forward = blink._forward\n"
-                "def _slow(*args):\n    time.sleep(0.5)\n    return _forward(*args)\n"
-                "blink._forward = _slow\n")
+
+
+def wait_until(check, timeout_s: float = 120) -> bool:
+    """Poll `check` until it is true or the time is up; its last value."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return check()
+
+
+class Gates:
+    """Gates in an app running in another process, worked from the tests through files in one folder: `admit` holds
+    each request before it is prepared (before it can reach the Batcher), `forward` holds each call of the model.
+    Every request that reaches a gate leaves a file there, so a test can wait until the requests it expects have
+    arrived. Both gates stand open unless a test closes them (`with gates.closed(...)`)."""
+
+    NAMES = ("admit", "forward")
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        for name in self.NAMES:
+            self.open(name)
+
+    def prelude(self) -> str:
+        """Python run in the app's process before `import app`: both gates put in place."""
+        return (f"import os, time, uuid, blink\n_GATES = {self.folder!r}\n"
+                "def _gated(name, fn):\n"
+                "    def gated(*args, **kwargs):\n"
+                "        open(os.path.join(_GATES, f'{name}-{uuid.uuid4().hex}.arrived'), 'w').close()\n"
+                "        while not os.path.exists(os.path.join(_GATES, name + '.open')):\n"
+                "            time.sleep(0.01)\n"
+                "        return fn(*args, **kwargs)\n"
+                "    return gated\n"
+                "blink.Deployment.submit_many = _gated('admit', blink.Deployment.submit_many)\n"
+                "blink.run_jobs = _gated('forward', blink.run_jobs)\n")
+
+    def open(self, name: str) -> None:
+        """Let everything held at gate `name` through, and whatever comes later."""
+        open(os.path.join(self.folder, name + ".open"), "w").close()
+
+    def close(self, name: str) -> None:
+        """Hold what reaches gate `name` from now on; its count of arrivals starts again from zero."""
+        import glob
+
+        os.remove(os.path.join(self.folder, name + ".open"))
+        for path in glob.glob(os.path.join(self.folder, f"{name}-*.arrived")):
+            os.remove(path)
+
+    def arrived(self, name: str) -> int:
+        """How many calls reached gate `name` since it was closed."""
+        import glob
+
+        return len(glob.glob(os.path.join(self.folder, f"{name}-*.arrived")))
+
+    @contextmanager
+    def closed(self, *names: str):
+        """The gates named held closed for the duration; every gate open again afterwards, whatever happened."""
+        for name in names:
+            self.close(name)
+        try:
+            yield self
+        finally:
+            for name in self.NAMES:
+                self.open(name)
 
 
 @pytest.fixture(scope="session")
-def crowded_app(tmp_path_factory):
-    """A second app on the stand-in with a tiny Gradio queue, a one-request Batcher and a slowed forward, launched
-    in its own process with HF_TOKEN set; yields (url, log path)."""
+def crowd_gates(tmp_path_factory) -> Gates:
+    """The gates of the crowded app (open unless a test closes them)."""
+    return Gates(str(tmp_path_factory.mktemp("crowd-gates")))
+
+
+@pytest.fixture(scope="session")
+def crowded_app(tmp_path_factory, crowd_gates):
+    """A second app on the stand-in with a tiny Gradio queue (4 running, 2 waiting), a one-request Batcher (one
+    running, one waiting) and `crowd_gates` in front of admission and the model, launched in its own process with
+    HF_TOKEN set; yields (url, log path)."""
     env = {"BLINK_QUEUE_SIZE": "2", "BLINK_CONCURRENCY": "4", "BLINK_BATCH_WINDOW_MS": "0",
            "BLINK_BATCH_MAX_REQUESTS": "1", "BLINK_BATCH_MAX_QUEUED": "1",
            "HF_TOKEN": SECRET, "HUGGING_FACE_HUB_TOKEN": SECRET}
-    with app_process(env, SLOW_FORWARD, str(tmp_path_factory.mktemp("crowded"))) as served_app:
+    with app_process(env, crowd_gates.prelude(), str(tmp_path_factory.mktemp("crowded"))) as served_app:
         yield served_app

@@ -10,7 +10,7 @@ one request (a request mixed with another would be off by orders of magnitude mo
 
 from __future__ import annotations
 
-from conftest import serving
+from conftest import serving, wait_until
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 from gradio_client.utils import QueueError
@@ -36,19 +36,32 @@ def test_32_callers_each_get_their_own_answer(launched, tiny_qwen):
             assert_same_answers(results[i]["answers"], answered_alone(app, i), tolerance=1e-5)
 
 
-def test_a_full_queue_says_busy_and_never_answers_wrongly(launched, crowded_app):
-    """12 callers at once against a queue of 2 events, 4 running, a Batcher holding one waiting request and a slow
-    forward: each gets its own answer, the Batcher's busy error, or Gradio's queue-full error. The crowded app
-    serves the stand-in as the launched app does, so the launched app's answers are the reference."""
+def refused(jobs: list, kind: type) -> int:
+    """How many of the jobs have ended with an error of this kind."""
+    return sum(job.done() and isinstance(job.exception(), kind) for job in jobs)
+
+
+def test_a_full_queue_says_busy_and_never_answers_wrongly(launched, crowded_app, crowd_gates):
+    """12 callers at once against a queue of 2 events, 4 running, a Batcher holding one waiting request and a held
+    model: each gets its own answer, the Batcher's busy error, or Gradio's queue-full error. The crowded app serves
+    the stand-in as the launched app does, so the launched app's answers are the reference."""
     app, _ = launched
     url, _ = crowded_app
     client = Client(url, verbose=False)
     n = 12
-    jobs = [client.submit(*request(i), api_name="/decide") for i in range(n)]
+    with crowd_gates.closed("admit", "forward"):
+        jobs = [client.submit(*request(i), api_name="/decide") for i in range(n)]
+        # nothing is admitted: Gradio runs 4 events and keeps 2 waiting, so the others find its queue full
+        full = wait_until(lambda: crowd_gates.arrived("admit") >= 3 and refused(jobs, QueueError) >= 1)
+        crowd_gates.open("admit")
+        # the admitted requests reach the Batcher while the model is held: one runs, one waits, the rest are busy
+        busy = wait_until(lambda: crowd_gates.arrived("forward") >= 1 and refused(jobs, AppError) >= 1)
+    assert full and busy, (crowd_gates.arrived("admit"), crowd_gates.arrived("forward"),
+                           [job.status().code for job in jobs])
     outcomes: dict = {"answer": [], "busy": [], "queue full": []}
     for i, job in enumerate(jobs):
         try:
-            outcomes["answer"].append((i, job.result(timeout=120)))
+            outcomes["answer"].append((i, job.result(timeout=300)))
         except AppError as exc:
             assert exc.title == "Busy", (exc.title, exc.message)
             assert exc.message.startswith("busy:") and "retry" in exc.message

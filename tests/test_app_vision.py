@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import tiny_models
@@ -27,13 +23,6 @@ def solid(rgb: tuple[int, int, int]) -> Image.Image:
     return Image.new("RGB", (96, 64), rgb)
 
 
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_text_only_model_refuses_images_at_their_location(client):
     with pytest.raises(AppError, match=r"this model reads text only \(field: images\.0\)"):
         client.predict("a chart", '{"q": {"type": "noul"}}', 1.0, "", "live", [png_uri(solid((200, 0, 0)))],
@@ -44,45 +33,53 @@ def test_text_only_model_refuses_images_at_their_location(client):
 
 
 @pytest.fixture(scope="module")
-def vision_app(tmp_path_factory):
-    """app.py served as a subprocess over a tiny native vision model (BLINK_VISION=1), on loopback."""
-    folder = tiny_models.build_qwen35_vision(tmp_path_factory.mktemp("vision-app") / "Qwen3.5-4B")
-    port = free_port()
-    env = {**os.environ, "BLINK_MODEL": folder, "BLINK_VISION": "1", "GRADIO_SERVER_NAME": "127.0.0.1",
-           "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "app.py")], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            client = Client(url, verbose=False)
-            break
-        except Exception:  # noqa: BLE001 - not up yet
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"the vision app did not start: {proc.stderr.read()[-2000:]}") from None
-            time.sleep(0.5)
-    yield client
-    proc.terminate()
-    proc.wait(timeout=20)
+def vision_folder(tmp_path_factory) -> str:
+    """A tiny native vision model (named as Qwen3.5-4B, so BLINK_VISION applies to it) saved to a folder."""
+    return tiny_models.build_qwen35_vision(tmp_path_factory.mktemp("vision-app") / "Qwen3.5-4B")
 
 
-def test_image_preset_runs_end_to_end_on_a_vision_model(vision_app):
+@pytest.fixture(scope="module")
+def vision_app(vision_folder, tmp_path_factory):
+    """app.py served as a subprocess over the tiny vision model (BLINK_VISION=1), on loopback: a gradio_client."""
+    from conftest import app_process
+
+    env = {"BLINK_MODEL": vision_folder, "BLINK_VISION": "1"}
+    with app_process(env, tmp_dir=str(tmp_path_factory.mktemp("vision-log"))) as (url, _):
+        yield Client(url, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def vision_local(vision_folder) -> blink.Deployment:
+    """The same model and settings as the vision app, in this process: the answers the app must give."""
+    return blink.Deployment(blink.Settings.from_env({"BLINK_MODEL": vision_folder, "BLINK_VISION": "1"}))
+
+
+def test_image_preset_runs_end_to_end_on_a_vision_model(vision_app, vision_local):
     example = blink.load_example(IMAGE_PRESET)
     out = vision_app.predict(example["state"], json.dumps(example["questions"]), 1.0, "", "saved", None,
                              api_name="/decide")
-    assert out["meta"]["engine"] == "torch" and out["meta"]["image_pixels"] > 0 and out["meta"]["visual_tokens"] > 0
-    assert set(out["answers"]) == set(example["questions"])
+    want = vision_local.decide(example["state"], example["questions"])
+    assert out["meta"]["engine"] == want["meta"]["engine"] == "torch"
+    # the image reached the model resized as the rules say, and the answers are the model's for this request
+    assert (out["meta"]["image_pixels"], out["meta"]["visual_tokens"]) == (want["meta"]["image_pixels"],
+                                                                         want["meta"]["visual_tokens"])
+    assert out["meta"]["visual_tokens"] * 32 * 32 == out["meta"]["image_pixels"]  # one token per 32 x 32 pixels
+    assert out["meta"]["input_tokens"] == want["meta"]["input_tokens"]
+    assert list(out["answers"]) == list(example["questions"])
+    for key, answer in out["answers"].items():
+        assert answer["probabilities"] == pytest.approx(want["answers"][key]["probabilities"], abs=1e-5), key
 
 
-def test_uploaded_images_reach_the_model(vision_app):
+def test_uploaded_images_reach_the_model(vision_app, vision_local):
     qs = '{"color": {"type": "choice", "instructions": "Main color of [image 1]?", "criteria": ["red", "blue"]}}'
     red = vision_app.predict("see the image", qs, 1.0, "", "live", [png_uri(solid((230, 20, 20)))],
                              api_name="/decide")
     blue = vision_app.predict("see the image", qs, 1.0, "", "live", [png_uri(solid((20, 20, 230)))],
                               api_name="/decide")
-    assert red["meta"]["image_pixels"] > 0
+    want = vision_local.decide("see the image", json.loads(qs), images=[png_uri(solid((230, 20, 20)))])
+    assert red["meta"]["image_pixels"] == want["meta"]["image_pixels"]
+    assert red["answers"]["color"]["probabilities"] == pytest.approx(want["answers"]["color"]["probabilities"],
+                                                                     abs=1e-5)
     assert red["answers"]["color"]["probabilities"] != blue["answers"]["color"]["probabilities"]
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
+from conftest import wait_until
 
 import blink
 
@@ -112,37 +112,50 @@ def test_batcher_queue_full_says_busy(live):
     release, entered = threading.Event(), threading.Event()
     eng = live.engine()
 
-    def slow(jobs):
+    def held(jobs):
         entered.set()
-        release.wait(10)
+        assert release.wait(120)
         return [blink.Forward({}, 0, "test", blink.LIVE) for _ in jobs]
 
-    batcher = blink.Batcher(slow, window_s=0.0, max_requests=1, max_queued=1)
+    batcher = blink.Batcher(held, window_s=0.0, max_requests=1, max_queued=1)
     jobs = [eng.prepare(live.request(s, QS)) for s in "abc"]
     first = threading.Thread(target=batcher.submit, args=(jobs[0],))
     first.start()
-    assert entered.wait(5)  # the worker has taken the first request and holds it
+    assert entered.wait(120)  # the worker has taken the first request and holds it
     second = threading.Thread(target=batcher.submit, args=(jobs[1],))
     second.start()
-    deadline = time.monotonic() + 5
-    while not batcher.q.qsize() and time.monotonic() < deadline:  # the second one waits in the queue
-        time.sleep(0.01)
+    assert wait_until(lambda: batcher.q.qsize() == 1)  # the second one waits in the queue
     with pytest.raises(blink.BlinkBusy, match="busy: 1 requests are already waiting; retry shortly"):
         batcher.submit(jobs[2])
     release.set()
-    first.join(5)
-    second.join(5)
+    first.join(120)
+    second.join(120)
     assert not first.is_alive() and not second.is_alive()
     # submit_all answers the job that found room and keeps the refusal in the refused job's place
     release.clear()
     entered.clear()
     first = threading.Thread(target=batcher.submit, args=(jobs[0],))
     first.start()
-    assert entered.wait(5)
-    threading.Timer(0.5, release.set).start()
-    waiting, refused = batcher.submit_all([jobs[1], jobs[2]])
+    assert entered.wait(120)
+    tried: list = []  # what submit_all put in the queue, or tried to
+    put = batcher.q.put_nowait
+
+    def counted(item):
+        try:
+            put(item)
+        finally:  # counted once the queue took it or refused it
+            tried.append(item)
+
+    batcher.q.put_nowait = counted
+    out: list = []
+    both = threading.Thread(target=lambda: out.extend(batcher.submit_all([jobs[1], jobs[2]])))
+    both.start()
+    assert wait_until(lambda: len(tried) == 2)  # both offered while the model still holds the first: one refused
+    release.set()
+    both.join(120)
+    first.join(120)
+    waiting, refused = out
     assert isinstance(waiting, blink.Forward) and isinstance(refused, blink.BlinkBusy)
-    first.join(5)
     assert not first.is_alive()
 
 

@@ -3,6 +3,8 @@ blink answers, on the stand-in (no timing here: bench/ measures)."""
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import sys
 
@@ -19,7 +21,9 @@ import arms  # noqa: E402
 import models  # noqa: E402
 import order  # noqa: E402
 import peers  # noqa: E402
+import report  # noqa: E402
 import run  # noqa: E402
+import saved  # noqa: E402
 import throughput  # noqa: E402
 import workloads  # noqa: E402
 
@@ -133,7 +137,11 @@ def test_decision_cases_time_both_sides_and_check_blink_against_unbatched(tiny_q
     assert set(rows) == set(peers.CASES)
     for row in rows.values():
         assert row["vs_unbatched"]["differ"] == [] and row["vs_unbatched"]["max_prob_diff"] < 1e-4
-        assert row["vs_pipeline"]["wall"] > 0 and len(row["arms"]["pipeline"]["wall_s"]) == 1
+        arms_ = row["arms"]
+        assert len(arms_["pipeline"]["wall_s"]) == len(arms_["blink"]["wall_s"]) == 1
+        # the ratio is the pipeline's time over blink's, each the sum of its timed runs
+        assert arms_["pipeline"]["total_wall_s"] == round(sum(arms_["pipeline"]["wall_s"]), 4)
+        assert row["vs_pipeline"]["wall"] == round(arms_["pipeline"]["total_wall_s"] / arms_["blink"]["total_wall_s"], 2)
     again = rows["again"]
     assert again["cached_tokens"] > 0 and again["prefill_tokens"] + again["cached_tokens"] == again["prompt_tokens"]
 
@@ -144,7 +152,8 @@ def test_http_arm_drives_transformers_serve_and_says_why_a_side_is_missing(tiny_
     serve = [r for r in rows if r["target"] == "transformers serve /v1/systemone"]
     assert serve and serve[-1]["completed"] == 2 and serve[-1]["errors"] == [] and serve[-1]["requests_per_s"] > 0
     own = [r for r in rows if r["target"] == "blink /v1/systemone"]
-    assert own and all("requests_per_s" in r or r["skipped"] for r in own)
+    assert own and "skipped" not in own[-1], own  # blink's own app served the route: the comparison has two sides
+    assert own[-1]["completed"] == 2 and own[-1]["errors"] == [] and own[-1]["requests_per_s"] > 0
 
 
 def test_export_arm_is_skipped_with_the_reason_when_blink_has_no_export(tmp_path, monkeypatch):
@@ -153,14 +162,21 @@ def test_export_arm_is_skipped_with_the_reason_when_blink_has_no_export(tmp_path
     assert why and "python blink.py export" in why
 
 
-def test_throughput_runs_answer_every_request(tiny_qwen):
+def test_throughput_runs_answer_every_request(tiny_qwen, monkeypatch):
     docs = [workloads.document(tiny_qwen.tok, 40, seed=100 + i) for i in range(5)]
     requests = [(d, workloads.questions(1, 4, workloads.ticket_count(d))) for d in docs]
     serial = throughput.serial_run(tiny_qwen, requests, 2, 2, prefix=False)
+    packed: list[int] = []  # requests per forward call, as the Batcher packed them
+    run = tiny_qwen.run
+    monkeypatch.setattr(tiny_qwen, "run", lambda jobs: packed.append(len(jobs)) or run(jobs))
     batched = throughput.batcher_run(tiny_qwen, requests, 20, 2, 2, prefix=False)
     for row in (serial, batched):
         assert row["completed"] == row["requests"] == 4 and row["errors"] == []
-    assert batched["target"] == "Batcher" and batched["window_ms"] == 20 and batched["mean_batched_requests"] >= 1
+    assert batched["target"] == "Batcher" and batched["window_ms"] == 20
+    timed = packed[1:]  # after the warm-up request
+    assert sum(timed) == 4  # each request in exactly one forward call
+    # each request reports the size of the forward it shared: the mean over requests of that size
+    assert batched["mean_batched_requests"] == round(sum(n * n for n in timed) / sum(timed), 2)
 
 
 def test_order_arm_maps_every_rotation_back_to_the_option_keys(tiny_qwen):
@@ -212,3 +228,57 @@ def test_model_comparison_grades_what_decide_answers(standin, served):
     assert out["speed"]["short"]["cpu_ms"] > 0 and out["speed"]["short"]["prompt_tokens"] > 50
     tables = models.quality_table({"stand-in": out}) + models.speed_table({"stand-in": out})
     assert f"| stand-in | {100 * written['accuracy']:.0f}% ({written['correct']}/3) |" in tables
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results")
+BENCH_README = os.path.join(os.path.dirname(RESULTS), "README.md")
+
+
+def test_report_prints_every_results_file_with_its_own_tables():
+    files = sorted(glob.glob(os.path.join(RESULTS, "*.json")))
+    kinds = {}
+    for path in files:
+        with open(path, encoding="utf-8") as fh:
+            res = json.load(fh)
+        kinds[os.path.basename(path)] = report.kind(res, path)
+        assert report.report(res, path).count("\n|") >= 2, path  # a table with at least one row
+    assert {k: v for k, v in kinds.items() if k in ("batch.json", "drift.json", "models.json", "order.json",
+                                                    "full.json", "decision.json")} == {
+        "batch.json": "batch", "drift.json": "drift", "models.json": "models", "order.json": "order",
+        "full.json": "run", "decision.json": "run"}
+
+
+def test_report_of_an_unknown_kind_prints_its_fields_as_tables():
+    res = {"command": "python bench/new_arm.py --requests 8", "hardware": "a GPU",
+           "rows": [{"backend": "vllm", "requests_per_s": 12.345678}, {"backend": "torch", "requests_per_s": 4.5}],
+           "arms": {"a": {"ms": 1}, "b": {"ms": 2}}}
+    out = report.report(res, "bench/results/new_arm.json")
+    assert report.kind(res, "") == "new_arm"
+    assert "- hardware: a GPU" in out and "| 0 | vllm | 12.35 |" in out and "| b | 2 |" in out
+
+
+def test_the_bench_readme_tables_are_what_report_prints():
+    """Every row of the tables bench/README.md quotes is printed by report.py from the committed results."""
+    with open(BENCH_README, encoding="utf-8") as fh:
+        readme = fh.read()
+    quoted = {"decision.json": None, "drift.json": None, "budget.json": None, "overhead.json": None,
+              "batch.json": None, "models.json": None, "full.json": "Time per request"}  # full: the grid's tables
+    for name, start in quoted.items():
+        with open(os.path.join(RESULTS, name), encoding="utf-8") as fh:
+            out = report.report(json.load(fh), name)
+        out = out[out.index(start):] if start else out
+        rows = [line for line in out.splitlines() if line.startswith("| ")]
+        missing = [line for line in rows if line not in readme]
+        assert rows and not missing, (name, missing[:3])
+
+
+def test_a_run_is_flagged_unsteady_when_its_matmul_probes_differ_by_more_than_the_threshold():
+    assert saved.steadiness(242.0, 197.0)["unsteady"] and saved.steadiness(197.0, 242.0)["unsteady"]
+    assert not saved.steadiness(100.0, 90.0)["unsteady"]  # 10% apart: at the threshold, not over it
+    assert saved.steadiness(100.0, 89.9)["unsteady"] and saved.steadiness(100.0, 89.9)["matmul_change"] == 0.101
+    with open(os.path.join(RESULTS, "full.json"), encoding="utf-8") as fh:
+        full = json.load(fh)
+    with open(os.path.join(RESULTS, "decision.json"), encoding="utf-8") as fh:
+        decision = json.load(fh)
+    assert report.steadiness_line(full).startswith("**Unsteady machine:** matmul probe 242 GFLOP/s")
+    assert report.steadiness_line(decision).startswith("Steady machine")

@@ -18,15 +18,19 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           timeout=300, env={**os.environ, **(env or {})})
 
 
-def test_cli_decides_from_a_file_and_inline_json(tmp_path):
+def test_cli_decides_from_a_file_and_inline_json(tmp_path, standin, served):
+    evidence = {"ticket": "My card was charged twice", "plan": "pro"}
     state = tmp_path / "state.json"
-    state.write_text(json.dumps({"ticket": "My card was charged twice", "plan": "pro"}))
+    state.write_text(json.dumps(evidence))
     qs = '{"billing": {"type": "noul", "instructions": "Is this a billing problem?"}}'
     done = run("--state", str(state), "--questions", qs)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert out["meta"]["model"] == blink.STANDIN_MODEL and out["meta"]["engine"] in ("torch", "hybrid")
-    assert 0.0 <= out["answers"]["billing"]["noul"] <= 1.0
+    assert out["meta"]["model"] == blink.STANDIN_MODEL and out["meta"]["engine"] == "torch"  # a live model answers
+    # the file was read as the JSON object it holds, and the answer is the one the engine gives in process
+    want = served(standin).decide(evidence, json.loads(qs))
+    assert out["meta"]["input_tokens"] == want["meta"]["input_tokens"]
+    assert abs(out["answers"]["billing"]["noul"] - want["answers"]["billing"]["noul"]) < 1e-5
 
 
 def test_cli_errors_are_one_clear_line(tmp_path):

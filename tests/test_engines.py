@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -103,8 +104,14 @@ def test_mock_is_deterministic_and_labelled_fabricated(served):
     assert a["answers"] == b["answers"]
     assert a["meta"]["engine"] == "mock" and a["meta"]["fabricated"] is True
     assert "fabricated" in a["meta"]["notice"]
-    shaped = dep.decide("Buy cheap watches now", QS, bias={"topic": {"other": 50.0}})
-    assert shaped["answers"]["topic"]["choice"] == "other"
+    # the demo's `bias` adds to one option's label logit before blink's own softmax: the answer moves exactly so
+    shaped = dep.decide("Buy cheap watches now", QS, bias={"topic": {"other": 2.0}})
+    plain = a["answers"]["topic"]["probabilities"]
+    raised = {k: math.log(p) + (2.0 if k == "other" else 0.0) for k, p in plain.items()}
+    total = sum(math.exp(v) for v in raised.values())
+    assert shaped["answers"]["topic"]["probabilities"] == pytest.approx(
+        {k: math.exp(v) / total for k, v in raised.items()}, abs=1e-9)
+    assert shaped["answers"]["spam"] == a["answers"]["spam"]  # a bias for one question leaves the others alone
 
 
 def test_replay_serves_the_recording_and_misses_clearly(tmp_path, served):

@@ -180,10 +180,22 @@ def test_prompt_count_is_capped():
 
 
 def test_mock_fabricates_a_label_mass_and_says_so(served):
-    out = served(blink.MockEngine("org/mock")).decide(STATE, {"intent": {**INTENT, "permute": 3}, "tags": TAGS})
+    mock = blink.MockEngine("org/mock")
+    qs = {"intent": {**INTENT, "permute": 3}, "tags": TAGS}
+    out = served(mock).decide(STATE, qs)
     assert out["meta"]["fabricated"] is True and "fabricated" in out["meta"]["notice"]
-    for answer in out["answers"].values():
-        assert 0.55 <= answer["label_mass"] <= 0.95
+    # a question's label mass is the mean over its prompts (rotations, options) of the share of the whole
+    # distribution on the labels, exp(LSE(label logits) - LSE(vocabulary)), from the engine's own readout
+    (forward,) = mock.run([mock.prepare(blink.parse_request(STATE, qs))])
+    for key, answer in out["answers"].items():
+        readout = forward.readouts[key]
+        shares = [math.exp(math.log(sum(math.exp(v) for v in row)) - lse)
+                  for row, lse in zip(readout.logits, readout.lse)]
+        assert len(shares) == (3 if key == "intent" else len(TAGS["criteria"]))
+        assert answer["label_mass"] == pytest.approx(sum(shares) / len(shares), abs=1e-12)
+    cooler = served(mock).decide(STATE, qs, temperature=0.5)  # the model's own distribution: no temperature in it
+    assert {k: a["label_mass"] for k, a in cooler["answers"].items()} == pytest.approx(
+        {k: a["label_mass"] for k, a in out["answers"].items()}, abs=1e-12)
     assert out["answers"]["intent"]["rotations"] == 3 and set(out["answers"]["tags"]["probabilities"]) == {
         "damaged", "late"}
 

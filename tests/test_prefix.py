@@ -415,9 +415,10 @@ def test_defaults_follow_the_hardware():
     gpu = blink.Settings(gpu=True)
     assert gpu.compute_dtype == "bfloat16" and (gpu.token_budget, gpu.prefix_kv_tokens) == (32768, 131072)
     assert gpu.prefix_cache_mb == 1024
-    assert gpu.prefix_cache == ("bfloat16" in blink.PREFIX_DEFAULT_DTYPES)
+    assert gpu.prefix_cache is True  # bfloat16, the GPU default: on, as bench/drift.py measured it safe
     assert blink.Settings(gpu=True, zero_gpu=True).prefix_cache_mb == 0  # a forked worker's memory never returns
-    assert blink.Settings(dtype="float16").prefix_cache is ("float16" in blink.PREFIX_DEFAULT_DTYPES)
+    assert blink.Settings(dtype="float16").prefix_cache is False  # float16 is not measured: the plain path
+    assert blink.Settings(dtype="bfloat16").prefix_cache is True and blink.Settings(dtype="float32").prefix_cache
     env = blink.Settings.from_env({"BLINK_PREFIX_CACHE": "off", "BLINK_TOKEN_BUDGET": "512",
                                    "BLINK_PREFIX_CACHE_MB": "0"}, gpu=False)
     assert (env.prefix_cache, env.token_budget, env.prefix_cache_mb) == (False, 512, 0)

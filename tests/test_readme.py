@@ -224,7 +224,37 @@ def test_the_wire_examples_run_against_the_launched_app(launched, tmp_path):
                 assert answers and all("type" in a for a in answers.values()), out
             else:
                 assert out.strip() and "Error" not in out, out
-    assert "decide" in outputs[3] and '"answers"' in outputs[3]  # the MCP example listed the tools, called decide
+        # each example printed the answers the served engine gives the same request in process
+        ticket = "I was charged twice and cannot log in."
+        curl = json.loads(outputs[0])["answers"]
+        want = app.DEPLOYMENT.decide({"message": ticket}, {
+            "spam": {"type": "noul", "instructions": "Is this spam?", "criteria": {"true": "advertising"}},
+            "queue": {"type": "choice", "criteria": {"billing": "payments", "access": None, "other": None}},
+            "urgency": {"type": "score", "criteria": ["can wait", "this week", "today"]}})["answers"]
+        assert (curl["spam"]["noul"], curl["queue"]["choice"]) == (want["spam"]["noul"], want["queue"]["choice"])
+        assert abs(curl["urgency"]["score"] - want["urgency"]["score"]) < 1e-12
+        model, noul, choice, score = outputs[1].split()[:4]  # typesafe-sdk: model, noul, choice, score, usage
+        want = app.DEPLOYMENT.decide({"message": ticket}, {
+            "spam": {"type": "noul", "instructions": "Is this spam?", "criteria": {"true": "unsolicited advertising"}},
+            "queue": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments",
+                                                                                   "access": None}},
+            "urgency": {"type": "score", "instructions": "How urgent?",
+                        "criteria": ["can wait", "this week", "today"]}})
+        assert model == want["meta"]["model"] and (float(noul), choice) == (want["answers"]["spam"]["noul"],
+                                                                           want["answers"]["queue"]["choice"])
+        assert abs(float(score) - want["answers"]["urgency"]["score"]) < 1e-12
+        want = app.DEPLOYMENT.decide(ticket, {  # openai: one line per answer, in question order
+            "spam": {"type": "noul", "instructions": "The message is spam."},
+            "queue": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments",
+                                                                                   "access": None}},
+            "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high"]}})
+        assert outputs[2].splitlines() == [f"spam predicate {want['answers']['spam']['noul']} None",
+                                           f"queue choice None {want['answers']['queue']['choice']}",
+                                           "urgency score None None"]
+        tools, result = outputs[3].splitlines()  # MCP: the tools, then decide's result as JSON
+        assert tools == "['decide', 'decide_batch', 'info']"
+        want = app.DEPLOYMENT.decide("I was charged twice.", {"refund": {"type": "noul"}})
+        assert json.loads(result)["answers"] == want["answers"]
 
 
 def test_the_space_installs_the_mcp_extra_of_its_own_gradio():

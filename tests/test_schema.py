@@ -150,7 +150,8 @@ def test_request_key_is_the_recordings_key():
     assert blink.request_key("x", qs) != blink.request_key("x", {"a": {"type": "noul", "instructions": ""}})
     reordered = {"b": {"type": "noul"}, "a": {"type": "noul"}}
     assert blink.request_key("x", {"a": {"type": "noul"}, "b": {"type": "noul"}}) != blink.request_key("x", reordered)
-    # the layout is the seed's: sha256 of compact, non-ASCII-preserving JSON, first 32 hex digits
+    # the layout is the reference design's, which recordings depend on: sha256 of compact, non-ASCII-preserving JSON,
+    # first 32 hex digits
     import hashlib
     blob = '{"state":"é","questions":{"a":{"type":"noul"}}}'
     assert blink.request_key(" é ", qs) == hashlib.sha256(blob.encode()).hexdigest()[:32]

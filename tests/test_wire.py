@@ -16,7 +16,7 @@ import threading
 
 import httpx
 import pytest
-from conftest import app_process, serving
+from conftest import app_process, serving, wait_until
 from openai import OpenAI
 from PIL import Image as PILImage
 from typesafe_sdk import (Choice, Image, Noul, RetryPolicy, Score, TypeSafeAuthenticationError,
@@ -455,26 +455,31 @@ def test_an_oversized_body_is_refused_before_it_is_read(guarded):
     assert post(url, "/v1/systemone", content=small, headers={**auth, "content-encoding": "zstd"}).status_code == 200
 
 
-def test_a_full_queue_is_503_with_retry_after(launched, crowded_app):
-    """12 callers at once against a one-request Batcher and a slow forward: each gets its own answer or a 503 with
+def test_a_full_queue_is_503_with_retry_after(launched, crowded_app, crowd_gates):
+    """12 callers at once against a one-request Batcher whose model is held: each gets its own answer or a 503 with
     Retry-After (typesafe-sdk and openai retry those), never another status."""
     app, _ = launched
     url, _ = crowded_app
-    replies: dict = {}
+    replies: list = [None] * 12
 
     def call(i: int) -> None:
         replies[i] = post(url, "/v1/systemone", json={"model": "jev-latest", "state": f"ticket {i}: refund please",
                                                       "questions": {"q": {"type": "noul", "instructions": "Urgent?"}}})
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
+    with crowd_gates.closed("forward"):
+        for t in threads:
+            t.start()
+        # the model holds the first request and the Batcher's one place keeps a second: the rest are told 503
+        held = wait_until(lambda: crowd_gates.arrived("forward") >= 1 and any(
+            r is not None and r.status_code == 503 for r in replies))
     for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    statuses = sorted(r.status_code for r in replies.values())
+        t.join(300)
+    assert held, ([r and r.status_code for r in replies], crowd_gates.arrived("forward"))
+    statuses = sorted(r.status_code for r in replies)
     print(f"\nwire flood of 12: {statuses.count(200)} answered, {statuses.count(503)} told busy (503)")
-    assert len(replies) == 12 and set(statuses) == {200, 503}
-    for i, r in replies.items():
+    assert set(statuses) == {200, 503}
+    for i, r in enumerate(replies):
         if r.status_code == 503:
             assert r.headers["retry-after"] == "1" and r.json()["detail"]["error_type"] == "overloaded"
         else:
@@ -613,16 +618,6 @@ class GatedModel(blink.MockEngine):
         self.gate.wait(60)
         self.forwards.append([job.request.state for job in jobs])
         return super().run(jobs)
-
-
-def wait_until(check, timeout_s: float = 60) -> bool:
-    """Poll `check` until it is true or the time is up; its last value."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not check() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return check()
 
 
 def test_wire_and_page_requests_share_forwards(launched, client):
