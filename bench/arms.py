@@ -11,13 +11,13 @@ import math
 import os
 import re
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
 
 import blink
+import clock
 
 
 @dataclass
@@ -142,11 +142,13 @@ def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: boo
     device = engine.model.lm_head.weight.device
     with prefix_cache(engine, prefix), PeakMemory(device) as mem:
         engine.prefixes.clear()  # cold: nothing kept from an earlier measurement
-        t0, c0 = time.perf_counter(), time.process_time()
-        req = request(engine, state, questions)
-        res = engine.forward(req)
-        _sync(device)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        def run() -> tuple:
+            req = request(engine, state, questions)
+            res = engine.forward(req)
+            _sync(device)
+            return req, res
+
+        wall, cpu, (req, res) = clock.timed(run)
         settings = engine.settings
     answers = blink.assemble(req, res.readouts, {k: settings.temperature for k in questions})
     prompts = engine.render(req)
@@ -166,13 +168,15 @@ def unbatched_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
     """model(ids).logits[0, -1] at the label ids: the loop a user writes by hand, one question at a time."""
     model, tok, device = user_model(engine), engine.tok, engine.model.lm_head.weight.device
     with PeakMemory(device) as mem, torch.no_grad():
-        t0, c0 = time.perf_counter(), time.process_time()
-        text, keys = prompt_text(engine, state, qkey, q)
-        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-        last = model(input_ids=ids).logits[0, -1].float()
-        row = last[torch.tensor(engine.label_ids[: len(keys)], device=device)].tolist()
-        _sync(device)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        def run() -> tuple:
+            text, keys = prompt_text(engine, state, qkey, q)
+            ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+            last = model(input_ids=ids).logits[0, -1].float()
+            row = last[torch.tensor(engine.label_ids[: len(keys)], device=device)].tolist()
+            _sync(device)
+            return keys, ids, row
+
+        wall, cpu, (keys, ids, row) = clock.timed(run)
     return Run(wall, cpu, ids.shape[1], {qkey: _pick(keys, row)}, mem.peak_mb, {qkey: row})
 
 
@@ -202,20 +206,21 @@ def per_option_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
     keys = [o.key for o in row.shown]
     sums, norms, means, spans = [], [], [], []
     with PeakMemory(device) as mem, torch.no_grad():
-        t0, c0 = time.perf_counter(), time.process_time()
-        context, _ = prompt_text(engine, state, qkey, q)
-        for display in (o.text for o in row.shown):
-            ctx, cont = encode_pair(tok, context, display)
-            inp = torch.tensor([(ctx + cont)[:-1]], device=device)
-            logprobs = torch.log_softmax(model(input_ids=inp).logits[0].float(), dim=-1)
-            picked = logprobs[len(ctx) - 1:, :].gather(1, torch.tensor(cont, device=device)[:, None]).squeeze(1)
-            total = float(picked.sum())
-            sums.append(total)
-            norms.append(total / max(1, len(display)))
-            means.append(total / len(cont))
-            spans.append((0, inp.shape[1]))
-        _sync(device)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        def run() -> None:
+            context, _ = prompt_text(engine, state, qkey, q)
+            for display in (o.text for o in row.shown):
+                ctx, cont = encode_pair(tok, context, display)
+                inp = torch.tensor([(ctx + cont)[:-1]], device=device)
+                logprobs = torch.log_softmax(model(input_ids=inp).logits[0].float(), dim=-1)
+                picked = logprobs[len(ctx) - 1:, :].gather(1, torch.tensor(cont, device=device)[:, None]).squeeze(1)
+                total = float(picked.sum())
+                sums.append(total)
+                norms.append(total / max(1, len(display)))
+                means.append(total / len(cont))
+                spans.append((0, inp.shape[1]))
+            _sync(device)
+
+        wall, cpu, _ = clock.timed(run)
     extra = {"choice_acc_norm": _pick(keys, norms), "choice_token_mean": _pick(keys, means), "spans": spans,
              "sum_logprobs": sums}
     return Run(wall, cpu, sum(n for _, n in spans), {qkey: _pick(keys, sums)}, mem.peak_mb, {}, extra)
@@ -240,15 +245,17 @@ def generate_one(engine: blink.TorchEngine, state, qkey: str, q: dict, max_new_t
     """model.generate (greedy, a few new tokens), then read the letter out of the text."""
     model, tok, device = user_model(engine), engine.tok, engine.model.lm_head.weight.device
     with PeakMemory(device) as mem, torch.no_grad():
-        t0, c0 = time.perf_counter(), time.process_time()
-        text, keys = prompt_text(engine, state, qkey, q)
-        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, temperature=None, top_p=None, top_k=None,
-                             pad_token_id=engine.pad_id)
-        reply = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        _sync(device)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        def run() -> tuple:
+            text, keys = prompt_text(engine, state, qkey, q)
+            ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, temperature=None, top_p=None, top_k=None,
+                                 pad_token_id=engine.pad_id)
+            reply = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            _sync(device)
+            return keys, ids, out, reply
+
+        wall, cpu, (keys, ids, out, reply) = clock.timed(run)
     labels = engine.labels[: len(keys)]
     label = parse_label(reply, labels)
     choice = keys[labels.index(label)] if label is not None else None

@@ -39,6 +39,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import blink  # noqa: E402
+import clock  # noqa: E402
 import report  # noqa: E402
 import saved  # noqa: E402
 
@@ -78,9 +79,8 @@ def run_arm(name: str, cmd: list[str], env: dict, out_path: str, first_rows: int
     """One arm in a fresh process: its wall time and the timings it printed; `first_rows` is what the first chunk of
     every worker holds (the steady rate counts the rows after them)."""
     load0 = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT, timeout=3600)
-    wall = time.perf_counter() - t0
+    wall, _, done = clock.timed(lambda: subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env},
+                                                       cwd=ROOT, timeout=3600))
     if done.returncode != 0:
         raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     if name == "loop":

@@ -26,6 +26,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import blink  # noqa: E402
+import clock  # noqa: E402
 import saved  # noqa: E402
 import workloads  # noqa: E402
 
@@ -71,9 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 engine.settings = replace(base, prefix_cache=prefix, **{field: value})
                 engine.prefixes.clear()
                 before()
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                times[(name, value)].append((time.perf_counter() - t0, time.process_time() - c0))
+                wall, cpu, _ = clock.timed(fn)
+                times[(name, value)].append((wall, cpu))
     rows = [{"workload": name, "setting": work[name][0], "value": value,
              "wall_s": [round(w, 3) for w, _ in runs[1:]], "cpu_s": [round(c, 3) for _, c in runs[1:]],
              "total_cpu_s": round(sum(c for _, c in runs[1:]), 3)} for (name, value), runs in times.items()]

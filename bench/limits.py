@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
 import blink
+import clock
 
 
 def matmul_flops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
@@ -26,13 +26,8 @@ def matmul_flops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
 def _probe_seconds(model, device: torch.device, tokens: int = 128) -> float:
     """Best of two short prefills: how fast the model runs at the current thread count."""
     ids = torch.randint(10, 1000, (1, tokens), device=device)
-    best = float("inf")
     with torch.no_grad():
-        for _ in range(3):
-            t0 = time.perf_counter()
-            model.model(input_ids=ids, use_cache=False)
-            best = min(best, time.perf_counter() - t0)
-    return best
+        return clock.best_of(lambda: model.model(input_ids=ids, use_cache=False), 3)[0]
 
 
 def choose_threads(model, device: torch.device, requested: str) -> dict:

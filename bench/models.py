@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import blink  # noqa: E402
 from adapters import calibrate  # noqa: E402
-import peers  # noqa: E402
+import clock  # noqa: E402
 import saved  # noqa: E402
 
 CLEARCUT = os.path.join(HERE, "data", "clearcut.jsonl")
@@ -142,14 +142,11 @@ def describe(c: Candidate) -> dict:
 
 def load(c: Candidate, settings: blink.Settings) -> tuple[blink.TorchEngine, dict]:
     """The candidate converted (once, timed) and loaded by blink's TorchEngine; returns the engine and its costs."""
-    t0 = time.perf_counter()
-    folder = c.folder(settings.cache_dir)
-    convert_s = time.perf_counter() - t0
-    t0, c0 = time.perf_counter(), time.process_time()
-    engine = blink.TorchEngine(folder, settings=settings)
+    convert_s, _, folder = clock.timed(lambda: c.folder(settings.cache_dir))
+    load_s, load_cpu_s, engine = clock.timed(lambda: blink.TorchEngine(folder, settings=settings))
     stats = {"folder": os.path.relpath(folder, settings.cache_dir),  # under BLINK_CACHE, wherever that is
              "folder_bytes": disk_bytes(folder), "prepare_s": round(convert_s, 2),
-             "load_s": round(time.perf_counter() - t0, 2), "load_cpu_s": round(time.process_time() - c0, 2),
+             "load_s": round(load_s, 2), "load_cpu_s": round(load_cpu_s, 2),
              "parameters": sum(p.numel() for p in engine.model.parameters()),
              "architecture": type(engine.model).__name__, "labels_verified": len(engine.labels)}
     return engine, stats
@@ -291,7 +288,7 @@ def speed(engines: dict[str, blink.Engine], cases: dict[str, tuple[blink.Request
             if rnd >= n:
                 continue
             for name, engine in engines.items():
-                wall, cpu, result = peers.timed(lambda: engine.forward(request))
+                wall, cpu, result = clock.timed(lambda: engine.forward(request))
                 times[name][case].append((wall * 1000, cpu * 1000))
                 last[name][case] = result
     out = {}

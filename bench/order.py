@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import blink  # noqa: E402
+import clock  # noqa: E402
 
 # (evidence, question, {option key: description}, the correct key)
 QUESTIONS = [
@@ -96,11 +97,13 @@ def arm_requests(questions: list, permute) -> list[tuple[str, dict]]:
 
 def run_arm(eng: blink.TorchEngine, questions: list, permute) -> dict:
     """Decide every rotation of every question in one packed call; picks, flips, accuracy, cost."""
-    t0 = time.perf_counter()
-    requests = [blink.parse_request(state, qs, settings=eng.settings)
-                for state, qs in arm_requests(questions, permute)]
-    results = eng.run([eng.prepare(request) for request in requests])  # every job packed into the same forwards
-    wall_ms = (time.perf_counter() - t0) * 1000
+    def decide_all() -> tuple[list, list]:
+        requests = [blink.parse_request(state, qs, settings=eng.settings)
+                    for state, qs in arm_requests(questions, permute)]
+        return requests, eng.run([eng.prepare(request) for request in requests])  # all packed into shared forwards
+
+    wall, _, (requests, results) = clock.timed(decide_all)
+    wall_ms = wall * 1000
     failed = next((r for r in results if isinstance(r, Exception)), None)
     if failed is not None:
         raise failed

@@ -19,6 +19,7 @@ import torch
 
 import arms
 import blink
+import clock
 import throughput
 import workloads
 
@@ -98,13 +99,6 @@ def export_config(model: str, folder: str) -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def timed(fn: Callable[[], T]) -> tuple[float, float, T]:
-    """(wall s, this process's CPU s, result) of one call."""
-    t0, c0 = time.perf_counter(), time.process_time()
-    out = fn()
-    return time.perf_counter() - t0, time.process_time() - c0, out
-
-
 def case_requests(engine: blink.TorchEngine, cfg: dict, rep: int) -> dict[str, tuple]:
     """The requests of one repetition: a document not seen before with `questions` questions ("document"), the same
     document with as many new questions ("again"), and one short yes/no question over a short new text ("short")."""
@@ -138,10 +132,10 @@ def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
         for case in CASES:  # "again" follows "document": its document is the one blink has just seen
             state, questions = requests[case]
             for name, pipe in pipes.items():
-                wall, cpu, out = timed(lambda: pipe(system_one(state, questions)))
+                wall, cpu, out = clock.timed(lambda: pipe(system_one(state, questions)))
                 times[case][name].append((wall, cpu))
                 answers.setdefault((rep, case, name), out)
-            wall, cpu, out = timed(lambda: dep.decide(state, questions))
+            wall, cpu, out = clock.timed(lambda: dep.decide(state, questions))
             times[case]["blink"].append((wall, cpu))
             answers[(rep, case, "blink")] = out
     rows = {}
@@ -364,9 +358,9 @@ def vllm_row(engine: blink.TorchEngine, cfg: dict) -> dict:
         state, questions = requests[case]
         prompts = engine.render(dep.request(state, questions))
         params = [SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=p.cand) for p in prompts]
-        wall_v, _, _ = timed(lambda: llm.generate([{"prompt_token_ids": p.ids} for p in prompts], params,
+        wall_v, _, _ = clock.timed(lambda: llm.generate([{"prompt_token_ids": p.ids} for p in prompts], params,
                                                   use_tqdm=False))
-        wall_b, _, _ = timed(lambda: dep.decide(state, questions))
+        wall_b, _, _ = clock.timed(lambda: dep.decide(state, questions))
         row[case] = {"vllm_s": round(wall_v, 4), "blink_s": round(wall_b, 4), "vs_vllm": round(wall_v / wall_b, 2)}
     return row
 
