@@ -3055,7 +3055,7 @@ class Deployment:
                     jobs[i] = out[i]
         instant = [i for i, job in jobs.items() if not job.engine.runs_model]
         live = [i for i, job in jobs.items() if job.engine.runs_model]
-        results = dict(zip(instant, run_jobs([jobs[i] for i in instant])))
+        results = dict(zip(instant, run_jobs([jobs[i] for i in instant]))) if instant else {}
         if live:
             results.update(zip(live, run_live([jobs[i] for i in live])))
         for i, job in jobs.items():
