@@ -864,7 +864,9 @@ def start() -> gr.Blocks:
     return build_demo()
 
 
-demo = start()
+# vLLM's CPU engine starts its core in a spawned process, which imports the launched script again (as __mp_main__)
+# before it runs: that import must not build the models and the page a second time.
+demo = None if __name__ == "__mp_main__" else start()
 
 
 def launch(**kwargs):
