@@ -91,9 +91,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 240):
+def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 240,
+                python: str = sys.executable, as_script: bool = False):
     """The app started in a process of its own on a free loopback port, with extra environment and Python run
-    before `import app` (e.g. to slow the model down); yields (url, path of its combined stdout/stderr log)."""
+    before `import app` (e.g. to slow the model down), or as_script: `python app.py` itself (the port from
+    GRADIO_SERVER_PORT); yields (url, path of its combined stdout/stderr log). The process and any it started (vLLM's
+    engine) are stopped together at the end."""
     import pathlib
     import subprocess
     import tempfile
@@ -103,10 +106,12 @@ def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeou
 
     port = free_port()
     code = f"{prelude}\nimport app\napp.launch(server_name='127.0.0.1', server_port={port}, quiet=True)\n"
+    cmd = [python, "app.py"] if as_script else [python, "-c", code]
     log_path = os.path.join(tmp_dir or tempfile.mkdtemp(), f"app-{port}.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", **env})
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
+                                     "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), **env})
     url = f"http://127.0.0.1:{port}/"
     try:
         deadline = time.monotonic() + timeout_s
@@ -121,12 +126,27 @@ def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeou
             time.sleep(0.5)
         yield url, log_path
     finally:
-        proc.terminate()
+        stop_group(proc)
+
+
+def stop_group(proc) -> None:
+    """Stop a process started with start_new_session=True and everything in its process group."""
+    import signal
+    import subprocess
+
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         try:
-            proc.wait(15)
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone already
+            break
+        try:
+            proc.wait(wait_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            continue
+        try:  # the leader is gone; its children (vLLM's engine core) may not be
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
 
 
 SECRET = "hf_SECRETtokenValue1234567890"  # set as HF_TOKEN in the crowded app: it must never come back out
