@@ -91,18 +91,24 @@ def free_port() -> int:
 
 
 @contextmanager
-def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 240,
-                python: str = sys.executable, as_script: bool = False):
+def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 240):
     """The app started in a process of its own on a free loopback port, with extra environment and Python run
-    before `import app` (e.g. to slow the model down), or as_script: `python app.py` itself (the port from
-    GRADIO_SERVER_PORT); yields (url, path of its combined stdout/stderr log). The process and any it started (vLLM's
-    engine) are stopped together at the end."""
-    import pathlib
+    before `import app` (e.g. to slow the model down); yields (url, path of its combined stdout/stderr log)."""
+    proc, url, log_path = start_app(env, prelude, tmp_dir)
+    try:
+        wait_up(proc, url, log_path, timeout_s)
+        yield url, log_path
+    finally:
+        stop_group(proc)
+
+
+def start_app(env: dict, prelude: str = "", tmp_dir: str | None = None, python: str = sys.executable,
+              as_script: bool = False):
+    """Start the app on a free loopback port without waiting for it: `import app` after `prelude` in `python`, or
+    as_script: `python app.py` itself (the port from GRADIO_SERVER_PORT). Returns (process, url, log path); the
+    process leads a process group of its own (stop_group stops it and whatever it started)."""
     import subprocess
     import tempfile
-    import time
-
-    import httpx
 
     port = free_port()
     code = f"{prelude}\nimport app\napp.launch(server_name='127.0.0.1', server_port={port}, quiet=True)\n"
@@ -112,21 +118,26 @@ def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeou
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
                                      "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), **env})
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert proc.poll() is None, pathlib.Path(log_path).read_text()[-3000:]
-            assert time.monotonic() < deadline, "the app did not come up in time"
-            try:
-                if httpx.get(url + "gradio_api/info", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield url, log_path
-    finally:
-        stop_group(proc)
+    return proc, f"http://127.0.0.1:{port}/", log_path
+
+
+def wait_up(proc, url: str, log_path: str, timeout_s: float) -> None:
+    """Return once the started app answers; fail with its log's tail if it exits or takes over timeout_s."""
+    import pathlib
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, pathlib.Path(log_path).read_text()[-3000:]
+        assert time.monotonic() < deadline, "the app did not come up in time"
+        try:
+            if httpx.get(url + "gradio_api/info", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
 
 
 def stop_group(proc) -> None:
