@@ -13,6 +13,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.join(ROOT, "bench"))  # last: the bench's helpers (peers.stop_group) never shadow a package
 
 import blink  # noqa: E402
 
@@ -94,6 +95,8 @@ def free_port() -> int:
 def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 240):
     """The app started in a process of its own on a free loopback port, with extra environment and Python run
     before `import app` (e.g. to slow the model down); yields (url, path of its combined stdout/stderr log)."""
+    from peers import stop_group
+
     proc, url, log_path = start_app(env, prelude, tmp_dir)
     try:
         wait_up(proc, url, log_path, timeout_s)
@@ -106,7 +109,7 @@ def start_app(env: dict, prelude: str = "", tmp_dir: str | None = None, python: 
               as_script: bool = False):
     """Start the app on a free loopback port without waiting for it: `import app` after `prelude` in `python`, or
     as_script: `python app.py` itself (the port from GRADIO_SERVER_PORT). Returns (process, url, log path); the
-    process leads a process group of its own (stop_group stops it and whatever it started)."""
+    process leads a process group of its own (peers.stop_group stops it and whatever it started)."""
     import subprocess
     import tempfile
 
@@ -138,26 +141,6 @@ def wait_up(proc, url: str, log_path: str, timeout_s: float) -> None:
         except httpx.TransportError:
             pass
         time.sleep(0.5)
-
-
-def stop_group(proc) -> None:
-    """Stop a process started with start_new_session=True and everything in its process group."""
-    import signal
-    import subprocess
-
-    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:  # the group is gone already
-            break
-        try:
-            proc.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        try:  # the leader is gone; its children (vLLM's engine core) may not be
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
 
 
 SECRET = "hf_SECRETtokenValue1234567890"  # set as HF_TOKEN in the crowded app: it must never come back out

@@ -20,7 +20,7 @@ from dataclasses import replace
 import httpx
 import pytest
 import systemone_requests as gen
-from conftest import DEFAULTS, ROOT, start_app, stop_group, wait_up
+from conftest import DEFAULTS, ROOT, start_app, wait_up
 from test_vllm import EXTRAS, assert_same_answers
 
 import blink
@@ -28,6 +28,7 @@ import blink
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import workloads  # noqa: E402
+from peers import stop_group  # noqa: E402
 
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 # Both engines in float32: vLLM's kernels and torch's sum in other orders. Measured here on these cases: probabilities,
@@ -86,7 +87,8 @@ def build_cases(tok) -> list[dict]:
                                                        "escalate": {"to": "executives", "within_hours": 4}}}}
     return [{"name": "types", "kind": "decide",
              "requests": as_pairs(gen.requests(6, seed=21, max_options=30)) + [[EXTRAS["state"], EXTRAS["questions"]]]},
-            {"name": "wide", "kind": "decide", "requests": [["ticket 4417: refund", {"w": wide, "n": {"type": "noul"}}]]},
+            {"name": "wide", "kind": "decide",
+             "requests": [["ticket 4417: refund", {"w": wide, "n": {"type": "noul"}}]]},
             {"name": "long", "kind": "decide", "requests": [[doc, long_qs]]},
             {"name": "many", "kind": "decide_many", "requests": as_pairs(gen.requests(4, seed=5, max_options=10))},
             {"name": "concurrent", "kind": "concurrent", "requests": as_pairs(gen.requests(6, seed=9, max_options=10))}]
@@ -206,7 +208,8 @@ def test_concurrent_callers_share_generate_calls_through_the_batcher(answered):
     assert all(r["queued_together"] for r in theirs)
     calls = theirs[0]["generate_calls"]
     assert len(calls) == 2, calls  # the held first request alone, then every queued one in one call
-    assert sorted(r["meta"]["batched_requests"] for r in theirs) == [1] + [len(case["requests"]) - 1] * (len(theirs) - 1)
+    packed = len(case["requests"]) - 1
+    assert sorted(r["meta"]["batched_requests"] for r in theirs) == [1] + [packed] * packed
 
 
 def wire_matches(wire: dict, decided: dict, tol: float = TOLERANCE) -> None:
