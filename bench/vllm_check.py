@@ -231,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
               "vllm_args": vllm_args(args.max_model_len), "vllm_env": vllm_env(),
               "arms": {name: {"backend": backend, "dtype": dtype, "python": os.path.relpath(python, ROOT)}
                        for name, python, backend, dtype in ARMS},
-              "not_up": {name: reason for name, reason in up.items() if not isinstance(reason, tuple)},
+              "not_up": {name: reason for name, *_ in ARMS if not isinstance(reason := up[name], tuple)},
+              "vllm_own_route": ("answered: driven in the http rows" if isinstance(up[OWN_ROUTE], tuple)
+                                 else up[OWN_ROUTE]),
               "answers": {"requests": len(parity_requests), "reference": REFERENCE, "arms": parity},
               "http": {**HTTP, "rows": serving}}
     saved.write_json(out, result)

@@ -198,6 +198,13 @@ def test_the_cases_cover_what_they_claim(answered):
     assert len(wide_result["answers"]["w"]["probabilities"]) == 200 > blink.VLLM_MAX_LABELS
 
 
+def test_vllms_prefix_cache_computes_a_shared_prompt_once(answered):
+    (wide,) = answered["cases"]["wide"][2]  # the 200-option prompt goes twice (two runs of label ids) in one call
+    assert wide["meta"]["prefill_tokens"] < 1.5 * wide["meta"]["input_tokens"]  # twice computed would be ~1.9x
+    (long,) = answered["cases"]["long"][2]  # three prompts over one document
+    assert long["meta"]["prefill_tokens"] < 0.5 * long["meta"]["input_tokens"]
+
+
 def test_decide_many_packs_every_request_into_one_call(answered):
     case, _, theirs = answered["cases"]["many"]
     assert all(r["meta"]["batched_requests"] == len(case["requests"]) for r in theirs)
