@@ -234,7 +234,7 @@ def process(cmd: list[str], threads: int, log: str, env: dict | None = None) -> 
 @contextlib.contextmanager
 def server(cmd: list[str], health: str, threads: int, log: str, env: dict | None = None,
            timeout_s: float = 300) -> Iterator[str | None]:
-    """A server process for the duration: yields None when it is up, else why it is not; stopped by its own id."""
+    """A server process for the duration: yields None when it is up, else why it is not; then stopped with its group."""
     with process(cmd, threads, log, env) as proc:
         yield wait_up(health, proc, timeout_s)
 
