@@ -281,6 +281,7 @@ class Settings:
     prefix_kv_tokens: int | None = setting("BLINK_PREFIX_KV_TOKENS", None, 1, kind=int)  # prefix copies x length
     # held at once: bounds how many tails run against one prefix per forward
     prefix_cache_mb: int | None = setting("BLINK_PREFIX_CACHE_MB", None, 0, kind=int)  # prefixes kept across requests
+    release_memory: bool = setting("BLINK_RELEASE_MEMORY", True)  # freed pages back to the OS after each forward call
     readout: str = setting("BLINK_READOUT", "rows", choices=READOUTS)  # per-question GEMVs, or one matmul
     cpu_matmul: str = setting("BLINK_CPU_MATMUL", "auto", choices=CPU_MATMULS)  # auto: the faster one, measured
     gpu_duration: int = setting("BLINK_GPU_DURATION", 60, 1)  # the most seconds one ZeroGPU call reserves
@@ -1356,6 +1357,11 @@ class Engine:
         self.settings = settings
         self.image_limits = settings.image_limits
 
+    @property
+    def compute(self) -> dict:
+        """What computes a live engine's numbers (backend, dtype, kernels); empty for an engine that runs no model."""
+        return {}
+
     def images(self, request: Request) -> ImageSubmission | None:
         """The request's images located and counted (nothing decoded), or None; refused at the first image's
         location when the model reads text only."""
@@ -1648,6 +1654,11 @@ def standin_folder(cache_dir: str) -> str:
 def model_source(model_id: str, cache_dir: str) -> str:
     """Where from_pretrained reads a model: the stand-in's local folder, else the id (a hub repo or a folder)."""
     return standin_folder(cache_dir) if model_id == STANDIN_MODEL else model_id
+
+
+def dtype_name(dtype) -> str:
+    """A torch dtype (or a dtype's name) as the word BLINK_DTYPE takes: "bfloat16", "float32"."""
+    return str(dtype).removeprefix("torch.")
 
 
 def torch_dtype(settings: Settings):
@@ -2150,6 +2161,13 @@ class TorchEngine(PromptEngine):
             raise BlinkError(f"BLINK_MAX_IMAGE_PIXELS must be at least {fitted.min_pixels}")
         return fitted
 
+    @property
+    def compute(self) -> dict:
+        """backend "torch", the weights' dtype and device, and what runs the linear layers (cpu_matmul)."""
+        weight = self.model.get_input_embeddings().weight
+        return {"backend": self.name, "dtype": dtype_name(weight.dtype), "device": weight.device.type,
+                "cpu_matmul": self.matmul}
+
     def backbone(self):
         """The decoder stack that returns hidden states (the language model of a vision model)."""
         return self.model.model.language_model if self.reads_images else self.model.model
@@ -2246,6 +2264,8 @@ class TorchEngine(PromptEngine):
         for i, job in enumerate(jobs):
             if isinstance(job.work, ImageWork):
                 out[i] = _attempt(lambda j: [self._run_image(j[0])], [job])
+        if self.settings.release_memory:
+            release_freed_memory()
         return out
 
 
@@ -2348,6 +2368,11 @@ class VllmEngine(PromptEngine):
         self.max_input_tokens = min(self.max_input_tokens, config.max_model_len - 1)
         self._generate_lock = threading.Lock()  # vllm.LLM serves one generate call at a time
 
+    @property
+    def compute(self) -> dict:
+        """backend "vllm" and the dtype its engine runs."""
+        return {"backend": self.name, "dtype": dtype_name(self.llm.model_config.dtype)}
+
     def read(self, prompts: list[Prompt]) -> tuple[list[tuple[list[float], float]], Prefill]:
         """Every prompt's (label log-probs, 0.0) from one generate call, and what the call did: its time (the wait
         for an earlier call excluded) and the prompt tokens vLLM computed (its prefix cache served the rest)."""
@@ -2395,6 +2420,11 @@ class HybridEngine(Engine):
         self.recording = replay.recording if replay is not None else None
         self.reads_images = live.reads_images
         self.image_limits = live.image_limits
+
+    @property
+    def compute(self) -> dict:
+        """The live model's."""
+        return self.live.compute
 
     def prepare(self, request: Request) -> Job:
         """The recording's job when asked for (prefer="saved") and present, else the live model's."""
@@ -2688,6 +2718,30 @@ def _vocab_lse(head, hs) -> list[float]:
     step = head.shape[0] if head.dtype == torch.float32 else LSE_CHUNK  # an FP32 head needs no upcast copy
     parts = [torch.logsumexp(hs @ head[i:i + step].float().T, dim=-1) for i in range(0, head.shape[0], step)]
     return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1).tolist()
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS, Windows)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Hand the pages freed since the last call back to the OS; True where the C library can (glibc). glibc keeps
+    freed memory in its heaps for reuse (one heap per thread that allocated), and a forward frees hundreds of MB
+    of prefix copies and activations of ever different sizes, so a stream of long prompts left a process holding
+    several times its prefix cache in pages it no longer used (bench/memory.py)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def _padded(seqs: list[list[int]], rows: list[int], pad_id: int):
