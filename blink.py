@@ -2634,20 +2634,40 @@ def _prefix_groups(seqs: list[list[int]], cuts: list[tuple[int, ...]], settings:
     return out + ([(sorted(plain), 0)] if plain else [])
 
 
-def _copy_cache(cache, repeats: int = 1):
-    """A copy of a batch-1 cache, repeated `repeats` times along the batch axis: every per-sequence tensor of every
-    layer (full-attention keys/values, linear-attention conv and recurrent states) is a new tensor and every dict of
-    flags a new dict, since the forward writes into both; the library's batch_repeat_interleave covers only
-    keys/values. A shallow copy of the rest: a deep copy of 30 layers' structure costs more than a short tail."""
+def _copy_cache(cache, repeats: int = 1, keep: bool = True):
+    """A batch-1 cache made ready for a forward of `repeats` rows that must leave it as it is. Full-attention layers
+    (the library's DynamicLayer.update, which joins new keys to the held ones into a new tensor and never writes
+    into the held one) share the prefix's keys and values as a view repeated along the batch axis, copying nothing;
+    with keep=False (tails that are read once) they do not hold the joined keys either, so a forward holds one
+    layer's joined keys at a time instead of every layer's copy of the prefix per row. Every other per-sequence
+    tensor (Qwen3.5's linear-attention conv and recurrent states, which the forward writes into) is a new tensor
+    and every dict of flags a new dict. A shallow copy of the rest: a deep copy of 30 layers' structure costs more
+    than a short tail."""
     copied = copy.copy(cache)
-    copied.layers = [_copy_layer(layer, repeats) for layer in cache.layers]
+    copied.layers = [_copy_layer(layer, repeats, keep) for layer in cache.layers]
     return copied
 
 
-def _copy_layer(layer, repeats: int):
-    """One cache layer copied: tensors of two or more dimensions (batch first) repeated, other tensors cloned, dicts
-    and lists of them rebuilt."""
+def _joins_keys(layer) -> bool:
+    """Whether the layer's update joins new keys and values to its held ones without writing into them."""
+    from transformers.cache_utils import DynamicLayer
+
+    return getattr(type(layer), "update", None) is DynamicLayer.update
+
+
+def _joined(self, key_states, value_states, *args, **kwargs):
+    """DynamicLayer.update that keeps nothing: the held prefix joined with the new keys and values, returned."""
     import torch
+
+    return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def _copy_layer(layer, repeats: int, keep: bool = True):
+    """One cache layer copied (see _copy_cache): a joining layer's keys and values repeated as views; other tensors
+    of two or more dimensions (batch first) repeated, other tensors cloned, dicts and lists of them rebuilt."""
+    import torch
+
+    shares = _joins_keys(layer)
 
     def fresh(x):
         if not torch.is_tensor(x):
@@ -2656,12 +2676,16 @@ def _copy_layer(layer, repeats: int):
 
     copied = copy.copy(layer)
     for name, value in vars(layer).items():
-        if isinstance(value, dict):
+        if shares and name in ("keys", "values") and torch.is_tensor(value) and value.dim() >= 2:
+            setattr(copied, name, value.expand(repeats, *value.shape[1:]))
+        elif isinstance(value, dict):
             setattr(copied, name, {k: fresh(v) for k, v in value.items()})
         elif isinstance(value, list):
             setattr(copied, name, [fresh(v) for v in value])
         else:
             setattr(copied, name, fresh(value))
+    if shares and not keep:
+        copied.update = types.MethodType(_joined, copied)
     return copied
 
 
@@ -2677,8 +2701,11 @@ def _state_tensors(layer) -> list:
 
 
 def cache_bytes(cache) -> int:
-    """Memory a batch-1 cache holds."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in _state_tensors(layer))
+    """Memory a cache holds: the bytes of each distinct storage under its tensors (a view keeps its whole base
+    alive, so a state sliced out of a longer tensor counts as that tensor)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for layer in cache.layers for t in _state_tensors(layer)}
+    return sum(storages.values())
 
 
 def _last_hidden(h, lengths: list[int]):
@@ -2767,7 +2794,8 @@ def _run_batches(engine: TorchEngine, seqs: list[list[int]], cands: list[list[in
         if cache is None:
             h = backbone(input_ids=ids, use_cache=False).last_hidden_state
         else:
-            h = backbone(input_ids=ids, cache=_copy_cache(cache, len(b)), use_cache=True).last_hidden_state
+            past = _copy_cache(cache, len(b), keep=False)
+            h = backbone(input_ids=ids, cache=past, use_cache=True).last_hidden_state
         hs = _last_hidden(h, [len(seqs[i]) for i in b])
         rows = read(head, hs, [cands[i] for i in b])
         for i, row, lse in zip(b, rows, _vocab_lse(head, hs)):
