@@ -209,6 +209,32 @@ def _cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@functools.cache
+def native_bf16() -> bool:
+    """True when this CPU computes bfloat16 natively: AVX512-BF16 or AMX-BF16 (torch's CPU capabilities, else the
+    flags in /proc/cpuinfo)."""
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        capabilities = getattr(torch.cpu, "get_capabilities", None)
+        if capabilities is not None:
+            found = capabilities()
+            return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype(gpu: bool, cpu_bf16: bool) -> str:
+    """The one dtype rule, for every backend: bfloat16 on a GPU and on a CPU that computes it natively (AVX512-BF16
+    or AMX), where `python bench/drift.py` measured it faster than float32 with no pick changed; float32 on any
+    other CPU, where bfloat16 is emulated. BLINK_DTYPE overrides it (float32: the exact path)."""
+    return "bfloat16" if gpu or cpu_bf16 else "float32"
+
+
 def _zero_gpu(env: Mapping[str, str]) -> bool:
     """True on a ZeroGPU Space, where a device is attached per call."""
     try:
@@ -266,7 +292,7 @@ class Settings:
     backend: str = setting("BLINK_BACKEND", "torch", choices=BACKENDS)  # what runs the live model
     vllm_args: str = setting("BLINK_VLLM_ARGS", "{}", json_object=True)  # vLLM engine arguments, a JSON object
     temperature: float = setting("BLINK_TEMPERATURE", 1.0, 0.0, 1e6, above=True)  # the release temperature, not fitted
-    dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: bfloat16 on a GPU, float32 on a CPU
+    dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: by hardware (default_dtype)
     token_budget: int | None = setting("BLINK_TOKEN_BUDGET", None, 1, kind=int)  # padded tokens per forward
     max_input_tokens: int = setting("BLINK_MAX_INPUT_TOKENS", 131072, 1)  # per question, as evaluated
     max_request_tokens: int = setting("BLINK_MAX_REQUEST_TOKENS", 1048576, 1)  # all of a request's prompts
@@ -308,6 +334,7 @@ class Settings:
     max_body_bytes: int = setting("BLINK_MAX_BODY_BYTES", 64 * 1024 * 1024, 1024)  # on the wire and decompressed
     # hardware, found rather than set
     gpu: bool = False  # a CUDA device, or ZeroGPU attaching one per call
+    cpu_bf16: bool = False  # the CPU computes bfloat16 natively (native_bf16)
     zero_gpu: bool = False
     on_space: bool = False  # SPACE_ID is set
     # (field, value) of each field that took its hardware default, so other hardware can take its own (on_hardware)
@@ -322,16 +349,17 @@ class Settings:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "derived", self.derived + taken)
 
-    def on_hardware(self, gpu: bool, zero_gpu: bool = False) -> Settings:
+    def on_hardware(self, gpu: bool, zero_gpu: bool = False, cpu_bf16: bool | None = None) -> Settings:
         """These settings on other hardware (a Ray worker's): each field that took a hardware default, and still
-        holds it, takes that hardware's default instead; what was set stays."""
+        holds it, takes that hardware's default instead; what was set stays. `cpu_bf16` None: this CPU's."""
         unset = {name: None for name, value in self.derived if getattr(self, name) == value}
-        return replace(self, gpu=gpu, zero_gpu=zero_gpu, derived=(), **unset)
+        return replace(self, gpu=gpu, zero_gpu=zero_gpu, cpu_bf16=native_bf16() if cpu_bf16 is None else cpu_bf16,
+                       derived=(), **unset)
 
     @property
     def compute_dtype(self) -> str:
-        """The weights' dtype: BLINK_DTYPE if set; bfloat16 on a GPU, float32 on a CPU."""
-        return self.dtype or ("bfloat16" if self.gpu else "float32")
+        """The weights' dtype on every backend: BLINK_DTYPE if set, else default_dtype for this hardware."""
+        return self.dtype or default_dtype(self.gpu, self.cpu_bf16)
 
     def derived_defaults(self) -> dict:
         """The defaults that depend on the hardware and dtype (each measured by a bench/ command, see README):
@@ -392,7 +420,7 @@ class Settings:
             ((single, env_word(env, "BLINK_REVISION", None)),) if single else ())
         zero_gpu = _zero_gpu(env)
         return cls(**values, gpu=zero_gpu or _cuda() if gpu is None else gpu, zero_gpu=zero_gpu,
-                   on_space=bool(env.get("SPACE_ID")))
+                   cpu_bf16=native_bf16(), on_space=bool(env.get("SPACE_ID")))
 
 
 _ENV_SETTINGS: list[Settings] = []  # the process's settings, read from the environment on first use
@@ -1680,11 +1708,20 @@ def load_pretrained(auto_class, source: str, revision: str | None, settings: Set
 
 
 # Linear layers of a float32 model on a CPU. torch's default float32 product (MKL) chooses its code by CPU vendor;
-# oneDNN, which torch also ships, chooses by instruction set, and on an AVX-512 AMD CPU ran a prefill's products about
-# twice as fast (bench/overhead.py). Which one is faster elsewhere is measured at the
-# first load on a machine, and that verdict kept for every later one (onednn_faster).
+# oneDNN, which torch also ships, chooses by instruction set, and on an AVX-512 AMD CPU ran a prefill's products
+# faster (bench/overhead.py). Which one is faster on a machine is measured at the first load there (kernel_verdict):
+# the two kernels take turns round by round, so both meet the same load, and a measurement is kept only once it
+# settled (each kernel's typical round within KERNEL_MAX_SPREAD of its best, and its best and its typical rounds
+# agreeing on the verdict); one disturbed by other processes is measured again, and one that never settles runs
+# torch's kernel in that process only, to be measured again by the next.
 ONEDNN_MIN_ROWS = 4  # fewer rows is a matrix-vector product, where the default kernel is as fast or faster
 ONEDNN_MIN_GAIN = 1.1  # "auto" takes oneDNN only when it measured at least this much faster
+KERNEL_ROWS = 64  # rows of the product measured: a prompt's tokens through one MLP matrix
+KERNEL_ROUNDS = 15  # rounds per measurement, each timing every kernel once (KERNEL_CALLS products)
+KERNEL_CALLS = 3
+KERNEL_ATTEMPTS = 3  # measurements at most before "auto" gives up on settling
+KERNEL_MAX_SPREAD = 0.15  # a kernel's median round over its best round, past which load disturbed the measurement
+_KERNEL_VERDICTS: dict[str, dict] = {}  # every verdict this process measured or read, by key (kernel_verdicts)
 
 
 def onednn_linear(x, weight, bias=None):
@@ -1714,16 +1751,74 @@ def best_seconds(fn: Callable[[], object], reps: int = 3) -> float:
     return best
 
 
-def kernel_seconds(x, weight, reps: int = 3) -> dict[str, float]:
-    """The least seconds of x @ weight.T by torch's default kernel ("torch") and, where torch has it, oneDNN's
-    ("onednn"): what BLINK_CPU_MATMUL chooses between."""
+def _kernels(x, weight) -> dict[str, Callable[[], object]]:
+    """x @ weight.T by torch's default kernel ("torch") and, where torch has it, oneDNN's ("onednn")."""
     import torch
 
-    kernels = {"torch": torch.nn.functional.linear}
+    kernels = {"torch": lambda: torch.nn.functional.linear(x, weight)}
     if torch.backends.mkldnn.is_available():
-        kernels["onednn"] = onednn_linear
+        kernels["onednn"] = lambda: onednn_linear(x, weight)
+    return kernels
+
+
+def kernel_seconds(x, weight, reps: int = 3) -> dict[str, float]:
+    """The least seconds of x @ weight.T by each kernel BLINK_CPU_MATMUL chooses between (see _kernels)."""
+    import torch
+
     with torch.inference_mode():
-        return {name: best_seconds(lambda kernel=kernel: kernel(x, weight), reps) for name, kernel in kernels.items()}
+        return {name: best_seconds(kernel, reps) for name, kernel in _kernels(x, weight).items()}
+
+
+def interleaved_seconds(kernels: dict[str, Callable[[], object]], rounds: int,
+                        calls: int = KERNEL_CALLS) -> dict[str, list[float]]:
+    """Each kernel's seconds for `calls` calls, once per round, the kernels taking turns within every round (their
+    order reversed every other round), after one warm-up call each."""
+    names = list(kernels)
+    for name in names:
+        kernels[name]()
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                kernels[name]()
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
+def settle(samples: dict[str, list[float]]) -> dict:
+    """What one interleaved measurement of torch's kernel against oneDNN's says: the gain of oneDNN by best rounds
+    and by the median of each round's pair, the larger spread (median round over best) of the two, and whether it
+    settled: both spreads within KERNEL_MAX_SPREAD and both gains on the same side of ONEDNN_MIN_GAIN."""
+    import statistics
+
+    torch_s, onednn_s = samples["torch"], samples["onednn"]
+    gain = min(torch_s) / min(onednn_s)
+    paired = statistics.median(t / o for t, o in zip(torch_s, onednn_s))
+    spread = max(statistics.median(v) / min(v) - 1 for v in (torch_s, onednn_s))
+    settled = spread <= KERNEL_MAX_SPREAD and (gain >= ONEDNN_MIN_GAIN) == (paired >= ONEDNN_MIN_GAIN)
+    return {"gain": round(gain, 3), "gain_paired": round(paired, 3), "spread": round(spread, 3), "settled": settled}
+
+
+def measure_kernels(in_features: int, out_features: int) -> dict:
+    """The verdict of "auto" for a float32 linear layer of this shape, measured now: up to KERNEL_ATTEMPTS
+    interleaved measurements of a KERNEL_ROWS-row product, until one settles (settle). "onednn" when a settled one
+    found oneDNN ONEDNN_MIN_GAIN times faster; else "torch" (also when none settled, marked unsettled)."""
+    import torch
+
+    x, weight = torch.randn(KERNEL_ROWS, in_features), torch.randn(out_features, in_features)
+    kernels = _kernels(x, weight)
+    if "onednn" not in kernels:
+        return {"kernel": "torch", "settled": True, "why": "this torch has no oneDNN"}
+    with torch.inference_mode():
+        for attempt in range(1, KERNEL_ATTEMPTS + 1):
+            found = settle(interleaved_seconds(kernels, KERNEL_ROUNDS))
+            if found["settled"]:
+                break
+    faster = found["settled"] and found["gain"] >= ONEDNN_MIN_GAIN
+    return {"kernel": "onednn" if faster else "torch", **found, "attempts": attempt, "rounds": KERNEL_ROUNDS,
+            "rows": KERNEL_ROWS, "shape": [in_features, out_features], "min_gain": ONEDNN_MIN_GAIN,
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def mlp_shape(model) -> tuple[int, int]:
@@ -1733,27 +1828,18 @@ def mlp_shape(model) -> tuple[int, int]:
     return text.hidden_size, getattr(text, "intermediate_size", None) or 4 * text.hidden_size
 
 
-def onednn_measured_faster(in_features: int, out_features: int) -> bool:
-    """Whether oneDNN ran a 64-row product through a float32 linear layer of this shape ONEDNN_MIN_GAIN times
-    faster than torch's default kernel, measured now."""
-    import torch
-
-    seconds = kernel_seconds(torch.randn(64, in_features), torch.randn(out_features, in_features))
-    return seconds["torch"] >= ONEDNN_MIN_GAIN * seconds["onednn"]
-
-
-def _read_verdict(path: str, key: str) -> bool | None:
+def _read_verdict(path: str, key: str) -> dict | None:
     """The verdict kept at `path` for `key`, or None."""
     try:
         with open(path, encoding="utf-8") as fh:
             kept = json.load(fh)
     except (OSError, ValueError):
         return None
-    verdict = kept.get("onednn_faster") if isinstance(kept, dict) and kept.get("key") == key else None
-    return verdict if isinstance(verdict, bool) else None
+    verdict = kept.get("verdict") if isinstance(kept, dict) and kept.get("key") == key else None
+    return verdict if isinstance(verdict, dict) and verdict.get("kernel") in ("onednn", "torch") else None
 
 
-def _keep_verdict(path: str, key: str, measured: bool) -> bool:
+def _keep_verdict(path: str, key: str, measured: dict) -> dict:
     """Keep `measured` at `path` unless a verdict is there already, and return the one kept: written whole, then
     linked in place (a link fails where the file exists), so processes measuring at the same time all take the
     first one's. Where nothing can be written, `measured`."""
@@ -1761,7 +1847,7 @@ def _keep_verdict(path: str, key: str, measured: bool) -> bool:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"key": key, "onednn_faster": measured}, fh)
+            json.dump({"key": key, "verdict": measured}, fh)
         try:
             os.link(tmp, path)
         except FileExistsError:  # another process kept its verdict first
@@ -1770,31 +1856,43 @@ def _keep_verdict(path: str, key: str, measured: bool) -> bool:
             os.unlink(tmp)
     except OSError:
         return measured
-    kept = _read_verdict(path, key)
-    return measured if kept is None else kept
+    return _read_verdict(path, key) or measured
 
 
 @functools.cache
-def onednn_faster(in_features: int, out_features: int, cache_dir: str | None = None) -> bool:
-    """Whether oneDNN runs a float32 linear layer of this shape faster on this CPU (onednn_measured_faster), measured
-    once per machine, torch version, thread count and shape and kept under cache_dir (BLINK_CACHE) when given: every
-    engine of a model on one machine (a server, batch runs, local Ray workers) then runs the same kernels, and so
-    gives the same numbers."""
+def kernel_verdict(in_features: int, out_features: int, cache_dir: str | None = None) -> dict:
+    """Which kernel runs a float32 linear layer of this shape faster on this CPU (measure_kernels), measured once
+    per machine, torch version, thread count and shape and kept under cache_dir (BLINK_CACHE) when given and once
+    it settled: every engine of a model on one machine (a server, batch runs, local Ray workers) then runs the same
+    kernels, and so gives the same numbers. The verdict says whether it was measured now or read ("source")."""
     import torch
 
-    if cache_dir is None:
-        return onednn_measured_faster(in_features, out_features)
-    key = f"{hardware()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {in_features}x{out_features}"
-    path = os.path.join(cache_dir, "cpu-matmul", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
-    kept = _read_verdict(path, key)
-    return kept if kept is not None else _keep_verdict(path, key, onednn_measured_faster(in_features, out_features))
+    key = (f"{hardware()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+           f"{in_features}x{out_features} | interleaved")
+    path = (os.path.join(cache_dir, "cpu-matmul", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+            if cache_dir is not None else None)
+    kept = _read_verdict(path, key) if path else None
+    if kept is not None:
+        verdict = {**kept, "source": "kept"}
+    else:
+        measured = measure_kernels(in_features, out_features)
+        if path and measured["settled"]:
+            measured = _keep_verdict(path, key, measured)
+        verdict = {**measured, "source": "measured"}
+    _KERNEL_VERDICTS[key] = verdict
+    return verdict
 
 
-def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> str:
+def kernel_verdicts() -> dict[str, dict]:
+    """Every BLINK_CPU_MATMUL=auto verdict this process measured or read, by machine, torch, threads and shape."""
+    return dict(_KERNEL_VERDICTS)
+
+
+def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> tuple[str, dict | None]:
     """Run the model's linear layers (but lm_head) by oneDNN where `choice` (BLINK_CPU_MATMUL) says so or, under
-    "auto", where it is faster on a product of the model's MLP shape, hidden size to intermediate size (onednn_faster,
-    its verdict kept under cache_dir); only for a float32 model on a CPU with oneDNN in torch. Returns what runs
-    them: "onednn" or "torch"."""
+    "auto", where it is faster on a product of the model's MLP shape, hidden size to intermediate size
+    (kernel_verdict, kept under cache_dir); only for a float32 model on a CPU with oneDNN in torch. Returns what runs
+    them ("onednn" or "torch") and auto's verdict (None where nothing was measured)."""
     import torch
 
     weight, head = model.get_input_embeddings().weight, model.get_output_embeddings()
@@ -1802,12 +1900,13 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> str:
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
     if (choice == "torch" or not linears or weight.device.type != "cpu" or weight.dtype != torch.float32
             or not torch.backends.mkldnn.is_available()):
-        return "torch"
-    if choice == "auto" and not onednn_faster(*mlp_shape(model), cache_dir):
-        return "torch"
+        return "torch", None
+    verdict = kernel_verdict(*mlp_shape(model), cache_dir) if choice == "auto" else None
+    if verdict is not None and verdict["kernel"] != "onednn":
+        return "torch", verdict
     for layer in linears:
         layer.forward = types.MethodType(_onednn_forward, layer)
-    return "onednn"
+    return "onednn", verdict
 
 
 def verify_labels(tokenizer, user="x", renderer=None) -> tuple[list[str], list[int]]:
@@ -2097,7 +2196,7 @@ class TorchEngine(PromptEngine):
 
             self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
         self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
-        self.matmul = cpu_matmul(self.model, self.settings.cpu_matmul, self.settings.cache_dir)
+        self.matmul, self.matmul_verdict = cpu_matmul(self.model, self.settings.cpu_matmul, self.settings.cache_dir)
         self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)
@@ -2163,10 +2262,13 @@ class TorchEngine(PromptEngine):
 
     @property
     def compute(self) -> dict:
-        """backend "torch", the weights' dtype and device, and what runs the linear layers (cpu_matmul)."""
+        """backend "torch", the weights' dtype and device; on a CPU, what runs the linear layers (cpu_matmul) and
+        the verdict BLINK_CPU_MATMUL=auto measured or read for it (None: not measured)."""
         weight = self.model.get_input_embeddings().weight
-        return {"backend": self.name, "dtype": dtype_name(weight.dtype), "device": weight.device.type,
-                "cpu_matmul": self.matmul}
+        out = {"backend": self.name, "dtype": dtype_name(weight.dtype), "device": weight.device.type}
+        if weight.device.type == "cpu":
+            out.update(cpu_matmul=self.matmul, cpu_matmul_verdict=self.matmul_verdict)
+        return out
 
     def backbone(self):
         """The decoder stack that returns hidden states (the language model of a vision model)."""
@@ -2330,14 +2432,14 @@ def label_logprobs(output, label_ids: list[int]) -> list[float]:
 
 
 def vllm_engine_args(source: str, revision: str | None, settings: Settings) -> dict:
-    """Keyword arguments for vllm.LLM: the served model, raw log-probs, prefix caching, the dtype blink's torch
-    engine would use on a GPU, then BLINK_VLLM_ARGS (which may not set what blink sets)."""
+    """Keyword arguments for vllm.LLM: the served model, raw log-probs, prefix caching, the dtype every backend
+    runs (Settings.compute_dtype), then BLINK_VLLM_ARGS (which may not set what blink sets)."""
     args = settings.vllm_user_args
     clash = sorted(set(args) & set(VLLM_OWN_ARGS))
     if clash:
         raise BlinkError(f"BLINK_VLLM_ARGS may not set {', '.join(clash)}: blink sets the served model and reads "
                          "raw log-probabilities")
-    return {"dtype": settings.dtype or "bfloat16", "enable_prefix_caching": True, **args, "model": source,
+    return {"dtype": settings.compute_dtype, "enable_prefix_caching": True, **args, "model": source,
             "revision": revision, "logprobs_mode": "raw_logprobs"}
 
 
@@ -2927,11 +3029,15 @@ def _one_or_each(per_question: dict):
     return values[0] if all(v == values[0] for v in values) else dict(per_question)
 
 
+META_COMPUTE = ("backend", "dtype", "cpu_matmul")  # what a live answer's meta says of what computed it
+
+
 def answer_meta(engine: Engine, forward: Forward, temps: dict[str, float], sources: dict[str, str],
                 latency_ms: float) -> dict:
     """The meta block every answer carries: which model and engine answered, the temperature (one value when every
-    question used the same, else a {question: value} map) and its source, tokens and time; a fabricated-numbers
-    notice for the mock engine; the recording's hardware and latency for a recorded answer."""
+    question used the same, else a {question: value} map) and its source, tokens and time; for a live model what
+    computed it (META_COMPUTE: backend, dtype, the CPU's kernel); a fabricated-numbers notice for the mock engine;
+    the recording's hardware and latency for a recorded answer."""
     meta = {"model": engine.model_id, "engine": forward.engine, "temperature": _one_or_each(temps),
             "temperature_source": _one_or_each(sources), "input_tokens": forward.input_tokens,
             "generated_tokens": 0, "latency_ms": latency_ms}
@@ -2945,6 +3051,7 @@ def answer_meta(engine: Engine, forward: Forward, temps: dict[str, float], sourc
     else:
         meta.update(model_ms=forward.model_ms, prefill_tokens=forward.prefill_tokens,
                     cached_tokens=forward.cached_tokens, batched_requests=forward.batched_requests)
+        meta.update({k: v for k, v in engine.compute.items() if k in META_COMPUTE})
     return {**meta, **forward.extra}
 
 
