@@ -13,8 +13,9 @@ Arms, each a torch engine at blink's defaults but for what it names:
                    (weights int8, activations quantized per batch)
 
 Each document gets 8 questions of every type (6 choices of 4 options, a yes/no, a 5-level score). Reported per arm:
-the largest label-logit and probability difference from float32 and the questions whose pick differs (the first
-repetition), and its time against float32's: the request runs cold (only the template header kept, as after any
+the largest label-logit and probability difference from float32 and the questions whose pick differs, with
+float32's margin between its top two labels there (from a first, untimed run that warms every arm), and its time
+against float32's (bfloat16_plain untimed): the request runs cold (only the template header kept, as after any
 other request), the arms interleaved and each repetition's order rotated, the least wall and CPU time of the
 repetitions kept. Writes bench/results/drift.json (drift-quick.json with --quick); the last line is a summary.
 """
@@ -43,6 +44,7 @@ import workloads  # noqa: E402
 CONFIGS = {"full": {"standin": [100, 1000, 3800, 7000], "tiny": [100, 1000, 18000], "reps": 3},
            "quick": {"standin": [100, 1000], "tiny": [100, 2000], "reps": 1}}
 REFERENCE = "float32"
+UNTIMED = ("bfloat16_plain",)  # run for its drift only: the plain path over long logs is slow and not a default
 WARM = ("The parcel arrived on time.", {"q": {"type": "noul", "instructions": "Did the parcel arrive?"}})
 
 
@@ -103,10 +105,17 @@ def compare(ref: dict, got: dict) -> dict:
     """The largest label-logit and probability differences of one arm's readouts from the reference's, and the
     questions whose top label differs."""
     p_ref, p_got = probabilities(ref), probabilities(got)
+    differ = sorted(k for k in ref if max(range(len(p_ref[k])), key=p_ref[k].__getitem__)
+                    != max(range(len(p_got[k])), key=p_got[k].__getitem__))
     return {"max_logit_diff": max(abs(a - b) for k in ref for a, b in zip(ref[k].logits[0], got[k].logits[0])),
             "max_prob_diff": max(abs(a - b) for k in ref for a, b in zip(p_ref[k], p_got[k])),
-            "picks_differ": sorted(k for k in ref if max(range(len(p_ref[k])), key=p_ref[k].__getitem__)
-                                   != max(range(len(p_got[k])), key=p_got[k].__getitem__))}
+            "picks_differ": differ, "reference_margins": {k: round(margin(p_ref[k]), 4) for k in differ}}
+
+
+def margin(probs: list[float]) -> float:
+    """How far the top label's probability is ahead of the next one's."""
+    top, second = sorted(probs, reverse=True)[:2]
+    return top - second
 
 
 def cold_run(engine: blink.TorchEngine, request: blink.Request, warm: blink.Request) -> tuple[float, float, dict]:
@@ -129,28 +138,27 @@ def measure(name: str, model: str, targets: list[int], reps: int) -> list[dict]:
         doc = workloads.document(ref.tok, target, seed=7)
         request = blink.parse_request(doc, questions(workloads.ticket_count(doc)), settings=ref.settings)
         prompt = ref.render(request)[0]
-        best: dict[str, list[float]] = {arm: [float("inf"), float("inf")] for arm in arms}
-        first: dict[str, dict] = {}
+        first = {arm: cold_run(engine, request, warm)[2] for arm, engine in arms.items()}  # warms every arm too
+        timed = [arm for arm in arms if arm not in UNTIMED]
+        best: dict[str, list[float]] = {arm: [float("inf"), float("inf")] for arm in timed}
         for rep in range(reps):
-            order = list(arms)[rep % len(arms):] + list(arms)[:rep % len(arms)]
-            for arm in order:
-                wall, cpu, readouts = cold_run(arms[arm], request, warm)
+            for arm in timed[rep % len(timed):] + timed[:rep % len(timed)]:
+                wall, cpu, _ = cold_run(arms[arm], request, warm)
                 best[arm] = [min(best[arm][0], wall), min(best[arm][1], cpu)]
-                first.setdefault(arm, readouts)
         row = {"model": name, "doc_tokens": prompt.cuts[-1] - prompt.cuts[0] if prompt.cuts else len(prompt.ids),
                "questions": len(request.questions), "prompt_tokens": sum(len(p.ids) for p in ref.render(request)),
                "arms": {}}
         for arm in arms:
-            wall, cpu = best[arm]
-            row["arms"][arm] = {"wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
-                                "speedup_wall": round(best[REFERENCE][0] / wall, 3),
-                                "speedup_cpu": round(best[REFERENCE][1] / cpu, 3),
-                                **({} if arm == REFERENCE else compare(first[REFERENCE], first[arm]))}
+            timing = {} if arm in UNTIMED else {
+                "wall_s": round(best[arm][0], 4), "cpu_s": round(best[arm][1], 4),
+                "speedup_wall": round(best[REFERENCE][0] / best[arm][0], 3),
+                "speedup_cpu": round(best[REFERENCE][1] / best[arm][1], 3)}
+            row["arms"][arm] = {**timing, **({} if arm == REFERENCE else compare(first[REFERENCE], first[arm]))}
         row["bfloat16_vs_bfloat16_plain"] = compare(first["bfloat16_plain"], first["bfloat16"])
         rows.append(row)
         print(f"{name:>12} {row['doc_tokens']:>6} tok: " + "; ".join(
-            f"{arm} {v['speedup_cpu']:.2f}x" + (f" {v['max_prob_diff']:.4f} {len(v['picks_differ'])} flips"
-                                                  if arm != REFERENCE else f" {v['cpu_s']:.2f}s")
+            f"{arm}" + (f" {v['speedup_cpu']:.2f}x" if "speedup_cpu" in v else "")
+            + (f" {v['max_prob_diff']:.4f} {len(v['picks_differ'])} flips" if arm != REFERENCE else f" {v['cpu_s']:.2f}s")
             for arm, v in row["arms"].items()), flush=True)
     return rows
 
@@ -161,7 +169,10 @@ def worst(rows: list[dict], arm: str, model: str | None = None) -> dict:
     return {"max_prob_diff": max(r["arms"][arm]["max_prob_diff"] for r in picked),
             "picks_differ": sum(len(r["arms"][arm]["picks_differ"]) for r in picked),
             "asked": sum(r["questions"] for r in picked),
-            "min_speedup_cpu": min(r["arms"][arm]["speedup_cpu"] for r in picked)}
+            "min_speedup_cpu": min((r["arms"][arm]["speedup_cpu"] for r in picked if "speedup_cpu" in r["arms"][arm]),
+                                   default=None),
+            "widest_flipped_margin": max((m for r in picked for m in r["arms"][arm]["reference_margins"].values()),
+                                         default=None)}
 
 
 def summary_line(res: dict, path: str) -> str:
