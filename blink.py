@@ -1,41 +1,22 @@
-"""blink — one-pass typed decisions from a language model.
+"""blink — one-pass typed decisions from a language model: the engine, one file.
 
-A request is a `state` (the evidence) plus a map of typed questions. Every question is rendered on its own with
-the fixed template the model was trained on, all questions run as right-padded prefills packed into batches of at
-most BLINK_TOKEN_BUDGET padded tokens, and the answer is read from the next-token distribution over the offered
-option labels. No tokens are generated. The template header every prompt starts with, and the evidence a request's
-questions share, are encoded once and kept across requests (BLINK_PREFIX_CACHE, BLINK_PREFIX_CACHE_MB): a request
-over evidence seen moments ago runs only its questions' tails.
+A request is a `state` (the evidence) plus a map of typed questions (choice, noul, score). Every question is rendered
+with the fixed template the model was trained on, all questions run as right-padded prefills packed into batches of
+at most BLINK_TOKEN_BUDGET padded tokens, and each answer is read from the next-token distribution over the offered
+option labels; no tokens are generated. The template header and each request's evidence are encoded once and kept
+across requests (BLINK_PREFIX_CACHE, BLINK_PREFIX_CACHE_MB). Every answer carries `label_mass`, the share of the
+whole next-token distribution on the offered labels; `permute`, `multi` and `abstain` are opt-in per question.
 
-Every answer carries `label_mass`, the share of the model's whole next-token distribution that fell on the offered
-labels (a low mass: the model wanted to say something else). Opt-in per question: `permute` (order-robust average
-over rotations of the options), `multi` (independent yes-probability per option), `abstain` (thresholds on label mass
-or confidence). `python blink.py calibrate DATA.jsonl` fits temperatures per question type that decide() then applies.
-
-One request takes one straight path: parse_request() checks it once (the same for every entry: state and questions
-given as JSON text are read by one rule) and turns it into a Request of parsed Questions; an engine's prepare() makes
-it a Job (rendered token ids, decoded images, or a recording entry); the engine's run() returns a Forward per job
-(readouts, tokens, model time, where the numbers came from); answer() assembles the answers and meta from those two.
-A Deployment owns the settings, one engine per served model and the Batcher that packs concurrent requests into shared
-forwards; Deployment.answer_all is the one prepare -> run -> answer loop.
+One request takes one straight path: parse_request() checks it once, the same for every entry, into a Request of
+parsed Questions; an engine's prepare() makes it a Job; run() returns a Forward per job; answer() assembles answers
+and meta. A Deployment owns the settings, one engine per served model (BLINK_ENGINE: torch, replay, hybrid, mock;
+BLINK_BACKEND: torch or vllm) and the Batcher; Deployment.answer_all is the one prepare -> run -> answer loop.
 
 Sections, in order: errors · settings · request schema · rendering · answers · images · engines (the interface,
-mock, replay, torch, vLLM, hybrid) · prefix cache · forward pass · deployment: engine selection, decide() and
-answers · batching · calibration · command line.
-
-This file is the engine; what adapts it to the outside lives beside it in adapters/ and imports blink (never the
-reverse): adapters/wire.py (TypeSafe's System One API and OpenAI's Decisions API, served by app.py),
-adapters/bulk.py (`python blink.py batch IN --out OUT`, optionally on Ray) and adapters/export.py (`python blink.py
-export DIR`: blink's prompt as a transformers decision config).
-
-Engines (BLINK_ENGINE): "torch" runs the model; "replay" serves label logits the real model recorded for the
-bundled examples; "hybrid" serves those recordings for the bundled examples and runs the model for everything
-else; "mock" is a deterministic stand-in with fabricated numbers (BLINK_MOCK=1 also selects it). What runs a live
-model is BLINK_BACKEND: "torch" (transformers in this process) or "vllm" (a vLLM engine reads the label log-probs of
-the prompts blink renders; BLINK_VLLM_ARGS holds its engine arguments).
-
-Images: data URIs inside the state, or a top-level `images` list, go to a vision model (BLINK_VISION for a model with
-its own vision tower, BLINK_VISION_TOWER to graft blink-4b onto its base's tower); text-only models refuse them.
+mock, replay, torch, vLLM, hybrid) · prefix cache · forward pass · deployment · batching · calibration (applied) ·
+command line. What adapts the engine to the outside lives in adapters/ and imports blink, never the reverse: wire.py
+(System One and OpenAI Decisions, served by app.py), bulk.py (`batch`, Ray), export.py (a transformers decision
+config), calibrate.py (fitting) and record.py (writing the presets' recording).
 """
 
 from __future__ import annotations
@@ -211,6 +192,32 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@functools.cache
+def native_bf16() -> bool:
+    """True when this CPU computes bfloat16 natively: AVX512-BF16 or AMX-BF16 (torch's CPU capabilities, else the
+    flags in /proc/cpuinfo)."""
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        capabilities = getattr(torch.cpu, "get_capabilities", None)
+        if capabilities is not None:
+            found = capabilities()
+            return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype(gpu: bool, cpu_bf16: bool) -> str:
+    """The one dtype rule, for every backend: bfloat16 on a GPU and on a CPU that computes it natively (AVX512-BF16
+    or AMX), where `python bench/drift.py` measured it faster than float32 with no pick changed; float32 on any
+    other CPU, where bfloat16 is emulated. BLINK_DTYPE overrides it (float32: the exact path)."""
+    return "bfloat16" if gpu or cpu_bf16 else "float32"
+
+
 def _zero_gpu(env: Mapping[str, str]) -> bool:
     """True on a ZeroGPU Space, where a device is attached per call."""
     try:
@@ -268,7 +275,7 @@ class Settings:
     backend: str = setting("BLINK_BACKEND", "torch", choices=BACKENDS)  # what runs the live model
     vllm_args: str = setting("BLINK_VLLM_ARGS", "{}", json_object=True)  # vLLM engine arguments, a JSON object
     temperature: float = setting("BLINK_TEMPERATURE", 1.0, 0.0, 1e6, above=True)  # the release temperature, not fitted
-    dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: bfloat16 on a GPU, float32 on a CPU
+    dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: by hardware (default_dtype)
     token_budget: int | None = setting("BLINK_TOKEN_BUDGET", None, 1, kind=int)  # padded tokens per forward
     max_input_tokens: int = setting("BLINK_MAX_INPUT_TOKENS", 131072, 1)  # per question, as evaluated
     max_request_tokens: int = setting("BLINK_MAX_REQUEST_TOKENS", 1048576, 1)  # all of a request's prompts
@@ -283,6 +290,7 @@ class Settings:
     prefix_kv_tokens: int | None = setting("BLINK_PREFIX_KV_TOKENS", None, 1, kind=int)  # prefix copies x length
     # held at once: bounds how many tails run against one prefix per forward
     prefix_cache_mb: int | None = setting("BLINK_PREFIX_CACHE_MB", None, 0, kind=int)  # prefixes kept across requests
+    release_memory: bool = setting("BLINK_RELEASE_MEMORY", True)  # freed pages back to the OS after each forward call
     readout: str = setting("BLINK_READOUT", "rows", choices=READOUTS)  # per-question GEMVs, or one matmul
     cpu_matmul: str = setting("BLINK_CPU_MATMUL", "auto", choices=CPU_MATMULS)  # auto: the faster one, measured
     gpu_duration: int = setting("BLINK_GPU_DURATION", 60, 1)  # the most seconds one ZeroGPU call reserves
@@ -309,6 +317,7 @@ class Settings:
     max_body_bytes: int = setting("BLINK_MAX_BODY_BYTES", 64 * 1024 * 1024, 1024)  # on the wire and decompressed
     # hardware, found rather than set
     gpu: bool = False  # a CUDA device, or ZeroGPU attaching one per call
+    cpu_bf16: bool = False  # the CPU computes bfloat16 natively (native_bf16)
     zero_gpu: bool = False
     on_space: bool = False  # SPACE_ID is set
     # (field, value) of each field that took its hardware default, so other hardware can take its own (on_hardware)
@@ -323,16 +332,17 @@ class Settings:
             object.__setattr__(self, name, value)
         object.__setattr__(self, "derived", self.derived + taken)
 
-    def on_hardware(self, gpu: bool, zero_gpu: bool = False) -> Settings:
+    def on_hardware(self, gpu: bool, zero_gpu: bool = False, cpu_bf16: bool | None = None) -> Settings:
         """These settings on other hardware (a Ray worker's): each field that took a hardware default, and still
-        holds it, takes that hardware's default instead; what was set stays."""
+        holds it, takes that hardware's default instead; what was set stays. `cpu_bf16` None: this CPU's."""
         unset = {name: None for name, value in self.derived if getattr(self, name) == value}
-        return replace(self, gpu=gpu, zero_gpu=zero_gpu, derived=(), **unset)
+        return replace(self, gpu=gpu, zero_gpu=zero_gpu, cpu_bf16=native_bf16() if cpu_bf16 is None else cpu_bf16,
+                       derived=(), **unset)
 
     @property
     def compute_dtype(self) -> str:
-        """The weights' dtype: BLINK_DTYPE if set; bfloat16 on a GPU, float32 on a CPU."""
-        return self.dtype or ("bfloat16" if self.gpu else "float32")
+        """The weights' dtype on every backend: BLINK_DTYPE if set, else default_dtype for this hardware."""
+        return self.dtype or default_dtype(self.gpu, self.cpu_bf16)
 
     def derived_defaults(self) -> dict:
         """The defaults that depend on the hardware and dtype (each measured by a bench/ command, see README):
@@ -393,7 +403,7 @@ class Settings:
             ((single, env_word(env, "BLINK_REVISION", None)),) if single else ())
         zero_gpu = _zero_gpu(env)
         return cls(**values, gpu=zero_gpu or cuda_available() if gpu is None else gpu, zero_gpu=zero_gpu,
-                   on_space=bool(env.get("SPACE_ID")))
+                   cpu_bf16=native_bf16(), on_space=bool(env.get("SPACE_ID")))
 
 
 _ENV_SETTINGS: list[Settings] = []  # the process's settings, read from the environment on first use
@@ -1371,6 +1381,11 @@ class Engine:
         self.settings = settings
         self.image_limits = settings.image_limits
 
+    @property
+    def compute(self) -> dict:
+        """What computes a live engine's numbers (backend, dtype, kernels); empty for an engine that runs no model."""
+        return {}
+
     def images(self, request: Request) -> ImageSubmission | None:
         """The request's located images under this engine's limits (nothing decoded), or None; refused at the first
         image's location when the model reads text only."""
@@ -1525,12 +1540,6 @@ def read_json_file(path: str, what: str):
         raise BlinkError(f"{what} {path} cannot be read: {exc}") from None
 
 
-def recording_entry(readouts: dict[str, Readout]) -> dict:
-    """The "logits" and "lse" of a recording entry; a one-prompt question keeps the original flat layout."""
-    return {"logits": {qkey: r.logits[0] if len(r.logits) == 1 else r.logits for qkey, r in readouts.items()},
-            "lse": {qkey: r.lse for qkey, r in readouts.items()}}
-
-
 @dataclass(frozen=True)
 class Recording:
     """A recording file `python blink.py record` wrote: which model made it, on what hardware and when, and the
@@ -1666,6 +1675,11 @@ def model_source(model_id: str, cache_dir: str) -> str:
     return standin_folder(cache_dir) if model_id == STANDIN_MODEL else model_id
 
 
+def dtype_name(dtype) -> str:
+    """A torch dtype (or a dtype's name) as the word BLINK_DTYPE takes: "bfloat16", "float32"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def torch_dtype(settings: Settings):
     """The torch dtype of Settings.compute_dtype."""
     import torch
@@ -1685,11 +1699,20 @@ def load_pretrained(auto_class, source: str, revision: str | None, settings: Set
 
 
 # Linear layers of a float32 model on a CPU. torch's default float32 product (MKL) chooses its code by CPU vendor;
-# oneDNN, which torch also ships, chooses by instruction set, and on an AVX-512 AMD CPU ran a prefill's products about
-# twice as fast (bench/overhead.py). Which one is faster elsewhere is measured at the
-# first load on a machine, and that verdict kept for every later one (onednn_faster).
+# oneDNN, which torch also ships, chooses by instruction set, and on an AVX-512 AMD CPU ran a prefill's products
+# faster (bench/overhead.py). Which one is faster on a machine is measured at the first load there (kernel_verdict):
+# the two kernels take turns round by round, so both meet the same load, and a measurement is kept only once it
+# settled (each kernel's typical round within KERNEL_MAX_SPREAD of its best, and its best and its typical rounds
+# agreeing on the verdict); one disturbed by other processes is measured again, and one that never settles runs
+# torch's kernel in that process only, to be measured again by the next.
 ONEDNN_MIN_ROWS = 4  # fewer rows is a matrix-vector product, where the default kernel is as fast or faster
 ONEDNN_MIN_GAIN = 1.1  # "auto" takes oneDNN only when it measured at least this much faster
+KERNEL_ROWS = 64  # rows of the product measured: a prompt's tokens through one MLP matrix
+KERNEL_ROUNDS = 15  # rounds per measurement, each timing every kernel once (KERNEL_CALLS products)
+KERNEL_CALLS = 3
+KERNEL_ATTEMPTS = 3  # measurements at most before "auto" gives up on settling
+KERNEL_MAX_SPREAD = 0.15  # a kernel's median round over its best round, past which load disturbed the measurement
+_KERNEL_VERDICTS: dict[str, dict] = {}  # every verdict this process measured or read, by key (kernel_verdicts)
 
 
 def onednn_linear(x, weight, bias=None):
@@ -1708,27 +1731,66 @@ def _onednn_forward(self, x):
     return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
-def best_seconds(fn: Callable[[], object], reps: int = 3) -> float:
-    """The least wall time of `reps` calls after one warm-up call, in seconds."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def kernel_seconds(x, weight, reps: int = 3) -> dict[str, float]:
-    """The least seconds of x @ weight.T by torch's default kernel ("torch") and, where torch has it, oneDNN's
-    ("onednn"): what BLINK_CPU_MATMUL chooses between."""
+def linear_kernels(x, weight) -> dict[str, Callable[[], object]]:
+    """x @ weight.T by torch's default kernel ("torch") and, where torch has it, oneDNN's ("onednn")."""
     import torch
 
-    kernels = {"torch": torch.nn.functional.linear}
+    kernels = {"torch": lambda: torch.nn.functional.linear(x, weight)}
     if torch.backends.mkldnn.is_available():
-        kernels["onednn"] = onednn_linear
+        kernels["onednn"] = lambda: onednn_linear(x, weight)
+    return kernels
+
+
+def interleaved_seconds(kernels: dict[str, Callable[[], object]], rounds: int,
+                        calls: int = KERNEL_CALLS) -> dict[str, list[float]]:
+    """Each kernel's seconds for `calls` calls, once per round, the kernels taking turns within every round (their
+    order reversed every other round), after one warm-up call each."""
+    names = list(kernels)
+    for name in names:
+        kernels[name]()
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                kernels[name]()
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
+def settle(samples: dict[str, list[float]]) -> dict:
+    """What one interleaved measurement of torch's kernel against oneDNN's says: the gain of oneDNN by best rounds
+    and by the median of each round's pair, the larger spread (median round over best) of the two, and whether it
+    settled: both spreads within KERNEL_MAX_SPREAD and both gains on the same side of ONEDNN_MIN_GAIN."""
+    import statistics
+
+    torch_s, onednn_s = samples["torch"], samples["onednn"]
+    gain = min(torch_s) / min(onednn_s)
+    paired = statistics.median(t / o for t, o in zip(torch_s, onednn_s))
+    spread = max(statistics.median(v) / min(v) - 1 for v in (torch_s, onednn_s))
+    settled = spread <= KERNEL_MAX_SPREAD and (gain >= ONEDNN_MIN_GAIN) == (paired >= ONEDNN_MIN_GAIN)
+    return {"gain": round(gain, 3), "gain_paired": round(paired, 3), "spread": round(spread, 3), "settled": settled}
+
+
+def measure_kernels(in_features: int, out_features: int) -> dict:
+    """The verdict of "auto" for a float32 linear layer of this shape, measured now: up to KERNEL_ATTEMPTS
+    interleaved measurements of a KERNEL_ROWS-row product, until one settles (settle). "onednn" when a settled one
+    found oneDNN ONEDNN_MIN_GAIN times faster; else "torch" (also when none settled, marked unsettled)."""
+    import torch
+
+    x, weight = torch.randn(KERNEL_ROWS, in_features), torch.randn(out_features, in_features)
+    kernels = linear_kernels(x, weight)
+    if "onednn" not in kernels:
+        return {"kernel": "torch", "settled": True, "why": "this torch has no oneDNN"}
     with torch.inference_mode():
-        return {name: best_seconds(lambda kernel=kernel: kernel(x, weight), reps) for name, kernel in kernels.items()}
+        for attempt in range(1, KERNEL_ATTEMPTS + 1):
+            found = settle(interleaved_seconds(kernels, KERNEL_ROUNDS))
+            if found["settled"]:
+                break
+    faster = found["settled"] and found["gain"] >= ONEDNN_MIN_GAIN
+    return {"kernel": "onednn" if faster else "torch", **found, "attempts": attempt, "rounds": KERNEL_ROUNDS,
+            "rows": KERNEL_ROWS, "shape": [in_features, out_features], "min_gain": ONEDNN_MIN_GAIN,
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def mlp_shape(model) -> tuple[int, int]:
@@ -1738,27 +1800,18 @@ def mlp_shape(model) -> tuple[int, int]:
     return text.hidden_size, getattr(text, "intermediate_size", None) or 4 * text.hidden_size
 
 
-def onednn_measured_faster(in_features: int, out_features: int) -> bool:
-    """Whether oneDNN ran a 64-row product through a float32 linear layer of this shape ONEDNN_MIN_GAIN times
-    faster than torch's default kernel, measured now."""
-    import torch
-
-    seconds = kernel_seconds(torch.randn(64, in_features), torch.randn(out_features, in_features))
-    return seconds["torch"] >= ONEDNN_MIN_GAIN * seconds["onednn"]
-
-
-def _read_verdict(path: str, key: str) -> bool | None:
+def _read_verdict(path: str, key: str) -> dict | None:
     """The verdict kept at `path` for `key`, or None."""
     try:
         with open(path, encoding="utf-8") as fh:
             kept = json.load(fh)
     except (OSError, ValueError):
         return None
-    verdict = kept.get("onednn_faster") if isinstance(kept, dict) and kept.get("key") == key else None
-    return verdict if isinstance(verdict, bool) else None
+    verdict = kept.get("verdict") if isinstance(kept, dict) and kept.get("key") == key else None
+    return verdict if isinstance(verdict, dict) and verdict.get("kernel") in ("onednn", "torch") else None
 
 
-def _keep_verdict(path: str, key: str, measured: bool) -> bool:
+def _keep_verdict(path: str, key: str, measured: dict) -> dict:
     """Keep `measured` at `path` unless a verdict is there already, and return the one kept: written whole, then
     linked in place (a link fails where the file exists), so processes measuring at the same time all take the
     first one's. Where nothing can be written, `measured`."""
@@ -1766,7 +1819,7 @@ def _keep_verdict(path: str, key: str, measured: bool) -> bool:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({"key": key, "onednn_faster": measured}, fh)
+            json.dump({"key": key, "verdict": measured}, fh)
         try:
             os.link(tmp, path)
         except FileExistsError:  # another process kept its verdict first
@@ -1775,31 +1828,43 @@ def _keep_verdict(path: str, key: str, measured: bool) -> bool:
             os.unlink(tmp)
     except OSError:
         return measured
-    kept = _read_verdict(path, key)
-    return measured if kept is None else kept
+    return _read_verdict(path, key) or measured
 
 
 @functools.cache
-def onednn_faster(in_features: int, out_features: int, cache_dir: str | None = None) -> bool:
-    """Whether oneDNN runs a float32 linear layer of this shape faster on this CPU (onednn_measured_faster), measured
-    once per machine, torch version, thread count and shape and kept under cache_dir (BLINK_CACHE) when given: every
-    engine of a model on one machine (a server, batch runs, local Ray workers) then runs the same kernels, and so
-    gives the same numbers."""
+def kernel_verdict(in_features: int, out_features: int, cache_dir: str | None = None) -> dict:
+    """Which kernel runs a float32 linear layer of this shape faster on this CPU (measure_kernels), measured once
+    per machine, torch version, thread count and shape and kept under cache_dir (BLINK_CACHE) when given and once
+    it settled: every engine of a model on one machine (a server, batch runs, local Ray workers) then runs the same
+    kernels, and so gives the same numbers. The verdict says whether it was measured now or read ("source")."""
     import torch
 
-    if cache_dir is None:
-        return onednn_measured_faster(in_features, out_features)
-    key = f"{hardware()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {in_features}x{out_features}"
-    path = os.path.join(cache_dir, "cpu-matmul", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
-    kept = _read_verdict(path, key)
-    return kept if kept is not None else _keep_verdict(path, key, onednn_measured_faster(in_features, out_features))
+    key = (f"{hardware()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+           f"{in_features}x{out_features} | interleaved")
+    path = (os.path.join(cache_dir, "cpu-matmul", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+            if cache_dir is not None else None)
+    kept = _read_verdict(path, key) if path else None
+    if kept is not None:
+        verdict = {**kept, "source": "kept"}
+    else:
+        measured = measure_kernels(in_features, out_features)
+        if path and measured["settled"]:
+            measured = _keep_verdict(path, key, measured)
+        verdict = {**measured, "source": "measured"}
+    _KERNEL_VERDICTS[key] = verdict
+    return verdict
 
 
-def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> str:
+def kernel_verdicts() -> dict[str, dict]:
+    """Every BLINK_CPU_MATMUL=auto verdict this process measured or read, by machine, torch, threads and shape."""
+    return dict(_KERNEL_VERDICTS)
+
+
+def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> tuple[str, dict | None]:
     """Run the model's linear layers (but lm_head) by oneDNN where `choice` (BLINK_CPU_MATMUL) says so or, under
-    "auto", where it is faster on a product of the model's MLP shape, hidden size to intermediate size (onednn_faster,
-    its verdict kept under cache_dir); only for a float32 model on a CPU with oneDNN in torch. Returns what runs
-    them: "onednn" or "torch"."""
+    "auto", where it is faster on a product of the model's MLP shape, hidden size to intermediate size
+    (kernel_verdict, kept under cache_dir); only for a float32 model on a CPU with oneDNN in torch. Returns what runs
+    them ("onednn" or "torch") and auto's verdict (None where nothing was measured)."""
     import torch
 
     weight, head = model.get_input_embeddings().weight, model.get_output_embeddings()
@@ -1807,12 +1872,13 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> str:
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
     if (choice == "torch" or not linears or weight.device.type != "cpu" or weight.dtype != torch.float32
             or not torch.backends.mkldnn.is_available()):
-        return "torch"
-    if choice == "auto" and not onednn_faster(*mlp_shape(model), cache_dir):
-        return "torch"
+        return "torch", None
+    verdict = kernel_verdict(*mlp_shape(model), cache_dir) if choice == "auto" else None
+    if verdict is not None and verdict["kernel"] != "onednn":
+        return "torch", verdict
     for layer in linears:
         layer.forward = types.MethodType(_onednn_forward, layer)
-    return "onednn"
+    return "onednn", verdict
 
 
 def verify_labels(tokenizer, user="x", renderer=None) -> tuple[list[str], list[int]]:
@@ -1836,12 +1902,6 @@ def verify_labels(tokenizer, user="x", renderer=None) -> tuple[list[str], list[i
 
 
 IMAGE_PAD = "<|image_pad|>"
-VISION_TOKENS = (("<|image_pad|>", "image_token_id"), ("<|vision_start|>", "vision_start_token_id"),
-                 ("<|vision_end|>", "vision_end_token_id"))
-GRAFT_CONFIG_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                       "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "layer_types")
-
-
 def vision_source(model_name: str, spec: str) -> tuple[str, str]:
     """Only graft a text checkpoint with its own base model's vision tower: that base's (source, revision)."""
     expected = VISION_BASES.get(model_name)
@@ -1857,26 +1917,6 @@ def vision_source(model_name: str, spec: str) -> tuple[str, str]:
     return source, revision
 
 
-def check_graft_config(text_config, base_config) -> None:
-    """Refuse a vision base whose language model is not the text checkpoint's architecture."""
-    base_text = getattr(base_config, "text_config", None)
-    for name in GRAFT_CONFIG_FIELDS:
-        value = getattr(text_config, name, None)
-        if value is None or value != getattr(base_text, name, None):
-            raise BlinkError(f"incompatible vision tower: text {name} differs from the checkpoint")
-    if getattr(base_config.vision_config, "out_hidden_size", None) != text_config.hidden_size:
-        raise BlinkError("incompatible vision tower: visual output does not match text hidden size")
-
-
-def check_vision_tokens(config, vocab_size: int, tokenizers: list) -> None:
-    """The vision model's special-token ids are in the vocabulary and every tokenizer maps its tokens to them."""
-    for token, name in VISION_TOKENS:
-        expected = getattr(config, name, None)
-        if (not isinstance(expected, int) or not 0 <= expected < vocab_size
-                or any(tok.convert_tokens_to_ids(token) != expected for tok in tokenizers)):
-            raise BlinkError(f"incompatible vision tower: {name} differs from the text tokenizer")
-
-
 def load_image_processing(source: str, revision: str | None) -> tuple:
     """(chat renderer, tokenizer, image processor) of a vision model. AutoProcessor needs torchvision; without it
     the model's tokenizer and AutoImageProcessor (the PIL class) serve. blink expands the image pads itself."""
@@ -1890,32 +1930,6 @@ def load_image_processing(source: str, revision: str | None) -> tuple:
         return processor, processor.tokenizer, processor.image_processor
     tok = AutoTokenizer.from_pretrained(source, revision=revision)
     return tok, tok, AutoImageProcessor.from_pretrained(source, revision=revision)
-
-
-def graft_text_weights(vision_model, text_model) -> int:
-    """Copy every text-checkpoint weight onto its name in the vision model (graft_keys.text_to_parent), refusing an
-    unknown, unplaceable, duplicated or mis-shaped weight and a language weight left unfilled. Returns the count."""
-    from graft_keys import text_to_parent
-
-    target = vision_model.state_dict()
-    copied = {}
-    for name, value in text_model.state_dict().items():
-        try:
-            dest = text_to_parent(name)
-        except ValueError as exc:
-            raise BlinkError(f"incompatible text checkpoint: {exc}") from None
-        if dest not in target or dest in copied:
-            raise BlinkError(f"text weight {name!r} cannot be grafted onto the vision model")
-        if target[dest].shape != value.shape:
-            raise BlinkError(f"text weight {name!r} has shape {tuple(value.shape)}, the vision model's {dest!r} "
-                             f"has {tuple(target[dest].shape)}")
-        copied[dest] = value
-    missing, unexpected = vision_model.load_state_dict(copied, strict=False)
-    unfilled = [name for name in missing if name.startswith("model.language_model.") or name == "lm_head.weight"]
-    if unexpected or unfilled:
-        raise BlinkError(f"incomplete text graft: {len(unfilled)} missing language weights, "
-                         f"{len(unexpected)} unexpected weights")
-    return len(copied)
 
 
 # Live engines by id. The GPU function looks its engine up here instead of receiving it as an argument: on ZeroGPU
@@ -2103,7 +2117,7 @@ class TorchEngine(PromptEngine):
 
             self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
         self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
-        self.matmul = cpu_matmul(self.model, self.settings.cpu_matmul, self.settings.cache_dir)
+        self.matmul, self.matmul_verdict = cpu_matmul(self.model, self.settings.cpu_matmul, self.settings.cache_dir)
         self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)
@@ -2113,8 +2127,11 @@ class TorchEngine(PromptEngine):
 
     def _load_vision(self, tower: str | None, model_name: str, layout: str | None, limits: ImageLimits) -> None:
         """Load a vision-language model: the model itself (native) or its base with this text checkpoint grafted
-        in. Every config field, special-token id and label token is checked before any weight is loaded."""
+        in. Every config field, special-token id and label token is checked before any weight is loaded (the graft's
+        checks and copy live in graft_keys.py, beside this file)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+        import graft_keys
 
         source, revision = self.source, self.revision
         name = model_name.rstrip("/").split("/")[-1]
@@ -2134,9 +2151,12 @@ class TorchEngine(PromptEngine):
         self.renderer, self.vision_tok, self.image_processor = load_image_processing(base, base_rev)
         text_config = (AutoConfig.from_pretrained(source, revision=revision) if tower
                        else getattr(config, "text_config", config))
-        if tower:
-            check_graft_config(text_config, config)
-        check_vision_tokens(config, text_config.vocab_size, [self.tok, self.vision_tok])
+        try:
+            if tower:
+                graft_keys.check_graft_config(text_config, config)
+            graft_keys.check_vision_tokens(config, text_config.vocab_size, [self.tok, self.vision_tok])
+        except ValueError as exc:
+            raise BlinkError(str(exc)) from None
         self._verify_image_labels()
         self.image_token_id = config.image_token_id
         self.image_limits = self._processor_limits(limits)
@@ -2144,7 +2164,10 @@ class TorchEngine(PromptEngine):
         if tower:
             text_model = AutoModelForCausalLM.from_pretrained(source, revision=revision, device_map="cpu",
                                                               dtype=self.model.dtype)
-            graft_text_weights(self.model, text_model)
+            try:
+                graft_keys.graft_text_weights(self.model, text_model)
+            except ValueError as exc:
+                raise BlinkError(str(exc)) from None
             del text_model
 
     def _verify_image_labels(self) -> None:
@@ -2166,6 +2189,16 @@ class TorchEngine(PromptEngine):
         if fitted.max_pixels < fitted.min_pixels:
             raise BlinkError(f"BLINK_MAX_IMAGE_PIXELS must be at least {fitted.min_pixels}")
         return fitted
+
+    @property
+    def compute(self) -> dict:
+        """backend "torch", the weights' dtype and device; on a CPU, what runs the linear layers (cpu_matmul) and
+        the verdict BLINK_CPU_MATMUL=auto measured or read for it (None: not measured)."""
+        weight = self.model.get_input_embeddings().weight
+        out = {"backend": self.name, "dtype": dtype_name(weight.dtype), "device": weight.device.type}
+        if weight.device.type == "cpu":
+            out.update(cpu_matmul=self.matmul, cpu_matmul_verdict=self.matmul_verdict)
+        return out
 
     def backbone(self):
         """The decoder stack that returns hidden states (the language model of a vision model)."""
@@ -2263,6 +2296,8 @@ class TorchEngine(PromptEngine):
         for i, job in enumerate(jobs):
             if isinstance(job.work, ImageWork):
                 out[i] = _attempt(lambda j: [self._run_image(j[0])], [job])
+        if self.settings.release_memory:
+            release_freed_memory()
         return out
 
 
@@ -2327,14 +2362,14 @@ def label_logprobs(output, label_ids: list[int]) -> list[float]:
 
 
 def vllm_engine_args(source: str, revision: str | None, settings: Settings) -> dict:
-    """Keyword arguments for vllm.LLM: the served model, raw log-probs, prefix caching, the dtype blink's torch
-    engine would use on a GPU, then BLINK_VLLM_ARGS (which may not set what blink sets)."""
+    """Keyword arguments for vllm.LLM: the served model, raw log-probs, prefix caching, the dtype every backend
+    runs (Settings.compute_dtype), then BLINK_VLLM_ARGS (which may not set what blink sets)."""
     args = settings.vllm_user_args
     clash = sorted(set(args) & set(VLLM_OWN_ARGS))
     if clash:
         raise BlinkError(f"BLINK_VLLM_ARGS may not set {', '.join(clash)}: blink sets the served model and reads "
                          "raw log-probabilities")
-    return {"dtype": settings.dtype or "bfloat16", "enable_prefix_caching": True, **args, "model": source,
+    return {"dtype": settings.compute_dtype, "enable_prefix_caching": True, **args, "model": source,
             "revision": revision, "logprobs_mode": "raw_logprobs"}
 
 
@@ -2364,6 +2399,11 @@ class VllmEngine(PromptEngine):
         # vLLM refuses a prompt that leaves no room for the one token it samples
         self.max_input_tokens = min(self.max_input_tokens, config.max_model_len - 1)
         self._generate_lock = threading.Lock()  # vllm.LLM serves one generate call at a time
+
+    @property
+    def compute(self) -> dict:
+        """backend "vllm" and the dtype its engine runs."""
+        return {"backend": self.name, "dtype": dtype_name(self.llm.model_config.dtype)}
 
     def read(self, prompts: list[Prompt]) -> tuple[list[tuple[list[float], float]], Prefill]:
         """Every prompt's (label log-probs, 0.0) from one generate call, and what the call did: its time (the wait
@@ -2413,6 +2453,11 @@ class HybridEngine(Engine):
         self.recording = replay.recording if replay is not None else None
         self.reads_images = live.reads_images
         self.image_limits = live.image_limits
+
+    @property
+    def compute(self) -> dict:
+        """The live model's."""
+        return self.live.compute
 
     def prepare(self, request: Request) -> Job:
         """The recording's job when asked for (prefer="saved") and present, else the live model's."""
@@ -2627,20 +2672,40 @@ def _prefix_groups(seqs: list[list[int]], cuts: list[tuple[int, ...]], settings:
     return out + ([(sorted(plain), 0)] if plain else [])
 
 
-def _copy_cache(cache, repeats: int = 1):
-    """A copy of a batch-1 cache, repeated `repeats` times along the batch axis: every per-sequence tensor of every
-    layer (full-attention keys/values, linear-attention conv and recurrent states) is a new tensor and every dict of
-    flags a new dict, since the forward writes into both; the library's batch_repeat_interleave covers only
-    keys/values. A shallow copy of the rest: a deep copy of 30 layers' structure costs more than a short tail."""
+def _copy_cache(cache, repeats: int = 1, keep: bool = True):
+    """A batch-1 cache made ready for a forward of `repeats` rows that must leave it as it is. Full-attention layers
+    (the library's DynamicLayer.update, which joins new keys to the held ones into a new tensor and never writes
+    into the held one) share the prefix's keys and values as a view repeated along the batch axis, copying nothing;
+    with keep=False (tails that are read once) they do not hold the joined keys either, so a forward holds one
+    layer's joined keys at a time instead of every layer's copy of the prefix per row. Every other per-sequence
+    tensor (Qwen3.5's linear-attention conv and recurrent states, which the forward writes into) is a new tensor
+    and every dict of flags a new dict. A shallow copy of the rest: a deep copy of 30 layers' structure costs more
+    than a short tail."""
     copied = copy.copy(cache)
-    copied.layers = [_copy_layer(layer, repeats) for layer in cache.layers]
+    copied.layers = [_copy_layer(layer, repeats, keep) for layer in cache.layers]
     return copied
 
 
-def _copy_layer(layer, repeats: int):
-    """One cache layer copied: tensors of two or more dimensions (batch first) repeated, other tensors cloned, dicts
-    and lists of them rebuilt."""
+def _joins_keys(layer) -> bool:
+    """Whether the layer's update joins new keys and values to its held ones without writing into them."""
+    from transformers.cache_utils import DynamicLayer
+
+    return getattr(type(layer), "update", None) is DynamicLayer.update
+
+
+def _joined(self, key_states, value_states, *args, **kwargs):
+    """DynamicLayer.update that keeps nothing: the held prefix joined with the new keys and values, returned."""
     import torch
+
+    return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def _copy_layer(layer, repeats: int, keep: bool = True):
+    """One cache layer copied (see _copy_cache): a joining layer's keys and values repeated as views; other tensors
+    of two or more dimensions (batch first) repeated, other tensors cloned, dicts and lists of them rebuilt."""
+    import torch
+
+    shares = _joins_keys(layer)
 
     def fresh(x):
         if not torch.is_tensor(x):
@@ -2649,12 +2714,16 @@ def _copy_layer(layer, repeats: int):
 
     copied = copy.copy(layer)
     for name, value in vars(layer).items():
-        if isinstance(value, dict):
+        if shares and name in ("keys", "values") and torch.is_tensor(value) and value.dim() >= 2:
+            setattr(copied, name, value.expand(repeats, *value.shape[1:]))
+        elif isinstance(value, dict):
             setattr(copied, name, {k: fresh(v) for k, v in value.items()})
         elif isinstance(value, list):
             setattr(copied, name, [fresh(v) for v in value])
         else:
             setattr(copied, name, fresh(value))
+    if shares and not keep:
+        copied.update = types.MethodType(_joined, copied)
     return copied
 
 
@@ -2670,8 +2739,11 @@ def _state_tensors(layer) -> list:
 
 
 def cache_bytes(cache) -> int:
-    """Memory a batch-1 cache holds."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in _state_tensors(layer))
+    """Memory a cache holds: the bytes of each distinct storage under its tensors (a view keeps its whole base
+    alive, so a state sliced out of a longer tensor counts as that tensor)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for layer in cache.layers for t in _state_tensors(layer)}
+    return sum(storages.values())
 
 
 def _last_hidden(h, lengths: list[int]):
@@ -2713,6 +2785,30 @@ def _vocab_lse(head, hs) -> list[float]:
     return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1).tolist()
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS, Windows)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Hand the pages freed since the last call back to the OS; True where the C library can (glibc). glibc keeps
+    freed memory in its heaps for reuse (one heap per thread that allocated), and a forward frees hundreds of MB
+    of prefix copies and activations of ever different sizes, so a stream of long prompts left a process holding
+    several times its prefix cache in pages it no longer used (bench/memory.py)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
 def _padded(seqs: list[list[int]], rows: list[int], pad_id: int):
     """Right-padded id matrix of the given rows."""
     import torch
@@ -2736,7 +2832,8 @@ def _run_batches(engine: TorchEngine, seqs: list[list[int]], cands: list[list[in
         if cache is None:
             h = backbone(input_ids=ids, use_cache=False).last_hidden_state
         else:
-            h = backbone(input_ids=ids, cache=_copy_cache(cache, len(b)), use_cache=True).last_hidden_state
+            past = _copy_cache(cache, len(b), keep=False)
+            h = backbone(input_ids=ids, cache=past, use_cache=True).last_hidden_state
         hs = _last_hidden(h, [len(seqs[i]) for i in b])
         rows = read(head, hs, [cands[i] for i in b])
         for i, row, lse in zip(b, rows, _vocab_lse(head, hs)):
@@ -2868,11 +2965,15 @@ def _one_or_each(per_question: dict):
     return values[0] if all(v == values[0] for v in values) else dict(per_question)
 
 
+META_COMPUTE = ("backend", "dtype", "cpu_matmul")  # what a live answer's meta says of what computed it
+
+
 def answer_meta(engine: Engine, forward: Forward, temps: dict[str, float], sources: dict[str, str],
                 latency_ms: float) -> dict:
     """The meta block every answer carries: which model and engine answered, the temperature (one value when every
-    question used the same, else a {question: value} map) and its source, tokens and time; a fabricated-numbers
-    notice for the mock engine; the recording's hardware and latency for a recorded answer."""
+    question used the same, else a {question: value} map) and its source, tokens and time; for a live model what
+    computed it (META_COMPUTE: backend, dtype, the CPU's kernel); a fabricated-numbers notice for the mock engine;
+    the recording's hardware and latency for a recorded answer."""
     meta = {"model": engine.model_id, "engine": forward.engine, "temperature": _one_or_each(temps),
             "temperature_source": _one_or_each(sources), "input_tokens": forward.input_tokens,
             "generated_tokens": 0, "latency_ms": latency_ms}
@@ -2886,6 +2987,7 @@ def answer_meta(engine: Engine, forward: Forward, temps: dict[str, float], sourc
     else:
         meta.update(model_ms=forward.model_ms, prefill_tokens=forward.prefill_tokens,
                     cached_tokens=forward.cached_tokens, batched_requests=forward.batched_requests)
+        meta.update({k: v for k, v in engine.compute.items() if k in META_COMPUTE})
     return {**meta, **forward.extra}
 
 
@@ -3350,61 +3452,30 @@ def hardware() -> str:
     return f"{cpu}, {os.cpu_count()} CPU threads"
 
 
-def record(model_id: str | None = None, path: str | None = None, settings: Settings | None = None) -> dict:
-    """Run the live model over every bundled text example and write the recording the replay engine serves.
-    Examples with images are skipped: decide() always answers an image request with the live model."""
-    settings = settings or env_settings()
-    model_id = model_id or settings.default_model
-    live = TorchEngine(model_id, settings.revision(model_id), settings)
-    requests = {}
-    for file in example_files():
-        example = load_example(file)
-        request = parse_request(example["state"], example["questions"], images=example.get("images"),
-                                settings=settings)
-        if request.holds_images():
-            continue
-        t0 = time.perf_counter()
-        result = live.forward(request)
-        requests[request.key] = {
-            "example": os.path.basename(file), **recording_entry(result.readouts), "input_tokens": result.input_tokens,
-            "latency_ms": since_ms(t0), "model_ms": result.model_ms}
-    data = {"model": model_id, "revision": live.revision, "hardware": hardware(),
-            "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "requests": requests}
-    with open(path or settings.replay_path_for(model_id), "w", encoding="utf-8") as fh:
-        json.dump(data, fh, ensure_ascii=False, indent=1)
-        fh.write("\n")
-    return data
-
-
 # commands whose code lives beside blink, imported only when asked for
-ADAPTER_COMMANDS = {"batch": "adapters.bulk", "export": "adapters.export", "calibrate": "adapters.calibrate"}
+ADAPTER_COMMANDS = {"batch": "adapters.bulk", "export": "adapters.export", "calibrate": "adapters.calibrate",
+                    "record": "adapters.record"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python blink.py --state S --questions Q | record | prepare; `calibrate DATA.jsonl`, `batch IN --out OUT` and
+    """python blink.py --state S --questions Q | prepare; `record`, `calibrate DATA.jsonl`, `batch IN --out OUT` and
     `export DIR` run the module beside blink that holds them (imported only when asked for)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ADAPTER_COMMANDS:
         return importlib.import_module(ADAPTER_COMMANDS[argv[0]]).main(argv[1:])
     parser = argparse.ArgumentParser(prog="blink.py", description="one-pass typed decisions from a language model",
-                                     epilog="also: calibrate DATA.jsonl, batch IN --out OUT, export DIR (each with -h)")
-    parser.add_argument("command", nargs="?", choices=("decide", "record", "prepare"), default="decide")
+                                     epilog="also: record, calibrate DATA.jsonl, batch IN --out OUT, export DIR (each with -h)")
+    parser.add_argument("command", nargs="?", choices=("decide", "prepare"), default="decide")
     parser.add_argument("--state", help="evidence: a file, inline text or JSON")
     parser.add_argument("--questions", help="questions JSON: a file or inline")
     parser.add_argument("--image", action="append", default=None, metavar="FILE",
                         help="a PNG, JPEG or WebP file shown after the state (repeatable; needs a vision model)")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--model", default=None, help="one of the served models (BLINK_MODELS)")
-    parser.add_argument("--out", default=None,
-                        help="record: where to write the recording")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
             print(standin_folder(env_settings().cache_dir))
-            return 0
-        if args.command == "record":
-            data = record(args.model, args.out)
-            print(f"recorded {len(data['requests'])} examples with {data['model']} on {data['hardware']}")
             return 0
         if args.state is None or args.questions is None:
             parser.error("decide needs --state and --questions")

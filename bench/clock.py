@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Callable, TypeVar
 
+import blink
+
 T = TypeVar("T")
 
 
@@ -26,3 +28,18 @@ def best_of(fn: Callable[[], T], reps: int, cost: Callable[[float, float, T], fl
         again = timed(fn)
         best = again if cost(*again) < cost(*best) else best
     return best
+
+
+def kernel_seconds(x, weight, reps: int = 3) -> dict[str, float]:
+    """The least wall seconds of x @ weight.T by each kernel BLINK_CPU_MATMUL chooses between (blink.linear_kernels),
+    after one warm-up call each."""
+    import torch
+
+    with torch.inference_mode():
+        return {name: best_seconds(kernel, reps) for name, kernel in blink.linear_kernels(x, weight).items()}
+
+
+def best_seconds(fn: Callable[[], object], reps: int = 3) -> float:
+    """The least wall time of `reps` calls after one warm-up call, in seconds."""
+    fn()
+    return best_of(fn, reps)[0]

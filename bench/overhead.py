@@ -80,7 +80,7 @@ def kernel_gflops(engine: blink.TorchEngine, rows: int, reps: int) -> dict:
     """GFLOP/s of a `rows`-row product of the model's MLP shape by torch's own kernel and by oneDNN's (what
     BLINK_CPU_MATMUL chooses between), the best of `reps`."""
     hidden, width = blink.mlp_shape(engine.model)
-    seconds = blink.kernel_seconds(torch.randn(rows, hidden), torch.randn(width, hidden), reps)
+    seconds = clock.kernel_seconds(torch.randn(rows, hidden), torch.randn(width, hidden), reps)
     return {"rows": rows, "shape": [width, hidden],
             **{name: round(2 * rows * hidden * width / s / 1e9, 1) for name, s in seconds.items()}}
 

@@ -9,6 +9,10 @@ from contextlib import contextmanager
 import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+# Answers are compared with float32 references throughout, so every process the tests start (the launched app, the
+# apps and CLI runs in subprocesses) runs the exact path; the default dtype rule is tested on its own
+# (test_torch.py: test_one_dtype_rule_for_every_backend_on_every_device, test_the_default_dtype_answers_and_says_so).
+os.environ.setdefault("BLINK_DTYPE", "float32")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import blink
+from adapters import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,7 +62,7 @@ def test_record_writes_a_stamped_recording_that_replays(tmp_path, monkeypatch):
     out = tmp_path / "replay.json"
     monkeypatch.setattr(blink, "EXAMPLES_DIR", str(examples))  # a module constant, not a setting: no other way in
     settings = blink.Settings()
-    data = blink.record(blink.STANDIN_MODEL, str(out), settings=settings)
+    data = record.record(blink.STANDIN_MODEL, str(out), settings=settings)
     assert data["model"] == blink.STANDIN_MODEL and "CPU" in data["hardware"]
     rec = blink.ReplayEngine(str(out), model_id=blink.STANDIN_MODEL, settings=settings)
     result = rec.forward(blink.parse_request(example["state"], example["questions"], settings=settings))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import blink
+from adapters import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE = "The kettle arrived with a cracked lid and the customer asks for their money back."
@@ -317,7 +318,7 @@ def test_batched_readout_and_shared_prefix_carry_the_same_label_mass(live):
 
 def test_a_recording_replays_every_prompt_and_the_label_mass(live, tmp_path, served):
     path = tmp_path / "replay.json"
-    recording(path, blink.STANDIN_MODEL, STATE, LIVE_QS, blink.recording_entry(live["raw"]))
+    recording(path, blink.STANDIN_MODEL, STATE, LIVE_QS, record.recording_entry(live["raw"]))
     dep = served(blink.ReplayEngine(str(path), model_id=blink.STANDIN_MODEL))
     replayed = dep.decide(STATE, LIVE_QS)["answers"]
     assert replayed == blink.assemble(live["request"], live["raw"], {q: 1.0 for q in LIVE_QS})

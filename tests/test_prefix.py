@@ -368,8 +368,8 @@ def test_linear_attention_states_carry_the_prefix(tiny_qwen, monkeypatch, state)
     seqs, cands, cuts = one_token_tails(tiny_qwen)
     copy_cache = blink._copy_cache
 
-    def reset(cache, repeats=1):
-        cache = copy_cache(cache, repeats)
+    def reset(cache, repeats=1, keep=True):
+        cache = copy_cache(cache, repeats, keep)
         for layer in cache.layers:
             for held in (getattr(layer, state, None) or {}).values():
                 held.zero_()
@@ -391,9 +391,8 @@ def test_copy_cache_copies_every_state(tiny_qwen):
             for name in ("keys", "values"):
                 if torch.is_tensor(getattr(small, name, None)) and getattr(small, name).numel():
                     kinds.add(name)
-                    got = getattr(large, name)
-                    assert torch.equal(got, getattr(small, name).expand(repeats, -1, -1, -1))
-                    assert got.data_ptr() != getattr(small, name).data_ptr()
+                    # a view, never written: the forward joins new keys into a new tensor (next test)
+                    assert torch.equal(getattr(large, name), getattr(small, name).expand(repeats, -1, -1, -1))
             for name in ("conv_states", "recurrent_states"):
                 for k, v in (getattr(small, name, None) or {}).items():
                     kinds.add(name)
@@ -406,7 +405,28 @@ def test_copy_cache_copies_every_state(tiny_qwen):
                     assert getattr(large, name) is not getattr(small, name)  # the forward sets these flags too
         assert kinds == {"keys", "values", "conv_states", "recurrent_states"}
     assert blink.cache_bytes(cache) == sum(t.numel() * t.element_size() for layer in cache.layers
-                                           for t in blink._state_tensors(layer)) > 0
+                                           for t in blink._state_tensors(layer)) > 0  # no views: the tensors' bytes
+    sliced = blink._copy_cache(cache)
+    sliced.layers[1].keys = cache.layers[1].keys[..., :1, :]  # a view keeps its whole base alive
+    assert blink.cache_bytes(sliced) == blink.cache_bytes(cache)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_forward_on_a_copy_leaves_the_prefix_as_it_was(tiny_qwen, keep):
+    # Tails run against views of the prefix's keys: every tensor of the kept snapshot stays as it was, and a copy
+    # that keeps nothing (keep=False, the tails' path) still holds the prefix alone afterwards.
+    prompt = render(tiny_qwen, DOC, {"team": QUESTIONS["team"]})[0]
+    cut = prompt.cuts[-1]
+    with torch.no_grad():
+        cache = tiny_qwen.backbone()(input_ids=torch.tensor([prompt.ids[:cut]]), use_cache=True).cache
+        before = [t.clone() for layer in cache.layers for t in blink._state_tensors(layer)]
+        tail = torch.tensor([prompt.ids[cut:]] * 2)
+        past = blink._copy_cache(cache, 2, keep=keep)
+        tiny_qwen.backbone()(input_ids=tail, cache=past, use_cache=True)
+    after = [t for layer in cache.layers for t in blink._state_tensors(layer)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) and len(before) == len(after)
+    held = {layer.keys.shape[-2] for layer in past.layers if blink._joins_keys(layer)}
+    assert held == {len(prompt.ids) if keep else cut}
 
 
 def test_defaults_follow_the_hardware():

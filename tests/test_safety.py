@@ -48,10 +48,10 @@ def test_hf_token_never_reaches_answers_logs_or_recordings(tmp_path):
     examples.mkdir()
     (examples / "a.json").write_text(json.dumps({"state": "hello", "questions": {"q": {"type": "noul"}}}))
     script = (
-        "import sys, json; sys.path.insert(0, %r); import blink\n"
+        "import sys, json; sys.path.insert(0, %r); import blink; from adapters import record\n"
         "blink.EXAMPLES_DIR = %r\n"
         "print(json.dumps(blink.decide('hello', {'q': {'type': 'noul'}})))\n"
-        "blink.record(blink.STANDIN_MODEL, %r)\n" % (ROOT, str(examples), str(tmp_path / "r.json"))
+        "record.record(blink.STANDIN_MODEL, %r)\n" % (ROOT, str(examples), str(tmp_path / "r.json"))
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "HF_TOKEN": secret, "HUGGING_FACE_HUB_TOKEN": secret})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -81,6 +83,41 @@ def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir):
         assert max(range(len(ref)), key=ref.__getitem__) == max(range(len(ref)), key=row.__getitem__)
 
 
+def test_one_dtype_rule_for_every_backend_on_every_device():
+    # bfloat16 on a GPU and on a CPU that computes it natively, float32 on any other CPU; BLINK_DTYPE overrides.
+    assert [blink.default_dtype(gpu, bf16) for gpu, bf16 in ((True, False), (True, True), (False, True),
+                                                             (False, False))] == ["bfloat16"] * 3 + ["float32"]
+    with open("/proc/cpuinfo", encoding="utf-8") as fh:
+        flags = next(line for line in fh if line.startswith("flags")).split()
+    assert blink.native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)  # torch's probe, the kernel's flags
+    here = blink.Settings.from_env({}, gpu=False)
+    assert here.cpu_bf16 == blink.native_bf16()
+    assert here.compute_dtype == ("bfloat16" if blink.native_bf16() else "float32")
+    assert blink.Settings.from_env({"BLINK_DTYPE": "float32"}, gpu=False).compute_dtype == "float32"
+    for cpu_bf16 in (True, False):  # the vLLM backend follows the same rule
+        settings = blink.Settings(cpu_bf16=cpu_bf16)
+        assert blink.vllm_engine_args("m", None, settings)["dtype"] == settings.compute_dtype
+        assert settings.on_hardware(gpu=False, cpu_bf16=not cpu_bf16).compute_dtype == blink.default_dtype(
+            False, not cpu_bf16)  # a worker on another CPU takes its own
+        assert replace(settings, dtype="float32").on_hardware(gpu=True).compute_dtype == "float32"  # set: kept
+
+
+def test_the_default_dtype_answers_and_says_so(tiny_qwen_dir):
+    # An engine at the defaults this machine's environment gives (no BLINK_DTYPE) runs the rule's dtype, and every
+    # live answer's meta says the backend, dtype and kernel that answered. Its picks are float32's: bfloat16 moved
+    # a probability by at most 0.03 on the drift set (bench/drift.py), well inside these questions' margins.
+    settings = blink.Settings.from_env({}, gpu=False)
+    default = blink.Deployment.serving(blink.TorchEngine(tiny_qwen_dir, settings=settings))
+    exact = blink.Deployment.serving(blink.TorchEngine(tiny_qwen_dir, settings=replace(settings, dtype="float32")))
+    got, ref = default.decide(DOC, SMALL), exact.decide(DOC, SMALL)
+    assert got["meta"]["dtype"] == settings.compute_dtype and ref["meta"]["dtype"] == "float32"
+    assert got["meta"]["backend"] == ref["meta"]["backend"] == "torch"
+    assert ref["meta"]["cpu_matmul"] in ("onednn", "torch") and got["meta"]["cpu_matmul"] == (
+        "torch" if settings.compute_dtype != "float32" else ref["meta"]["cpu_matmul"])
+    assert {k: a.get("choice", a.get("noul", 0) > 0.5) for k, a in got["answers"].items()} == {
+        k: a.get("choice", a.get("noul", 0) > 0.5) for k, a in ref["answers"].items()}
+
+
 def test_cpu_matmul_onednn_answers_as_torch_kernels_do(tiny_qwen_dir):
     # BLINK_CPU_MATMUL=onednn runs every linear layer of 4 rows or more through oneDNN, the same weights in place;
     # the answers equal torch's own kernels within float32 rounding, on the stand-in and on Qwen3.5's linear attention.
@@ -115,33 +152,83 @@ def test_onednn_forward_takes_only_products_of_enough_rows():
 
 def test_cpu_matmul_leaves_other_dtypes_and_measures_under_auto(tiny_qwen_dir, monkeypatch):
     # bfloat16 on a CPU already runs by oneDNN inside torch: nothing is swapped. Under "auto" the measured
-    # comparison decides, whichever way it goes.
+    # comparison decides, whichever way it goes, and the engine says which kernel runs and why.
     bf16 = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="bfloat16", cpu_matmul="onednn"))
     assert bf16.matmul == "torch" and not any("forward" in vars(m) for m in bf16.model.modules())
-    for faster in (True, False):
-        monkeypatch.setattr(blink, "onednn_faster", lambda *shape, faster=faster: faster)
+    assert bf16.compute["dtype"] == "bfloat16" and bf16.compute["cpu_matmul_verdict"] is None
+    for kernel in ("onednn", "torch"):
+        verdict = {"kernel": kernel, "settled": True, "gain": 2.0 if kernel == "onednn" else 1.0}  # fabricated
+        monkeypatch.setattr(blink, "kernel_verdict", lambda *shape, verdict=verdict: verdict)
         eng = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(cpu_matmul="auto"))
-        assert eng.matmul == ("onednn" if faster and torch.backends.mkldnn.is_available() else "torch")
+        assert eng.matmul == (kernel if torch.backends.mkldnn.is_available() else "torch")
+        assert eng.compute == {"backend": "torch", "dtype": "float32", "device": "cpu", "cpu_matmul": eng.matmul,
+                               "cpu_matmul_verdict": verdict if torch.backends.mkldnn.is_available() else None}
     assert blink.Settings.from_env({"BLINK_CPU_MATMUL": "torch"}).cpu_matmul == "torch"
     with pytest.raises(blink.BlinkError, match="BLINK_CPU_MATMUL"):
         blink.Settings.from_env({"BLINK_CPU_MATMUL": "mkl"})
 
 
+def rounds(torch_s: list[float], onednn_s: list[float]) -> dict[str, list[float]]:
+    """Per-round seconds of the two kernels, as interleaved_seconds returns them (fabricated by the tests)."""
+    return {"torch": torch_s, "onednn": onednn_s}
+
+
+def test_a_measurement_settles_only_when_load_did_not_decide_it():
+    quiet = rounds([2.0, 2.02, 2.01, 2.03], [1.0, 1.01, 1.02, 1.0])  # fabricated: oneDNN twice as fast, steady
+    assert blink.settle(quiet)["settled"] and blink.settle(quiet)["gain"] == 2.0
+    even = rounds([1.0, 1.01, 1.0, 1.02], [1.0, 1.0, 1.01, 1.0])  # fabricated: the same speed, steady
+    assert blink.settle(even)["settled"] and blink.settle(even)["gain"] < blink.ONEDNN_MIN_GAIN
+    # fabricated: by best rounds oneDNN clears the bar, round by round it does not: too close to call
+    close = rounds([1.0, 1.0, 1.05, 1.0], [0.9, 0.92, 0.95, 0.93])
+    found = blink.settle(close)
+    assert found["gain"] >= blink.ONEDNN_MIN_GAIN > found["gain_paired"] and not found["settled"]
+    busy = rounds([1.0, 1.6, 1.7, 1.5], [0.5, 0.8, 0.9, 0.85])  # fabricated: rounds far from the best
+    assert blink.settle(busy)["spread"] > blink.KERNEL_MAX_SPREAD and not blink.settle(busy)["settled"]
+
+
+def test_a_noisy_measurement_is_measured_again_and_never_kept_unsettled(tmp_path, monkeypatch):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    noisy = rounds([1.0, 1.0, 1.0], [0.5, 1.0, 1.0])  # fabricated
+    quiet = rounds([2.0, 2.0, 2.0], [1.0, 1.0, 1.0])  # fabricated
+    measured = iter([noisy, quiet])
+    monkeypatch.setattr(blink, "interleaved_seconds", lambda kernels, n: next(measured))
+    got = blink.measure_kernels(8, 16)
+    assert (got["kernel"], got["attempts"], got["settled"]) == ("onednn", 2, True)
+    monkeypatch.setattr(blink, "interleaved_seconds", lambda kernels, n: noisy)
+    verdict = blink.kernel_verdict.__wrapped__
+    got = verdict(8, 16, str(tmp_path))
+    assert (got["kernel"], got["attempts"], got["settled"]) == ("torch", blink.KERNEL_ATTEMPTS, False)
+    assert not (tmp_path / "cpu-matmul").exists()  # the next process measures again
+    assert got in blink.kernel_verdicts().values()  # what this process ran is on record (bench/saved.py)
+
+
+def test_measured_kernels_take_turns_and_time_every_round():
+    calls = []
+    seconds = blink.interleaved_seconds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 4, 1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]  # a warm-up each, then turns, order swapped
+    assert [len(v) for v in seconds.values()] == [4, 4] and all(t >= 0 for v in seconds.values() for t in v)
+    verdict = blink.measure_kernels(32, 48)  # measured for real, on this machine
+    assert verdict["kernel"] in ("onednn", "torch") and verdict["attempts"] <= blink.KERNEL_ATTEMPTS
+    assert verdict["kernel"] == "torch" or (verdict["settled"] and verdict["gain"] >= blink.ONEDNN_MIN_GAIN)
+
+
 def test_the_first_verdict_on_a_machine_is_kept_for_every_later_engine(tmp_path, monkeypatch):
     # "auto" measures once per machine, torch, thread count and shape; a later process (or one measuring at the
     # same time) takes the kept verdict, so engines of one model on one machine run the same kernels.
-    verdicts = iter([True, False, False])
-    monkeypatch.setattr(blink, "onednn_measured_faster", lambda *shape: next(verdicts))
-    faster = blink.onednn_faster.__wrapped__  # past this process's own memo, as a new process would be
-    assert faster(64, 96, str(tmp_path)) is True
+    verdicts = iter([{"kernel": k, "settled": True} for k in ("onednn", "torch", "torch")])  # fabricated
+    monkeypatch.setattr(blink, "measure_kernels", lambda *shape: next(verdicts))
+    verdict = blink.kernel_verdict.__wrapped__  # past this process's own memo, as a new process would be
+    assert verdict(64, 96, str(tmp_path)) == {"kernel": "onednn", "settled": True, "source": "measured"}
     (kept,) = (tmp_path / "cpu-matmul").iterdir()
-    assert faster(64, 96, str(tmp_path)) is True  # kept: not measured again
-    assert faster(64, 128, str(tmp_path)) is False  # another shape is measured on its own
+    assert verdict(64, 96, str(tmp_path)) == {"kernel": "onednn", "settled": True, "source": "kept"}  # not again
+    assert verdict(64, 128, str(tmp_path))["kernel"] == "torch"  # another shape is measured on its own
     path = str(tmp_path / "cpu-matmul" / "x.json")
-    assert blink._keep_verdict(path, "k", False) is False and blink._keep_verdict(path, "k", True) is False
+    first, second = {"kernel": "torch", "settled": True}, {"kernel": "onednn", "settled": True}
+    assert blink._keep_verdict(path, "k", first) == first and blink._keep_verdict(path, "k", second) == first
     assert blink._read_verdict(str(kept), "another machine") is None
     (tmp_path / "file").write_text("")
-    assert blink._keep_verdict(str(tmp_path / "file" / "v.json"), "k", True) is True  # nowhere to keep it
+    assert blink._keep_verdict(str(tmp_path / "file" / "v.json"), "k", second) == second  # nowhere to keep it
     assert sorted(p.name for p in (tmp_path / "cpu-matmul").iterdir() if not p.name.endswith(".json")) == []
 
 

@@ -52,7 +52,8 @@ class TransformersLLM:
 
     def __init__(self, model, max_model_len: int = 8192, logprobs_mode: str = "raw_logprobs", refuse=None):
         self.model = model
-        self.model_config = SimpleNamespace(max_model_len=max_model_len, logprobs_mode=logprobs_mode)
+        self.model_config = SimpleNamespace(max_model_len=max_model_len, logprobs_mode=logprobs_mode,
+                                            dtype=model.dtype)
         self.calls: list[tuple[list[dict], list[SamplingParams]]] = []
         self.refuse = refuse  # ids -> True to fail the whole call, as an engine error would
         self.computed: dict[tuple, torch.Tensor] = {}  # log-probs by prompt: a repeated prompt is computed once
@@ -280,11 +281,15 @@ def test_the_deployment_builds_the_vllm_backend_from_its_settings(fake_vllm, sta
     engine = dep.engine()
     assert isinstance(engine, blink.VllmEngine)
     (args,) = fake_vllm.built
-    assert args == {"model": standin.source, "revision": None, "logprobs_mode": "raw_logprobs", "dtype": "bfloat16",
-                    "enable_prefix_caching": True, "tensor_parallel_size": 2, "max_model_len": 4096}
+    # the one dtype rule (blink.default_dtype) for vLLM as for torch: bfloat16 on a CPU that computes it natively
+    assert args == {"model": standin.source, "revision": None, "logprobs_mode": "raw_logprobs",
+                    "dtype": settings.compute_dtype, "enable_prefix_caching": True, "tensor_parallel_size": 2,
+                    "max_model_len": 4096}
+    assert settings.compute_dtype == blink.default_dtype(False, blink.native_bf16())
     state, questions = SMALL["state"], SMALL["questions"]
     theirs = dep.decide(state, questions)
-    assert theirs["meta"]["engine"] == "vllm"
+    # the fake computes with the float32 stand-in; meta says what the engine ran
+    assert (theirs["meta"]["engine"], theirs["meta"]["backend"], theirs["meta"]["dtype"]) == ("vllm", "vllm", "float32")
     assert_same_answers(blink.Deployment.serving(standin).decide(state, questions)["answers"], theirs["answers"])
 
 

@@ -1,0 +1,241 @@
+"""Resident memory of a blink process under a stream of distinct long documents, against its prefix-cache bound.
+
+    python bench/memory.py            # 30 documents of ~3,800 tokens, 4 questions each, bound 1,024 MB (the default)
+    python bench/memory.py --quick    # 8 documents of ~1,000 tokens, bound 64 MB, a few minutes
+
+Each arm is a process of its own, started fresh: `decide` calls blink.decide() in a loop; `app` is `python app.py`,
+sent System One requests over HTTP (`/v1/systemone`). Each arm runs with freed memory handed back to the OS after
+every forward (BLINK_RELEASE_MEMORY=1, the default) and without it (=0), so the curve shows what that does. The
+start is the process after loading the model and answering one short question (its weights paged in); after each
+document the bench reads the process's resident memory (VmRSS, of which RssAnon is what the process allocated and
+RssFile its memory-mapped weights and libraries) and its peak since the document was sent (VmHWM, reset before
+each document where the kernel allows it). The target: growth over the start at most the bound plus 768 MB.
+Writes bench/results/memory.json (memory-quick.json with --quick); the last line printed is a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+import blink  # noqa: E402
+import saved  # noqa: E402
+import workloads  # noqa: E402
+
+CONFIGS = {"full": {"docs": 30, "doc_tokens": 3800, "questions": 4, "bound_mb": 1024},
+           "quick": {"docs": 8, "doc_tokens": 1000, "questions": 2, "bound_mb": 64}}
+WORKING_SET_MB = 768  # the target: growth over the start at most the bound plus this
+MB = 2**20
+SHORT = ("The parcel arrived on time.", {"q": {"type": "noul", "instructions": "Did the parcel arrive?"}})
+
+
+def status(pid: int | str = "self") -> dict[str, int]:
+    """A process's resident memory in MB: VmRSS, RssAnon, RssFile and VmHWM (its peak since the last reset)."""
+    out = {}
+    with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
+        for line in fh:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                out[name] = int(value.split()[0]) // 1024
+    return out
+
+
+def reset_peak(pid: int | str = "self") -> bool:
+    """Reset a process's VmHWM to its current resident memory (Linux 4.0+); False where that is not allowed."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w", encoding="utf-8") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def documents(tok, cfg: dict) -> list[tuple[str, dict]]:
+    """The stream: distinct ticket logs of about cfg['doc_tokens'] tokens, cfg['questions'] questions each."""
+    out = []
+    for i in range(cfg["docs"]):
+        doc = workloads.document(tok, cfg["doc_tokens"], seed=1000 + i)
+        out.append((doc, workloads.questions(cfg["questions"], 4, workloads.ticket_count(doc))))
+    return out
+
+
+def sample(pid: int | str, start: dict, seconds: float, peak_reset: bool, extra: dict | None = None) -> dict:
+    """One point of the curve: resident memory now, its growth over the start, and the peak while the document ran."""
+    now = status(pid)
+    point = {"rss_mb": now["VmRSS"], "anon_mb": now["RssAnon"], "file_mb": now["RssFile"],
+             "growth_mb": now["VmRSS"] - start["VmRSS"], "anon_growth_mb": now["RssAnon"] - start["RssAnon"],
+             "peak_growth_mb": now["VmHWM"] - start["VmRSS"] if peak_reset else None, "seconds": round(seconds, 1)}
+    return {**point, **(extra or {})}
+
+
+def decide_child(cfg: dict) -> None:
+    """The `decide` arm inside its own process: one JSON line for the start, then one per document."""
+    dep = blink.Deployment(blink.Settings.from_env())
+    engine = dep.engine()
+    live = getattr(engine, "live", engine)
+    stream = documents(live.tok, cfg)
+    dep.decide(*SHORT)
+    start = status()
+    print(json.dumps({"start": start, "settings": describe(live)}), flush=True)
+    for doc, questions in stream:
+        peak_reset = reset_peak()
+        t0 = time.perf_counter()
+        dep.decide(doc, questions)
+        print(json.dumps(sample("self", start, time.perf_counter() - t0, peak_reset,
+                                {"held_mb": round(live.prefixes.held_bytes() / MB, 1)})), flush=True)
+
+
+def describe(engine) -> dict:
+    """What the arm ran: the engine's compute settings and its prefix-cache bound."""
+    return {**engine.compute, "prefix_cache_mb": engine.settings.prefix_cache_mb,
+            "release_memory": engine.settings.release_memory}
+
+
+def child_env(env: dict) -> dict:
+    """The environment of an arm's process: this one's without BLINK_* variables, plus `env`."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
+    return {**base, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", **env}
+
+
+def run_decide(cfg: dict, env: dict) -> dict:
+    """The `decide` arm: its process's lines, read as they come."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(env), stdout=subprocess.PIPE, text=True)
+    first, points = None, []
+    for line in proc.stdout:
+        if not line.startswith("{"):
+            continue
+        row = json.loads(line)
+        if first is None:
+            first = row
+        else:
+            points.append(row)
+            print(f"  decide {len(points):>3}: {row['rss_mb']} MB, +{row['growth_mb']} (anon +{row['anon_growth_mb']}"
+                  f", peak +{row['peak_growth_mb']}), prefixes {row['held_mb']} MB, {row['seconds']} s", flush=True)
+    if proc.wait() != 0:
+        raise RuntimeError(f"the decide arm exited with status {proc.returncode}")
+    return {"start_mb": first["start"]["VmRSS"], "settings": first["settings"], "points": points}
+
+
+def run_app(cfg: dict, env: dict, stream: list[tuple[str, dict]]) -> dict:
+    """The `app` arm: `python app.py` in its own process, the stream posted to /v1/systemone one at a time."""
+    import httpx
+
+    import peers
+    import throughput
+
+    port = throughput.free_port()
+    log = os.path.join(ROOT, "bench", "results", f"memory-app-{port}.log")
+    cmd = [sys.executable, os.path.join(ROOT, "app.py")]
+    app_env = child_env({**env, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port)})
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=app_env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        why = peers._wait_up(f"http://127.0.0.1:{port}/", proc, 600)
+        if why:
+            raise RuntimeError(f"the app did not come up: {why}")
+        url = f"http://127.0.0.1:{port}/v1/systemone"
+        with httpx.Client(timeout=1800) as http:
+            http.post(url, json={"model": blink.STANDIN_MODEL, **peers.system_one(*SHORT)}).raise_for_status()
+            start = status(proc.pid)
+            points = []
+            for doc, questions in stream:
+                peak_reset = reset_peak(proc.pid)
+                t0 = time.perf_counter()
+                http.post(url, json={"model": blink.STANDIN_MODEL, **peers.system_one(doc, questions)}
+                          ).raise_for_status()
+                row = sample(proc.pid, start, time.perf_counter() - t0, peak_reset)
+                points.append(row)
+                print(f"  app    {len(points):>3}: {row['rss_mb']} MB, +{row['growth_mb']} (anon "
+                      f"+{row['anon_growth_mb']}, peak +{row['peak_growth_mb']}), {row['seconds']} s", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    os.unlink(log)
+    return {"start_mb": start["VmRSS"], "points": points}
+
+
+def verdict(arm: dict, bound_mb: int) -> dict:
+    """An arm's largest growth over the start (after a document, and at its peak) against bound + WORKING_SET_MB."""
+    growth = max(p["growth_mb"] for p in arm["points"])
+    peaks = [p["peak_growth_mb"] for p in arm["points"] if p["peak_growth_mb"] is not None]
+    return {"max_growth_mb": growth, "max_peak_growth_mb": max(peaks) if peaks else None,
+            "last_growth_mb": arm["points"][-1]["growth_mb"], "within_target": growth <= bound_mb + WORKING_SET_MB}
+
+
+def load_average() -> list[float]:
+    """The machine's 1, 5 and 15-minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run each arm with and without releasing freed memory; write JSON; print one summary line last."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="8 documents of ~1,000 tokens, a 64 MB bound")
+    ap.add_argument("--docs", type=int, help="documents in the stream")
+    ap.add_argument("--doc-tokens", type=int, help="tokens per document")
+    ap.add_argument("--bound-mb", type=int, help="BLINK_PREFIX_CACHE_MB")
+    ap.add_argument("--arms", default="decide,app", help="comma-separated: decide, app")
+    ap.add_argument("--release", default="1,0", help="BLINK_RELEASE_MEMORY values to run, comma-separated")
+    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the arms (default: unset, every core)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        decide_child(json.loads(args.child))
+        return 0
+    mode = "quick" if args.quick else "full"
+    cfg = dict(CONFIGS[mode])
+    cfg.update({k: v for k, v in (("docs", args.docs), ("doc_tokens", args.doc_tokens), ("bound_mb", args.bound_mb))
+                if v is not None})
+    from transformers import AutoTokenizer
+
+    stream = documents(AutoTokenizer.from_pretrained(blink.model_source(blink.STANDIN_MODEL,
+                                                                        blink.Settings().cache_dir)), cfg)
+    started, load_before = time.perf_counter(), load_average()
+    runs = []
+    for release in args.release.split(","):
+        env = {"BLINK_PREFIX_CACHE_MB": str(cfg["bound_mb"]), "BLINK_RELEASE_MEMORY": release,
+               "BLINK_MODEL": blink.STANDIN_MODEL, "TOKENIZERS_PARALLELISM": "false"}
+        if args.threads:
+            env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+        for arm in args.arms.split(","):
+            print(f"{arm}, BLINK_RELEASE_MEMORY={release}:", flush=True)
+            got = run_decide(cfg, env) if arm == "decide" else run_app(cfg, env, stream)
+            runs.append({"arm": arm, "release_memory": release == "1", **got, **verdict(got, cfg["bound_mb"])})
+    res = {"mode": mode, "command": saved.command("memory.py", argv), "hardware": blink.hardware(),
+           "threads": args.threads or os.cpu_count(), "config": cfg, "target_mb": cfg["bound_mb"] + WORKING_SET_MB,
+           "load_average": {"before": load_before, "after": load_average()}, "runs": runs,
+           "duration_s": round(time.perf_counter() - started, 1),
+           "notes": ["growth_mb: VmRSS after the document less VmRSS at the start (the model loaded and one short "
+                     "question answered); peak_growth_mb: VmHWM while the document ran, less the same start.",
+                     "The target: growth at most the prefix-cache bound (BLINK_PREFIX_CACHE_MB) plus 768 MB."]}
+    path = saved.write_json(os.path.join(args.out, f"memory{'-quick' if args.quick else ''}.json"), res)
+    print(summary_line(res, path))
+    return 0
+
+
+def summary_line(res: dict, path: str) -> str:
+    """The one line the command ends with."""
+    parts = [f"{r['arm']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
+             f" (peak +{r['max_peak_growth_mb']})" for r in res["runs"]]
+    return (f"blink memory ({res['mode']}, {res['config']['docs']} documents of ~{res['config']['doc_tokens']} "
+            f"tokens, bound {res['config']['bound_mb']} MB, target +{res['target_mb']} MB): {'; '.join(parts)}; "
+            f"results {os.path.relpath(path)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
