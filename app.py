@@ -658,6 +658,7 @@ def info() -> dict:
     recordings = {m: DEPLOYMENT.recording(m) for m in DEPLOYMENT.models()}
     return {"models": DEPLOYMENT.models(), "default_model": DEPLOYMENT.default_model,
             "engines": {m: DEPLOYMENT.engine_kind(m) for m in DEPLOYMENT.models()},
+            "compute": {m: DEPLOYMENT.engine(m).compute for m in DEPLOYMENT.models()},  # backend, dtype, kernel
             "recordings": {m: rec.header() if rec else None for m, rec in recordings.items()},
             "presets": [{"name": n, "description": ex.get("description", ""), "state": ex["state"],
                          "questions": ex["questions"]} for n, ex in PRESETS.items()]}

@@ -3,9 +3,10 @@
     python bench/memory.py            # 30 documents of ~3,800 tokens, 4 questions each, bound 1,024 MB (the default)
     python bench/memory.py --quick    # 8 documents of ~1,000 tokens, bound 64 MB, a few minutes
 
-Each arm is a process of its own, started fresh: `decide` calls blink.decide() in a loop; `app` is `python app.py`,
-sent System One requests over HTTP (`/v1/systemone`). Each arm runs with freed memory handed back to the OS after
-every forward (BLINK_RELEASE_MEMORY=1, the default) and without it (=0), so the curve shows what that does. The
+Each run is a process of its own, started fresh: `decide` calls blink.decide() in a loop; `app` is `python app.py`,
+sent System One requests over HTTP (`/v1/systemone`); each in float32 (the exact path, the most memory) or at the
+machine's default dtype, with freed memory handed back to the OS after every forward (BLINK_RELEASE_MEMORY on, the
+default) or not (off), so the curves show what each does. The
 start is the process after loading the model and answering one short question (its weights paged in); after each
 document the bench reads the process's resident memory (VmRSS, of which RssAnon is what the process allocated and
 RssFile its memory-mapped weights and libraries) and its peak since the document was sent (VmHWM, reset before
@@ -31,8 +32,10 @@ import blink  # noqa: E402
 import saved  # noqa: E402
 import workloads  # noqa: E402
 
-CONFIGS = {"full": {"docs": 30, "doc_tokens": 3800, "questions": 4, "bound_mb": 1024},
-           "quick": {"docs": 8, "doc_tokens": 1000, "questions": 2, "bound_mb": 64}}
+CONFIGS = {"full": {"docs": 24, "doc_tokens": 3800, "questions": 4, "bound_mb": 1024,
+                    "runs": "decide:float32:on,app:float32:on,app:float32:off,decide:default:on,app:default:on"},
+           "quick": {"docs": 8, "doc_tokens": 1000, "questions": 2, "bound_mb": 64,
+                     "runs": "decide:float32:on,decide:float32:off,app:float32:on"}}
 WORKING_SET_MB = 768  # the target: growth over the start at most the bound plus this
 MB = 2**20
 SHORT = ("The parcel arrived on time.", {"q": {"type": "noul", "instructions": "Did the parcel arrive?"}})
@@ -188,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, help="documents in the stream")
     ap.add_argument("--doc-tokens", type=int, help="tokens per document")
     ap.add_argument("--bound-mb", type=int, help="BLINK_PREFIX_CACHE_MB")
-    ap.add_argument("--arms", default="decide,app", help="comma-separated: decide, app")
-    ap.add_argument("--release", default="1,0", help="BLINK_RELEASE_MEMORY values to run, comma-separated")
+    ap.add_argument("--runs", help="comma-separated ARM:DTYPE:RELEASE, ARM decide or app, DTYPE float32, bfloat16 or "
+                                   "default (BLINK_DTYPE unset), RELEASE on or off (BLINK_RELEASE_MEMORY)")
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the arms (default: unset, every core)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -207,15 +210,17 @@ def main(argv: list[str] | None = None) -> int:
                                                                         blink.Settings().cache_dir)), cfg)
     started, load_before = time.perf_counter(), load_average()
     runs = []
-    for release in args.release.split(","):
+    for spec in (args.runs or cfg["runs"]).split(","):
+        arm, dtype, release = spec.split(":")
         env = {"BLINK_PREFIX_CACHE_MB": str(cfg["bound_mb"]), "BLINK_RELEASE_MEMORY": release,
-               "BLINK_MODEL": blink.STANDIN_MODEL, "TOKENIZERS_PARALLELISM": "false"}
+               "BLINK_MODEL": blink.STANDIN_MODEL, "TOKENIZERS_PARALLELISM": "false",
+               **({} if dtype == "default" else {"BLINK_DTYPE": dtype})}
         if args.threads:
             env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
-        for arm in args.arms.split(","):
-            print(f"{arm}, BLINK_RELEASE_MEMORY={release}:", flush=True)
-            got = run_decide(cfg, env) if arm == "decide" else run_app(cfg, env, stream)
-            runs.append({"arm": arm, "release_memory": release == "1", **got, **verdict(got, cfg["bound_mb"])})
+        print(f"{arm}, dtype {dtype}, BLINK_RELEASE_MEMORY={release}:", flush=True)
+        got = run_decide(cfg, env) if arm == "decide" else run_app(cfg, env, stream)
+        runs.append({"arm": arm, "dtype": dtype, "release_memory": release == "on", **got,
+                     **verdict(got, cfg["bound_mb"])})
     res = {"mode": mode, "command": saved.command("memory.py", argv), "hardware": blink.hardware(),
            "threads": args.threads or os.cpu_count(), "config": cfg, "target_mb": cfg["bound_mb"] + WORKING_SET_MB,
            "load_average": {"before": load_before, "after": load_average()}, "runs": runs,
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary_line(res: dict, path: str) -> str:
     """The one line the command ends with."""
-    parts = [f"{r['arm']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
+    parts = [f"{r['arm']} {r['dtype']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
              f" (peak +{r['max_peak_growth_mb']})" for r in res["runs"]]
     return (f"blink memory ({res['mode']}, {res['config']['docs']} documents of ~{res['config']['doc_tokens']} "
             f"tokens, bound {res['config']['bound_mb']} MB, target +{res['target_mb']} MB): {'; '.join(parts)}; "

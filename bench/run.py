@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import arms  # noqa: E402
 import blink  # noqa: E402
 import clock  # noqa: E402
+import llamacpp  # noqa: E402
 import limits  # noqa: E402
 import peers  # noqa: E402
 import saved  # noqa: E402
@@ -71,6 +72,7 @@ HTTP = {"requests": 64, "doc": 120, "clients": [1, 8, 32], "per_level": 32}
 DECISION_TARGETS = (("document", 4.0, "questions over a new document"),
                     ("again", 8.0, "the same document again with new questions"),
                     ("short", 1.2, "one short yes/no question"))
+LLAMA_TARGET = 1.5  # llama.cpp (its faster arm) at least this many times slower than blink, in every case
 PEERS = ("unbatched", "per_option", "generate")
 ARMS = ("blink_plain", "blink_prefix", *PEERS)
 
@@ -346,11 +348,31 @@ def decision_targets(decision: dict, mode: str) -> list[dict]:
                     "met": value >= threshold if exact else None,
                     "met_cpu_time": cpu >= threshold if exact else None,
                     "cell": f"{row['questions']} question(s), {row['prompt_tokens']} prompt tokens"})
+    out += llama_targets(decision, exact)
     compared = sum(decision[c]["vs_unbatched"]["compared"] for c in peers.CASES)
     differ = [f"{c}/{k}" for c in peers.CASES for k in decision[c]["vs_unbatched"]["differ"]]
     out.append({"target": "0 answers that differ from the cold, unbatched path", "short": "differ from unbatched",
                 "value": len(differ), "threshold": 0, "met": not differ, "compared": compared, "differ": differ,
                 "max_prob_diff": max(decision[c]["vs_unbatched"]["max_prob_diff"] for c in peers.CASES)})
+    return out
+
+
+def llama_targets(decision: dict, exact: bool) -> list[dict]:
+    """blink at least LLAMA_TARGET times faster than llama.cpp's faster arm in every case, where llama.cpp ran."""
+    out = []
+    for case, _, what in DECISION_TARGETS:
+        row = decision[case]
+        ran = [name for name in llamacpp.ARMS if f"vs_{name}" in row]
+        if not ran:
+            continue
+        best = min(ran, key=lambda name: row[f"vs_{name}"]["wall"])  # the arm closest to blink
+        value, cpu = row[f"vs_{best}"]["wall"], row[f"vs_{best}"]["cpu"]
+        out.append({"target": f"blink >= {LLAMA_TARGET:g}x llama.cpp: {what}", "case": case, "peer": best,
+                    "short": f"vs {best}: {what}", "value": value, "value_cpu_time": cpu,
+                    "threshold": LLAMA_TARGET, "met": value >= LLAMA_TARGET if exact else None,
+                    "met_cpu_time": cpu >= LLAMA_TARGET if exact else None,
+                    "picks_differ_from_blink": row[f"vs_{best}"]["picks_differ_from_blink"],
+                    "cell": f"{row['questions']} question(s), {row['prompt_tokens']} prompt tokens"})
     return out
 
 
@@ -404,11 +426,15 @@ def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[d
             pipes["pipeline_export"] = peers.decision_pipeline(engine, export_dir)
         else:
             skipped.append({"target": "pipeline('decision') with blink's exported config", "skipped": why})
+        llama, llama_skipped = llamacpp.pipes(engine, threads)
+        pipes.update(llama)
+        skipped += llama_skipped
         cases = peers.decision_cases(engine, DECISION[mode], pipes)
         for case, row in cases.items():
+            others = "".join(f", {name} x{row[f'vs_{name}']['wall']}" for name in llama)
             print(f"decision {case:>8}: blink {row['arms']['blink']['total_wall_s']:.2f} s, pipeline "
                   f"{row['arms']['pipeline']['total_wall_s']:.2f} s: x{row['vs_pipeline']['wall']} "
-                  f"(CPU time x{row['vs_pipeline']['cpu']}); prefill {row['prefill_tokens']} of "
+                  f"(CPU time x{row['vs_pipeline']['cpu']}){others}; prefill {row['prefill_tokens']} of "
                   f"{row['prompt_tokens']} tokens, {row['cached_tokens']} from the cache; differ from unbatched "
                   f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']}", flush=True)
         if mode == "quick":

@@ -1,4 +1,5 @@
-"""What every bench script keeps of a run: the command line that ran it, its results as a JSON file, and whether the
+"""What every bench script keeps of a run: the command line that ran it, its results as a JSON file with the kernel
+verdicts blink's engines ran by in that process (BLINK_CPU_MATMUL=auto's, see blink.kernel_verdict), and whether the
 machine held steady while it ran."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ import json
 import os
 import sys
 
+import blink
+
 
 def command(script: str, argv: list[str] | None) -> str:
     """The command line as typed: `python bench/SCRIPT ARGS` (the process's own arguments when argv is None)."""
@@ -14,7 +17,10 @@ def command(script: str, argv: list[str] | None) -> str:
 
 
 def write_json(path: str, res: dict) -> str:
-    """res as indented JSON at `path` (its folder made; the file replaced whole, never left half-written)."""
+    """res as indented JSON at `path` (its folder made; the file replaced whole, never left half-written), with
+    every BLINK_CPU_MATMUL=auto verdict this process measured or read under "cpu_matmul_verdicts" (empty: no float32
+    model ran on a CPU under auto here)."""
+    res = {**res, "cpu_matmul_verdicts": res.get("cpu_matmul_verdicts", blink.kernel_verdicts())}
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w", encoding="utf-8") as fh:
         json.dump(res, fh, indent=1)

@@ -171,6 +171,8 @@ def test_edited_request_runs_live(launched, client):
     assert meta["engine"] == "torch" and meta["model"] == app.DEPLOYMENT.default_model
     assert meta["generated_tokens"] == 0 and meta["input_tokens"] > 0 and meta["model_ms"] > 0
     assert meta["batched_requests"] >= 1  # a live answer always says how many requests shared its forwards
+    live = app.DEPLOYMENT.engine().live
+    assert (meta["backend"], meta["dtype"], meta["cpu_matmul"]) == ("torch", "float32", live.matmul)  # conftest pins
     assert "fabricated" not in meta
     assert list(got["answers"]) == list(ex["questions"])
     sentiment = got["answers"]["sentiment"]
@@ -260,6 +262,9 @@ def test_info_lists_models_and_presets(launched, client):
     assert [p["name"] for p in got["presets"]] == list(app.PRESETS)
     assert got["recordings"][default]["model"] == default
     assert got["recordings"][default] == recording(app).header()
+    compute = got["compute"][default]  # what computes the live model, the kernel verdict with it
+    assert compute == json.loads(json.dumps(app.DEPLOYMENT.engine().live.compute))
+    assert compute["backend"] == "torch" and compute["cpu_matmul"] in ("onednn", "torch")
 
 
 def test_only_the_api_endpoints_are_public(client):

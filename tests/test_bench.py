@@ -3,10 +3,13 @@ blink answers, on the stand-in (no timing here: bench/ measures)."""
 
 from __future__ import annotations
 
+import ctypes
 import glob
+import importlib.util
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 from collections import Counter
 
@@ -18,6 +21,7 @@ import blink
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import arms  # noqa: E402
+import llamacpp  # noqa: E402
 import models  # noqa: E402
 import order  # noqa: E402
 import peers  # noqa: E402
@@ -144,6 +148,69 @@ def test_decision_cases_time_both_sides_and_check_blink_against_unbatched(tiny_q
         assert row["vs_pipeline"]["wall"] == round(arms_["pipeline"]["total_wall_s"] / arms_["blink"]["total_wall_s"], 2)
     again = rows["again"]
     assert again["cached_tokens"] > 0 and again["prefill_tokens"] + again["cached_tokens"] == again["prompt_tokens"]
+
+
+class FakeLlama:
+    """A stand-in for llama_cpp.Llama (fabricated: llama-cpp-python is not installed where these tests run), kept to
+    what the arm relies on: eval() appends ids after the first n_tokens held (dropping the rest, as llama.cpp's KV
+    cache does) and leaves the last position's logits, computed here by the tiny model over every id held."""
+
+    def __init__(self, model, **kwargs):
+        self.model, self.kwargs = model, kwargs
+        self.n_tokens, self.ids, self.evaluated = 0, [], 0
+        self._ctx = SimpleNamespace(ctx=self)
+
+    def n_vocab(self) -> int:
+        return self.model.config.vocab_size
+
+    def eval(self, tokens):
+        self.ids = self.ids[: self.n_tokens] + list(tokens)
+        self.n_tokens, self.evaluated = len(self.ids), self.evaluated + len(tokens)
+        with torch.no_grad():
+            last = self.model(input_ids=torch.tensor([self.ids])).logits[0, -1].float().tolist()
+        self.buffer = (ctypes.c_float * len(last))(*last)
+
+
+def fake_llama_cpp(model) -> SimpleNamespace:
+    """The two names of llama_cpp the arm uses, over FakeLlama."""
+    return SimpleNamespace(Llama=lambda **kwargs: FakeLlama(model, **kwargs),
+                           llama_get_logits_ith=lambda ctx, i: ctypes.cast(ctx.buffer, ctypes.POINTER(ctypes.c_float)))
+
+
+def test_llama_arms_read_blinks_prompt_ids_and_reuse_the_common_prefix(tiny_qwen):
+    state, questions = STATE, {"q": QUESTION, "r": {**QUESTION, "instructions": "Which team owns routers?"},
+                               "n": {"type": "noul", "instructions": "Is the router broken?"}}
+    body = peers.system_one(state, questions)
+    want = blink.Deployment.serving(tiny_qwen).decide(state, questions)["answers"]
+    prompts = tiny_qwen.render(blink.parse_request(state, body["questions"]))
+    plain, reuse = (llamacpp.LlamaArm(tiny_qwen, "model.gguf", 1, r, fake_llama_cpp(tiny_qwen.model))
+                    for r in (False, True))
+    assert plain.llm.kwargs["n_threads"] == plain.llm.kwargs["n_threads_batch"] == 1
+    for arm in (plain, reuse):
+        got = arm(body)
+        assert {k: peers.pick(a) for k, a in got.items()} == {k: peers.pick(a) for k, a in want.items()}
+        for key, answer in got.items():
+            mine = want[key]["probabilities"]
+            assert max(abs(p - mine[k]) for k, p in answer["probabilities"].items()) < 1e-4
+            assert abs(answer["label_mass"] - want[key]["label_mass"]) < 1e-4  # the full-vocabulary log-sum-exp
+        assert arm.evaluated == arm.llm.evaluated
+    shared = sum(llamacpp.common_prefix(a.ids, b.ids) for a, b in zip(prompts, prompts[1:]))
+    assert plain.evaluated == sum(len(p.ids) for p in prompts)
+    assert reuse.evaluated == plain.evaluated - shared and shared > 0
+    before = reuse.evaluated
+    reuse(body)  # the same prompts again: each runs after the one before it, the first after the last
+    assert reuse.evaluated - before == sum(len(b.ids) - llamacpp.common_prefix(a.ids, b.ids)
+                                           for a, b in zip([prompts[-1], *prompts], prompts))
+
+
+def test_llama_arms_say_why_they_cannot_run_here(tiny_qwen):
+    arms_, skipped = llamacpp.pipes(tiny_qwen, 1)
+    assert arms_ == {} and len(skipped) == 1
+    reason = skipped[0]["skipped"]
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert reason == llamacpp.SKIP_NO_PACKAGE
+    else:
+        assert "stand-in" in reason  # the tiny model has no GGUF file
 
 
 def test_http_arm_drives_transformers_serve_and_says_why_a_side_is_missing(tiny_qwen, tmp_path):
