@@ -14,6 +14,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # saved.py imports blink
 sys.path.insert(0, HERE)
 
 import saved  # noqa: E402
@@ -187,15 +188,20 @@ DRIFT_MODELS = {"stand-in": "stand-in", "qwen3.5-tiny": "tiny Qwen3.5 (linear + 
 
 
 def drift_table(res: dict) -> list[str]:
-    """bench/drift.py: bfloat16 plain and shared-prefix paths against float32, per model and document."""
-    lines = ["| model | evidence tokens | bf16 plain: largest logit / probability difference | bf16 shared prefix | "
-             "prefix vs plain (both bf16) | picks that differ (plain / prefix) |", "|---|---|---|---|---|---|"]
+    """bench/drift.py: each arm against float32 on torch's kernels, per model and document: the largest probability
+    difference, the picks that differ, and its speed (CPU time) against float32's."""
+    arms = [a for a in res["rows"][0]["arms"] if a != "float32"]
+    lines = ["| model | evidence tokens | float32 CPU s | " + " | ".join(
+        f"{a}: × float32 / largest probability difference / picks that differ" for a in arms) + " |",
+        "|---|---|---|" + "---|" * len(arms)]
     for r in res["rows"]:
-        gaps = " | ".join(f"{r[k]['max_logit_diff']:.3f} / {r[k]['max_prob_diff']:.3f}"
-                          for k in ("bf16_plain", "bf16_prefix", "bf16_prefix_vs_bf16_plain"))
-        lines.append(f"| {DRIFT_MODELS.get(r['model'], r['model'])} | {r['doc_tokens']} | {gaps} | "
-                     f"{len(r['bf16_plain']['picks_differ'])} / {len(r['bf16_prefix']['picks_differ'])} of "
-                     f"{r['questions']} |")
+        cells = []
+        for a in arms:
+            v = r["arms"][a]
+            speed = f"{v['speedup_cpu']:.2f}×" if "speedup_cpu" in v else "untimed"
+            cells.append(f"{speed} / {v['max_prob_diff']:.4f} / {len(v['picks_differ'])} of {r['questions']}")
+        lines.append(f"| {DRIFT_MODELS.get(r['model'], r['model'])} | {r['doc_tokens']} | "
+                     f"{r['arms']['float32']['cpu_s']:.2f} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -51,7 +51,8 @@ def vision_app(vision_folder, tmp_path_factory):
 @pytest.fixture(scope="module")
 def vision_local(vision_folder) -> blink.Deployment:
     """The same model and settings as the vision app, in this process: the answers the app must give."""
-    return blink.Deployment(blink.Settings.from_env({"BLINK_MODEL": vision_folder, "BLINK_VISION": "1"}))
+    env = {"BLINK_MODEL": vision_folder, "BLINK_VISION": "1", "BLINK_DTYPE": os.environ["BLINK_DTYPE"]}
+    return blink.Deployment(blink.Settings.from_env(env))  # the dtype the app subprocess inherits (conftest)
 
 
 def test_image_preset_runs_end_to_end_on_a_vision_model(vision_app, vision_local):
