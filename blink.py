@@ -1690,9 +1690,10 @@ def torch_dtype(settings: Settings):
 def load_pretrained(auto_class, source: str, revision: str | None, settings: Settings):
     """A model with its weights placed on the device at load time (ZeroGPU wants them placed at start): cuda on
     ZeroGPU (emulated until a call attaches a device) or when CUDA is present, else cpu."""
-    # safetensors only: a pickled checkpoint could run code on load; remote code is never trusted either
+    # safetensors only: a pickled checkpoint could run code on load; remote code is never trusted either, nor are the
+    # Hub's kernels that transformers fetches and runs by default on a GPU (offline, that load fails outright)
     load = dict(revision=revision, dtype=torch_dtype(settings), attn_implementation="sdpa", use_safetensors=True,
-                trust_remote_code=False)
+                trust_remote_code=False, use_kernels=False)
     if settings.zero_gpu:
         return auto_class.from_pretrained(source, **load).to("cuda")
     return auto_class.from_pretrained(source, device_map="cuda" if settings.gpu else "cpu", **load)

@@ -70,6 +70,12 @@ def test_tiny_qwen35_fp32_packed_equals_alone(tiny_qwen):
     assert max_gap(tiny_qwen, DOC, SMALL) < 1e-4
 
 
+def test_models_load_without_the_hubs_kernels(tiny_qwen):
+    # transformers (5.25) swaps in kernels fetched from the Hub by default: on a GPU that is remote code, and offline
+    # the load fails (an H200 run of tests/test_gpu.py stopped at kernels-community/fla). blink loads none.
+    assert tiny_qwen.model.use_kernels is False
+
+
 def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir):
     # bf16 keeps 8 mantissa bits (relative step 2**-8 = 0.4%); with logits of a few units and 4 layers of rounding,
     # batch-shape-dependent kernels move a logit by a few hundredths, so 5e-2 bounds noise, not a real difference.
