@@ -209,6 +209,18 @@ BATCH_ARMS = {"loop": "loop of `decide()`", "batch": "`blink.py batch`", "ray": 
               "pipeline": "no model, serial", "pipeline ray": "no model, `--ray {workers}`"}
 
 
+def gpu_table(res: dict) -> list[str]:
+    """bench/gpu.py: each arm's median time and one deployment's peak GPU memory per log, and the shared prefixes'
+    speedup over the plain path."""
+    lines = ["| log tokens | defaults: ms / peak GiB | `BLINK_PREFIX_KV_TOKENS=32768`: ms / peak GiB | "
+             "`BLINK_PREFIX_CACHE=0`: ms / peak GiB | shared prefixes × plain |", "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        cells = " | ".join(f"{r['arms'][a]['wall_s'] * 1000:.0f} / {r['arms'][a]['peak_gib']:.2f}"
+                           for a in ("default", "kv_32768", "plain"))
+        lines.append(f"| {r['doc_tokens']} | {cells} | {r['arms']['default']['speedup_vs_plain']:.2f}× |")
+    return lines
+
+
 def batch_table(res: dict) -> list[str]:
     """bench/batch.py: rows/s of each arm, when its first rows landed, and how far its answers are from the loop's."""
     lines = ["| arm | rows | wall s | answer s | rows/s | first rows after s | steady rows/s | max gap to loop | "
@@ -301,6 +313,7 @@ def generic_report(res) -> str:
 
 REPORTS = {"run": run_report, "budget": lambda res: "\n".join(budget_table(res)),
            "overhead": lambda res: "\n".join(overhead_table(res)), "drift": lambda res: "\n".join(drift_table(res)),
+           "gpu": lambda res: "\n".join(gpu_table(res)),
            "batch": batch_report, "models": models_report, "order": order_report}
 
 
