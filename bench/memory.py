@@ -143,7 +143,7 @@ def run_app(cfg: dict, env: dict, stream: list[tuple[str, dict]]) -> dict:
     with open(log, "w", encoding="utf-8") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=app_env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        why = peers._wait_up(f"http://127.0.0.1:{port}/", proc, 600)
+        why = peers.wait_up(f"http://127.0.0.1:{port}/", proc, 600)
         if why:
             raise RuntimeError(f"the app did not come up: {why}")
         url = f"http://127.0.0.1:{port}/v1/systemone"
