@@ -221,6 +221,20 @@ def gpu_table(res: dict) -> list[str]:
     return lines
 
 
+def memory_table(res: dict) -> list[str]:
+    """bench/memory.py: each run's resident-memory growth over its start along the stream, against the target."""
+    docs = res["config"]["docs"]
+    marks = sorted({1, docs // 2, docs})
+    lines = [f"| run | dtype | freed memory released | start MB | growth after document {'/'.join(map(str, marks))} "
+             f"(MB) | largest peak growth (MB) | within bound + {res['target_mb'] - res['config']['bound_mb']} MB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        growth = "/".join(f"+{r['points'][m - 1]['growth_mb']}" for m in marks)
+        lines.append(f"| {r['arm']} | {r['dtype']} | {'yes' if r['release_memory'] else 'no'} | {r['start_mb']} | "
+                     f"{growth} | +{r['max_peak_growth_mb']} | {'yes' if r['within_target'] else 'no'} |")
+    return lines
+
+
 def batch_table(res: dict) -> list[str]:
     """bench/batch.py: rows/s of each arm, when its first rows landed, and how far its answers are from the loop's."""
     lines = ["| arm | rows | wall s | answer s | rows/s | first rows after s | steady rows/s | max gap to loop | "
@@ -314,6 +328,7 @@ def generic_report(res) -> str:
 REPORTS = {"run": run_report, "budget": lambda res: "\n".join(budget_table(res)),
            "overhead": lambda res: "\n".join(overhead_table(res)), "drift": lambda res: "\n".join(drift_table(res)),
            "gpu": lambda res: "\n".join(gpu_table(res)),
+           "memory": lambda res: "\n".join(memory_table(res)),
            "batch": batch_report, "models": models_report, "order": order_report}
 
 
