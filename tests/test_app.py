@@ -216,7 +216,13 @@ def test_multi_and_permute_answers(launched, client):
     assert issues["multi"] is True and list(p) == qs["issues"]["criteria"] and all(0 < v < 1 for v in p.values())
     assert issues["choices"] == [k for k, v in p.items() if v > 0.5]
     assert issues["confidence"] == pytest.approx(min(abs(2 * v - 1) for v in p.values()))
-    assert team["rotations"] == 2 and set(team["rotation_choices"]) <= set(qs["team"]["criteria"])
+    # the two rotations (shifts 0 and 1 of 3 options) asked as plain choices: the permuted answer is their average
+    options = qs["team"]["criteria"]
+    rotated = app.DEPLOYMENT.decide(state, {f"r{s}": {"type": "choice", "criteria": options[s:] + options[:s]}
+                                            for s in (0, 1)})["answers"]
+    dists = [rotated[f"r{s}"]["probabilities"] for s in (0, 1)]
+    assert team["rotations"] == 2 and team["rotation_choices"] == [max(d, key=d.get) for d in dists]
+    assert team["probabilities"] == pytest.approx({k: (dists[0][k] + dists[1][k]) / 2 for k in options}, abs=1e-5)
     assert 0.0 <= team["order_sensitivity"] <= 1.0
     assert_distribution(team, 3)
     assert all(0.0 < a["label_mass"] <= 1.0 for a in got.values())

@@ -84,9 +84,9 @@ def test_uploaded_images_reach_the_model(vision_app, vision_local):
     assert red["answers"]["color"]["probabilities"] != blue["answers"]["color"]["probabilities"]
 
 
-def test_wire_images_reach_the_model(vision_app):
+def test_wire_images_reach_the_model(vision_app, vision_local):
     """System One assets (typesafe-sdk's multipart form, and inline data_base64) and Decisions image parts are read
-    by the vision model where they stand."""
+    by the vision model where they stand: the answers are the model's for the same request in blink's terms."""
     import base64
 
     import httpx
@@ -97,17 +97,25 @@ def test_wire_images_reach_the_model(vision_app):
     colors = {"red": (230, 20, 20), "blue": (20, 20, 230)}
     pngs = {name: base64.b64decode(png_uri(solid(rgb)).split(",", 1)[1]) for name, rgb in colors.items()}
     question = {"color": Choice(instructions="Main color of the chart?", criteria={"red": None, "blue": None})}
+    asked = {"color": {"type": "choice", "instructions": "Main color of the chart?",
+                       "criteria": {"red": None, "blue": None}}}
     got = {}
     with TypeSafeClient(api_key="k", base_url=url, retry=RetryPolicy(max_retries=0), timeout=120) as ts:
         for name, raw in pngs.items():
             r = ts.system_one(state={"note": "the chart", "chart": Image(raw)}, questions=question)
             meta = r.raw_http_response.json()["x_meta"]
-            assert meta["engine"] == "torch" and meta["image_pixels"] > 0 and meta["visual_tokens"] > 0
+            want = vision_local.decide({"note": "the chart", "chart": png_uri(solid(colors[name]))}, asked)
+            assert meta["engine"] == "torch" and (meta["image_pixels"], meta["visual_tokens"]) == (
+                want["meta"]["image_pixels"], want["meta"]["visual_tokens"])
             got[name] = r.choices["color"].probabilities
+            assert got[name] == pytest.approx(want["answers"]["color"]["probabilities"], abs=1e-5)
         # an alias named only in the instructions: the image is listed after the state and named [image 1] there
         aliased = ts.system_one(state="a chart", assets={"pic": Image(pngs["red"])}, questions={
             "color": Choice(instructions="Main color of pic?", criteria={"red": None, "blue": None})})
-        assert aliased.raw_http_response.json()["x_meta"]["image_pixels"] > 0
+        want = vision_local.decide("a chart", {"color": {**asked["color"], "instructions": "Main color of [image 1]?"}},
+                                   images=[png_uri(solid(colors["red"]))])
+        assert aliased.choices["color"].probabilities == pytest.approx(want["answers"]["color"]["probabilities"],
+                                                                       abs=1e-5)
     assert got["red"] != got["blue"]
     inline = httpx.post(url + "/v1/systemone", timeout=120, json={
         "model": "jev-latest", "state": {"note": "the chart", "chart": "img1"},
@@ -122,4 +130,4 @@ def test_wire_images_reach_the_model(vision_app):
                                                                     solid(colors["red"]))}]}],
         questions=[{"type": "choice", "instructions": "Main color of the chart?",
                     "choices": [{"value": "red"}, {"value": "blue"}]}])
-    assert d.answers[0].type == "choice" and d.to_dict()["x_meta"]["image_pixels"] > 0
+    assert d.answers[0].type == "choice" and d.to_dict()["x_meta"]["image_pixels"] == want["meta"]["image_pixels"]
