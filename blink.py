@@ -2163,8 +2163,8 @@ class TorchEngine(PromptEngine):
         self.image_limits = self._processor_limits(limits)
         self.model = load_pretrained(AutoModelForImageTextToText, base, base_rev, self.settings)
         if tower:
-            text_model = AutoModelForCausalLM.from_pretrained(source, revision=revision, device_map="cpu",
-                                                              dtype=self.model.dtype)
+            text_model = load_pretrained(AutoModelForCausalLM, source, revision, replace(  # the same load rules
+                self.settings, gpu=False, zero_gpu=False, dtype=self.settings.compute_dtype))  # on the CPU
             try:
                 graft_keys.graft_text_weights(self.model, text_model)
             except ValueError as exc:
