@@ -118,6 +118,12 @@ def margin(probs: list[float]) -> float:
     return top - second
 
 
+def evidence_tokens(prompt: blink.Prompt) -> int:
+    """How many of a rendered prompt's tokens are the evidence (between its first and last cut; all of it when the
+    prompt has no cuts)."""
+    return prompt.cuts[-1] - prompt.cuts[0] if prompt.cuts else len(prompt.ids)
+
+
 def cold_run(engine: blink.TorchEngine, request: blink.Request, warm: blink.Request) -> tuple[float, float, dict]:
     """One request over a log the engine has not seen (its kept prefixes dropped, then the template header kept by
     a short request, as after any other request): wall and CPU seconds, and the readouts."""
@@ -145,7 +151,7 @@ def measure(name: str, model: str, targets: list[int], reps: int) -> list[dict]:
             for arm in timed[rep % len(timed):] + timed[:rep % len(timed)]:
                 wall, cpu, _ = cold_run(arms[arm], request, warm)
                 best[arm] = [min(best[arm][0], wall), min(best[arm][1], cpu)]
-        row = {"model": name, "doc_tokens": prompt.cuts[-1] - prompt.cuts[0] if prompt.cuts else len(prompt.ids),
+        row = {"model": name, "doc_tokens": evidence_tokens(prompt),
                "questions": len(request.questions), "prompt_tokens": sum(len(p.ids) for p in ref.render(request)),
                "arms": {}}
         for arm in arms:

@@ -119,9 +119,9 @@ def measure(folder: str, targets: list[int], reps: int) -> list[dict]:
                 wall, peak, _ = cold(engines[arm], request, warm)
                 times[arm].append(wall)
                 peaks[arm] = max(peaks[arm], peak)
-        prompt = ref.render(request)[0]
-        row = {"doc_tokens": prompt.cuts[-1] - prompt.cuts[0] if prompt.cuts else len(prompt.ids),
-               "questions": len(request.questions), "prompt_tokens": sum(len(p.ids) for p in ref.render(request)),
+        prompts = ref.render(request)
+        row = {"doc_tokens": drift.evidence_tokens(prompts[0]), "questions": len(request.questions),
+               "prompt_tokens": sum(len(p.ids) for p in prompts),
                "arms": {}}
         plain_s = statistics.median(times["plain"])
         for arm in engines:
@@ -151,11 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder, params = build_model(os.path.join(tmp, "qwen3.5-4b-shape"))
-        weights_gib = round(sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) / 2**30, 2)
+        saved_gib = round(sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) / 2**30, 2)
         rows = measure(folder, CONFIGS[mode]["docs"], CONFIGS[mode]["reps"])
     res = {"mode": mode, "command": saved.command("gpu.py", argv), "hardware": blink.hardware(),
            "torch": torch.__version__, "model": {"kind": "random-weight Qwen3.5 text model", "parameters": params,
-                                                 "saved_gib": weights_gib, **SHAPE},
+                                                 "saved_gib": saved_gib, **SHAPE},
            "defaults": {k: getattr(blink.Settings.from_env({}), k) for k in
                         ("compute_dtype", "token_budget", "prefix_kv_tokens", "prefix_cache_mb")},
            "rows": rows, "duration_s": round(time.perf_counter() - started, 1),

@@ -329,7 +329,8 @@ def test_the_bench_readme_tables_are_what_report_prints():
     with open(BENCH_README, encoding="utf-8") as fh:
         readme = fh.read()
     quoted = {"decision.json": None, "drift.json": None, "budget.json": None, "overhead.json": None,
-              "batch.json": None, "models.json": None, "gpu.json": None, "memory.json": None, "full.json": "Time per request"}  # full: the grid's tables
+              "batch.json": None, "models.json": None, "gpu.json": None, "memory.json": None,
+              "full.json": "Time per request"}  # full: the grid's tables
     for name, start in quoted.items():
         with open(os.path.join(RESULTS, name), encoding="utf-8") as fh:
             out = report.report(json.load(fh), name)
