@@ -290,7 +290,7 @@ class Settings:
     prefix_kv_tokens: int | None = setting("BLINK_PREFIX_KV_TOKENS", None, 1, kind=int)  # prefix copies x length
     # held at once: bounds how many tails run against one prefix per forward
     prefix_cache_mb: int | None = setting("BLINK_PREFIX_CACHE_MB", None, 0, kind=int)  # prefixes kept across requests
-    release_memory: bool = setting("BLINK_RELEASE_MEMORY", True)  # freed pages back to the OS after each forward call
+    release_memory: bool = setting("BLINK_RELEASE_MEMORY", True)  # freed pages to the OS after each forward; 1 arena
     readout: str = setting("BLINK_READOUT", "rows", choices=READOUTS)  # per-question GEMVs, or one matmul
     cpu_matmul: str = setting("BLINK_CPU_MATMUL", "auto", choices=CPU_MATMULS)  # auto: the faster one, measured
     gpu_duration: int = setting("BLINK_GPU_DURATION", 60, 1)  # the most seconds one ZeroGPU call reserves
@@ -811,8 +811,7 @@ def parse_request(state, questions, *, images=None, temperature=None, prefer: st
         raise ImageError("images must be a list of data URIs", ["body", "images"])
     images = tuple(images or ())
     located = locate_images(state, images, settings.image_limits)
-    return Request(state, parsed, questions, request_key(state, questions), located, images, temperature, prefer,
-                   bias)
+    return Request(state, parsed, questions, request_key(state, questions), located, images, temperature, prefer, bias)
 
 
 def request_key(state, questions: dict) -> str:
@@ -856,8 +855,7 @@ def chat(user) -> list[dict]:
 
 def wrap(tokenizer, user) -> str:
     """The full prompt text up to the answer position (`user`: text, or a vision model's list of content parts)."""
-    return tokenizer.apply_chat_template(chat(user), tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=False)
+    return tokenizer.apply_chat_template(chat(user), tokenize=False, add_generation_prompt=True, enable_thinking=False)
 
 
 # ==================================================================================================================
@@ -895,14 +893,9 @@ def answer_for(question: Question, probs: list[float]) -> dict:
         return {"type": "choice", "choice": best, "probabilities": p, "confidence": choice_confidence(p[best], len(keys))}
     if question.type == "noul":
         return {"type": "noul", "noul": p["yes"], "probabilities": p}
-    return {
-        "type": "score",
-        "score": sum(int(k) * p[k] for k in keys),
-        "probabilities": p,
-        "legend": {k: text(question.spec["criteria"][int(k)]) for k in keys},
-        "choice": best,
-        "confidence": min(1.0, max(0.0, choice_confidence(p[best], len(keys)))),
-    }
+    return {"type": "score", "score": sum(int(k) * p[k] for k in keys), "probabilities": p,
+            "legend": {k: text(question.spec["criteria"][int(k)]) for k in keys}, "choice": best,
+            "confidence": min(1.0, max(0.0, choice_confidence(p[best], len(keys))))}
 
 
 @dataclass
@@ -2110,6 +2103,8 @@ class TorchEngine(PromptEngine):
         """vision: the model has its own vision tower; vision_tower="repo@revision": graft this text checkpoint
         onto its base model's vision tower; model_name (default: the id's last part) picks the allowed base."""
         super().__init__(model_id, revision, settings or env_settings())
+        if self.settings.release_memory:  # before the threads that will run forwards first allocate
+            share_malloc_arenas()
         self.reads_images = bool(vision or vision_tower)
         if self.reads_images:
             self._load_vision(vision_tower, model_name or model_id, image_layout, limits or self.image_limits)
@@ -2246,8 +2241,7 @@ class TorchEngine(PromptEngine):
                 content, order = _image_content(user, image_request.markers, image_request.images, self.image_layout)
                 ids = self._image_ids(q, wrap(self.renderer, content), [grids[i] for i in order])
                 self._check_length(q, len(ids))
-                prompts.append(Prompt(q.key, [o.key for o in row.shown], ids, self.label_ids[: len(row.shown)],
-                                      order))
+                prompts.append(Prompt(q.key, [o.key for o in row.shown], ids, self.label_ids[: len(row.shown)], order))
         return prompts
 
     def prepare(self, request: Request) -> Job:
@@ -2278,8 +2272,7 @@ class TorchEngine(PromptEngine):
     def _run_image(self, job: Job) -> Forward:
         """One image job: the vision tower once, then each prompt."""
         work: ImageWork = job.work
-        rows, model_ms, encoder_ms, prefill_ms = _forward_images(self.key, work.pixel_values, work.grids,
-                                                                 work.prompts)
+        rows, model_ms, encoder_ms, prefill_ms = _forward_images(self.key, work.pixel_values, work.grids, work.prompts)
         meta = dict(work.meta)
         if self.settings.image_timing:
             meta.update(vision_encoder_ms=encoder_ms, lm_prefill_ms=prefill_ms)
@@ -2787,15 +2780,23 @@ def _vocab_lse(head, hs) -> list[float]:
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS, Windows)."""
+def _libc(name: str) -> Callable | None:
+    """A function of the C library (glibc's malloc_trim, mallopt), or None where it has none (musl, macOS, Windows)."""
     import ctypes
     import ctypes.util
 
     try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c")), name, None)
     except OSError:
         return None
+
+
+def share_malloc_arenas() -> bool:
+    """Threads that first allocate from now on share glibc's malloc arenas instead of each making its own (mallopt
+    M_ARENA_MAX = 1): pages one thread's arena freed cannot serve another's, so the app, whose forwards run on the
+    Batcher's thread, peaked 135 MB higher on 9 long documents than with one arena (bench/memory.py). True on glibc."""
+    opt = _libc("mallopt")
+    return bool(opt and opt(-8, 1))  # -8: M_ARENA_MAX in glibc's malloc.h
 
 
 def release_freed_memory() -> bool:
@@ -2803,7 +2804,7 @@ def release_freed_memory() -> bool:
     freed memory in its heaps for reuse (one heap per thread that allocated), and a forward frees hundreds of MB
     of prefix copies and activations of ever different sizes, so a stream of long prompts left a process holding
     several times its prefix cache in pages it no longer used (bench/memory.py)."""
-    trim = _malloc_trim()
+    trim = _libc("malloc_trim")
     if trim is None:
         return False
     trim(0)

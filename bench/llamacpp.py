@@ -4,8 +4,8 @@ at the prompt's last position. Two arms: every prompt evaluated from nothing ("l
 prefix with the previous prompt kept in its KV cache, as llama-server does ("llama.cpp_reuse"). Both take System One
 bodies like the other pipelines in bench/peers.py, and answer in blink's shapes.
 
-Runs where `llama_cpp` imports (pip install llama-cpp-python: it builds llama.cpp from source; set
-CMAKE_ARGS=-DGGML_NATIVE=ON for this CPU's instructions); otherwise its rows say why it was skipped.
+Runs where `llama_cpp` imports (`bash tools/setup.sh --llama`: pip builds llama.cpp from source, for the
+instructions of the CPU it builds on); otherwise its rows say why it was skipped.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import blink
 import models
 
 ARMS = {"llama.cpp": False, "llama.cpp_reuse": True}  # arm: keeps the longest common prefix in its KV cache
-SKIP_NO_PACKAGE = ("needs llama-cpp-python (pip install llama-cpp-python, which builds llama.cpp from source: about "
-                   "34 min on 2 cores)")
+SKIP_NO_PACKAGE = ("needs llama-cpp-python (bash tools/setup.sh --llama, which builds llama.cpp from source: about "
+                   "5 min on 2 cores)")
 
 
 def common_prefix(held: list[int], ids: list[int]) -> int:

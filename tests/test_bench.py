@@ -151,9 +151,10 @@ def test_decision_cases_time_both_sides_and_check_blink_against_unbatched(tiny_q
 
 
 class FakeLlama:
-    """A stand-in for llama_cpp.Llama (fabricated: llama-cpp-python is not installed where these tests run), kept to
-    what the arm relies on: eval() appends ids after the first n_tokens held (dropping the rest, as llama.cpp's KV
-    cache does) and leaves the last position's logits, computed here by the tiny model over every id held."""
+    """A stand-in for llama_cpp.Llama (fabricated: it lets the arm be checked exactly on the tiny model, which has no
+    GGUF file), kept to what the arm relies on: eval() appends ids after the first n_tokens held (dropping the rest,
+    as llama.cpp's KV cache does) and leaves the last position's logits, computed here by the tiny model over every
+    id held. The real llama.cpp is checked on the stand-in below."""
 
     def __init__(self, model, **kwargs):
         self.model, self.kwargs = model, kwargs
@@ -201,6 +202,40 @@ def test_llama_arms_read_blinks_prompt_ids_and_reuse_the_common_prefix(tiny_qwen
     reuse(body)  # the same prompts again: each runs after the one before it, the first after the last
     assert reuse.evaluated - before == sum(len(b.ids) - llamacpp.common_prefix(a.ids, b.ids)
                                            for a, b in zip([prompts[-1], *prompts], prompts))
+
+
+def real_llama_cpp():
+    """llama_cpp itself: a skip where it is not installed, a failure where CI says it must be (setup --tests)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but llama-cpp-python is not installed (bash tools/setup.sh --tests installs it)")
+        pytest.skip(llamacpp.SKIP_NO_PACKAGE)
+    import llama_cpp
+
+    return llama_cpp
+
+
+def test_llama_arms_on_real_llama_cpp_answer_as_blink_does(standin):
+    """The real llama.cpp on the stand-in's Q4_1 GGUF, fed blink's ids, picks as blink does on the weights
+    de-quantized from that file (float32 here), within Q4 rounding (0.038 apart, measured); its prefix reuse
+    changes nothing but the work."""
+    real_llama_cpp()
+    state, questions = STATE, {"q": QUESTION, "r": {**QUESTION, "instructions": "Which team owns routers?"},
+                               "n": {"type": "noul", "instructions": "Is the router broken?"}}
+    body = peers.system_one(state, questions)
+    want = blink.Deployment.serving(standin).decide(state, questions)["answers"]
+    pipes, skipped = llamacpp.pipes(standin, 1)
+    assert skipped == [] and set(pipes) == set(llamacpp.ARMS)
+    plain, reuse = pipes["llama.cpp"], pipes["llama.cpp_reuse"]
+    got = {name: arm(body) for name, arm in pipes.items()}
+    for answers in got.values():
+        assert {k: peers.pick(a) for k, a in answers.items()} == {k: peers.pick(a) for k, a in want.items()}
+        for key, answer in answers.items():
+            assert max(abs(p - want[key]["probabilities"][k]) for k, p in answer["probabilities"].items()) < 0.08
+    for key, answer in got["llama.cpp_reuse"].items():  # the same computation, less of it (0.0 apart, measured)
+        plain_probs = got["llama.cpp"][key]["probabilities"]
+        assert max(abs(p - plain_probs[k]) for k, p in answer["probabilities"].items()) < 1e-3
+    assert 0 < reuse.evaluated < plain.evaluated
 
 
 def test_llama_arms_say_why_they_cannot_run_here(tiny_qwen):

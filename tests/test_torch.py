@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import blink
+from conftest import ROOT
 
 DOC = ("Invoice 2211 from Norrland Timber AB: 40 pallets of pine boards, 18,400 EUR, due 30 days after delivery. "
        "Delivered 3 March; paid 29 April after two reminders. The buyer disputes 4 damaged pallets.")
@@ -74,6 +75,43 @@ def test_models_load_without_the_hubs_kernels(tiny_qwen):
     # transformers (5.25) swaps in kernels fetched from the Hub by default: on a GPU that is remote code, and offline
     # the load fails (an H200 run of tests/test_gpu.py stopped at kernels-community/fla). blink loads none.
     assert tiny_qwen.model.use_kernels is False
+
+
+ARENAS = """
+import ctypes, sys, threading
+import blink
+
+blink.TorchEngine(sys.argv[1], settings=blink.Settings(release_memory=sys.argv[2] == "1"))
+libc = ctypes.CDLL(None)
+libc.malloc_stats()  # glibc: an "Arena N:" block per malloc arena, on stderr
+gate = threading.Barrier(9)
+held = []
+threads = [threading.Thread(target=lambda: (held.append(bytearray(4000)), gate.wait())) for _ in range(8)]
+for t in threads:
+    t.start()
+print("threads started", file=sys.stderr, flush=True)
+libc.malloc_stats()
+gate.wait()
+"""
+
+
+@pytest.mark.skipif(blink._libc("mallopt") is None, reason="glibc's malloc only")
+def test_threads_share_malloc_arenas_where_freed_memory_is_released(tiny_qwen_dir):
+    # Each thread's own arena keeps pages other threads cannot reuse (the app's forwards run on the Batcher's
+    # thread); with BLINK_RELEASE_MEMORY the engine makes threads that start later share the arenas there are.
+    import subprocess
+    import sys
+
+    def arenas(release: str) -> tuple[int, int]:
+        done = subprocess.run([sys.executable, "-c", ARENAS, tiny_qwen_dir, release], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)
+        assert done.returncode == 0, done.stderr
+        before, after = done.stderr.split("threads started")
+        return before.count("Arena "), after.count("Arena ")
+
+    shared, own = arenas("1"), arenas("0")
+    assert shared[1] == shared[0]  # 8 new threads, each allocating: no new arena
+    assert own[1] >= own[0] + 4  # measured: 6 arenas, then 12
 
 
 def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir):

