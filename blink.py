@@ -106,7 +106,10 @@ MAX_QUESTIONS = 512
 MAX_PROMPTS = 2048  # rendered prompts per request: `permute` adds one per rotation, `multi` one per option
 MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call or one Batcher forward
 MAX_INT_DIGITS = 4000  # longest integer a request may hold (Python refuses to print integers past 4300 digits)
-LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp
+LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp (GPU)
+# On a CPU by bytes: under glibc's largest mmap threshold (32 MB) a chunk reuses freed heap pages; a larger one is
+# mapped and faulted in anew on every call (75 MB chunks cost the bfloat16 stand-in 40 ms of a 118 ms question).
+LSE_CHUNK_CPU_BYTES = 8 * 2**20
 ENGINE_KINDS = ("torch", "replay", "hybrid", "mock")
 BACKENDS = ("torch", "vllm")  # what runs a live model: transformers in this process, or a vLLM engine
 READOUTS = ("rows", "batched")
@@ -2770,11 +2773,12 @@ _READERS = {"rows": _read_rows, "batched": _read_batched}
 
 def _vocab_lse(head, hs) -> list[float]:
     """Per row, the log-sum-exp of the full FP32 vocabulary logits hs @ lm_head.T (the label mass denominator),
-    upcasting LSE_CHUNK rows of lm_head at a time so a large vocabulary never needs a whole FP32 copy (an FP32
-    lm_head is read in one product)."""
+    upcasting a chunk of lm_head at a time so a large vocabulary never needs a whole FP32 copy (an FP32 lm_head
+    is read in one product)."""
     import torch
 
-    step = head.shape[0] if head.dtype == torch.float32 else LSE_CHUNK  # an FP32 head needs no upcast copy
+    step = (head.shape[0] if head.dtype == torch.float32 else LSE_CHUNK if head.device.type != "cpu"  # by rows
+            else max(1, LSE_CHUNK_CPU_BYTES // (4 * head.shape[1])))  # on a CPU by bytes; an FP32 head: one product
     parts = [torch.logsumexp(hs @ head[i:i + step].float().T, dim=-1) for i in range(0, head.shape[0], step)]
     return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1).tolist()
 
@@ -3191,8 +3195,7 @@ class Deployment:
                              ["body", "requests"])
         temps = temperature if isinstance(temperature, (list, tuple)) else [temperature] * len(requests)
         if len(temps) != len(requests):
-            raise BlinkError(f"temperature: {len(temps)} values for {len(requests)} requests",
-                             ["body", "temperature"])
+            raise BlinkError(f"temperature: {len(temps)} values for {len(requests)} requests", ["body", "temperature"])
         for t in temps:
             if t is not None:
                 check_temperature(t)

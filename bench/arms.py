@@ -89,17 +89,27 @@ _USER_MODELS: dict[int, torch.nn.Module] = {}
 
 
 def user_model(engine: blink.TorchEngine) -> torch.nn.Module:
-    """The engine's model as a user of the peers loads it (from_pretrained, torch's own kernels): the engine's own
-    model where blink runs it with torch's kernels too, else a second copy of the same weights, loaded once. blink's
-    choice of oneDNN for a CPU's linear layers (BLINK_CPU_MATMUL) is blink's, not the peers'."""
-    if engine.matmul == "torch":
-        return engine.model
+    """The engine's model as a user of the peers loads it: from_pretrained at its defaults (the checkpoint's dtype,
+    torch's own kernels). The engine's own model where blink runs exactly that, else a second copy of the same
+    weights, loaded once. blink's choices for a CPU (bfloat16 where it computes it natively, oneDNN for a float32
+    model's linear layers: BLINK_DTYPE, BLINK_CPU_MATMUL) are blink's, not the peers'."""
     if engine.key not in _USER_MODELS:
         from transformers import AutoModelForCausalLM
 
-        _USER_MODELS[engine.key] = blink.load_pretrained(AutoModelForCausalLM, engine.source, engine.revision,
-                                                         engine.settings).eval()
+        dtype = checkpoint_dtype(engine)
+        _USER_MODELS[engine.key] = (engine.model if engine.matmul == "torch" and engine.model.dtype == dtype else
+                                    blink.load_pretrained(AutoModelForCausalLM, engine.source, engine.revision,
+                                                          replace(engine.settings, dtype=str(dtype)[6:])).eval())
     return _USER_MODELS[engine.key]
+
+
+def checkpoint_dtype(engine: blink.TorchEngine) -> torch.dtype:
+    """The dtype from_pretrained loads the engine's checkpoint in when none is asked for (its config's; float32
+    where the config names none)."""
+    from transformers import AutoConfig
+
+    dtype = AutoConfig.from_pretrained(engine.source, revision=engine.revision).dtype
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
 def prompt_text(engine: blink.TorchEngine, state, qkey: str, q: dict) -> tuple[str, list[str]]:

@@ -67,17 +67,26 @@ def pick(answer: dict) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def decision_pipeline(engine: blink.TorchEngine, config=None):
-    """transformers' decision pipeline on the engine's weights as a user loads them (arms.user_model), with a
-    tokenizer of its own (the pipeline adds its mark/split tokens to the tokenizer it is given, which would change
-    how blink tokenizes those strings).
+def decision_pipeline(engine: blink.TorchEngine, config=None, model=None):
+    """transformers' decision pipeline on the engine's weights as a user loads them (arms.user_model) or on `model`,
+    with a tokenizer of its own (the pipeline adds its mark/split tokens to the tokenizer it is given, which would
+    change how blink tokenizes those strings).
     config: a DecisionConfig or its folder (decision.json + decision_template.jinja); None: its built-in prompt."""
     from transformers import AutoTokenizer, pipeline
 
     tok = AutoTokenizer.from_pretrained(engine.source)
     kwargs = {"decision_config": config} if config else {}
-    model = arms.user_model(engine)
+    model = model if model is not None else arms.user_model(engine)
     return pipeline("decision", model=model, tokenizer=tok, device=model.device, **kwargs)
+
+
+def same_dtype_pipelines(engine: blink.TorchEngine) -> dict:
+    """Where blink computes in another dtype than a user's load (bfloat16 on a CPU that computes it natively), the
+    pipeline with its own prompt on blink's own model as well ("pipeline_bfloat16"): the same dtype and kernels on
+    both sides, so its ratio is what batching and shared prefixes alone are worth. Else none."""
+    if engine.model.dtype == arms.user_model(engine).dtype:
+        return {}
+    return {f"pipeline_{str(engine.model.dtype)[6:]}": decision_pipeline(engine, model=engine.model)}
 
 
 def export_config(model: str, folder: str) -> str | None:

@@ -426,12 +426,13 @@ def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[d
             pipes["pipeline_export"] = peers.decision_pipeline(engine, export_dir)
         else:
             skipped.append({"target": "pipeline('decision') with blink's exported config", "skipped": why})
+        pipes.update(peers.same_dtype_pipelines(engine))
         llama, llama_skipped = llamacpp.pipes(engine, threads)
         pipes.update(llama)
         skipped += llama_skipped
         cases = peers.decision_cases(engine, DECISION[mode], pipes)
         for case, row in cases.items():
-            others = "".join(f", {name} x{row[f'vs_{name}']['wall']}" for name in llama)
+            others = "".join(f", {name} x{row[f'vs_{name}']['wall']}" for name in pipes if name != "pipeline")
             print(f"decision {case:>8}: blink {row['arms']['blink']['total_wall_s']:.2f} s, pipeline "
                   f"{row['arms']['pipeline']['total_wall_s']:.2f} s: x{row['vs_pipeline']['wall']} "
                   f"(CPU time x{row['vs_pipeline']['cpu']}){others}; prefill {row['prefill_tokens']} of "
@@ -546,9 +547,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 NOTES = [
-    "Every arm runs the same weights in one process. The peers run the model as from_pretrained loads it (torch's "
-    "own kernels); where blink runs a CPU's linear layers by oneDNN (BLINK_CPU_MATMUL=auto measured it faster, "
-    "settings.linear_layers), they get their own copy of it.",
+    "Every arm runs the same weights in one process. The peers run the model as from_pretrained loads it by default "
+    "(the checkpoint's dtype, torch's own kernels); where blink runs it otherwise (bfloat16 on a CPU that computes it "
+    "natively, or a CPU's float32 linear layers by oneDNN: dtype, settings.linear_layers), they get their own copy. "
+    "pipeline_<dtype> (where there is one) runs the pipeline on blink's own model: the same dtype and kernels.",
+    "llama.cpp and llama.cpp_reuse run llama-cpp-python on the stand-in's own Q4_1 GGUF file, fed blink's prompt "
+    "token ids; llama.cpp_reuse keeps the longest common prefix with the previous prompt in its KV cache.",
     "Prompts: every arm of the grid (cells) runs blink's rendered prompts (blink's template). Of the decision "
     "peers, pipeline('decision') runs its own built-in prompt, so it answers a different prompt and may pick "
     "differently (decision.<case>.vs_pipeline.picks_differ_from_blink); pipeline_export reads blink's exported "

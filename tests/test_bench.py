@@ -150,6 +150,20 @@ def test_decision_cases_time_both_sides_and_check_blink_against_unbatched(tiny_q
     assert again["cached_tokens"] > 0 and again["prefill_tokens"] + again["cached_tokens"] == again["prompt_tokens"]
 
 
+def test_peers_load_the_checkpoint_as_a_user_does_and_a_same_dtype_pipeline_runs_blinks_model(tiny_qwen_dir,
+                                                                                              tiny_qwen):
+    # blink in bfloat16 (its default on a CPU that computes it natively): the peers get from_pretrained's default
+    # load, the float32 checkpoint, and pipeline_bfloat16 runs on blink's own model
+    bf16 = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="bfloat16"))
+    assert arms.checkpoint_dtype(bf16) == torch.float32
+    assert arms.user_model(bf16).dtype == torch.float32 and arms.user_model(bf16) is not bf16.model
+    (name, pipe), = peers.same_dtype_pipelines(bf16).items()
+    assert name == "pipeline_bfloat16" and pipe.model is bf16.model
+    # in float32 there is no second pipeline; the peers share blink's model where blink runs torch's kernels too
+    assert arms.user_model(tiny_qwen).dtype == torch.float32 and peers.same_dtype_pipelines(tiny_qwen) == {}
+    assert (arms.user_model(tiny_qwen) is tiny_qwen.model) == (tiny_qwen.matmul == "torch")
+
+
 class FakeLlama:
     """A stand-in for llama_cpp.Llama (fabricated: it lets the arm be checked exactly on the tiny model, which has no
     GGUF file), kept to what the arm relies on: eval() appends ids after the first n_tokens held (dropping the rest,
