@@ -10,9 +10,9 @@ import clock
 
 
 def matmul_flops(device: torch.device, n: int = 2048, reps: int = 10) -> float:
-    """Best-of-`reps` FLOP/s of an n x n x n product in the model's dtype on its device, by the faster of torch's
-    default kernel and, on a CPU, oneDNN's (which blink runs where it is faster, BLINK_CPU_MATMUL): the practical
-    ceiling."""
+    """Best-of-`reps` FLOP/s of an n x n x n product on the device (float32 on a CPU, bfloat16 on a GPU), by the
+    faster of torch's default kernel and, on a CPU, oneDNN's (which blink runs where it is faster, BLINK_CPU_MATMUL):
+    the practical ceiling."""
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     if device.type == "cpu":
