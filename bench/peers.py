@@ -141,8 +141,10 @@ def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
         for case in CASES:  # "again" follows "document": its document is the one blink has just seen
             state, questions = requests[case]
             for name, pipe in pipes.items():
+                elsewhere = getattr(pipe, "elsewhere_cpu", lambda: 0.0)  # an HTTP peer's server processes
+                before = elsewhere()
                 wall, cpu, out = clock.timed(lambda: pipe(system_one(state, questions)))
-                times[case][name].append((wall, cpu))
+                times[case][name].append((wall, cpu + elsewhere() - before))
                 answers.setdefault((rep, case, name), out)
             wall, cpu, out = clock.timed(lambda: dep.decide(state, questions))
             times[case]["blink"].append((wall, cpu))
@@ -372,10 +374,11 @@ def systemone_probe(url: str, model: str, body: dict) -> str | None:
 
 
 def vllm_row() -> dict:
-    """Where the vLLM comparison lives: vLLM pins a transformers blink's torch engine does not run on, so it cannot
-    share this process; bench/vllm_check.py runs both backends as servers side by side."""
-    return {"target": "vLLM", "skipped": "an arm of its own: python bench/vllm_check.py (blink on vLLM against blink "
-                                         "on torch, bench/results/vllm-cpu.json)"}
+    """Where vLLM's throughput lives: vLLM pins a transformers blink's torch engine does not run on, so it cannot
+    share this process; bench/vllm_check.py runs both backends as servers side by side (the decision cases run it
+    as the arm blink_vllm, bench/vllm_arm.py)."""
+    return {"target": "vLLM", "skipped": "throughput in an arm of its own: python bench/vllm_check.py (blink on vLLM "
+                                         "against blink on torch, bench/results/vllm-cpu.json)"}
 
 
 def with_export(model: str, fn: Callable[[str | None, str | None], object]):

@@ -18,6 +18,7 @@ a summary.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import platform
@@ -40,6 +41,7 @@ import limits  # noqa: E402
 import peers  # noqa: E402
 import saved  # noqa: E402
 import throughput  # noqa: E402
+import vllm_arm  # noqa: E402
 import workloads  # noqa: E402
 
 # Each slow arm runs at most `budget` prompt tokens per cell (always at least one question); its time for the whole
@@ -430,9 +432,15 @@ def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[d
         llama, llama_skipped = llamacpp.pipes(engine, threads)
         pipes.update(llama)
         skipped += llama_skipped
-        cases = peers.decision_cases(engine, DECISION[mode], pipes)
+        logs = tempfile.mkdtemp(prefix="blink-bench-servers-")
+        print(f"server logs in {logs}", flush=True)
+        quick_skip = ({}, [{"target": "blink on vLLM", "skipped": "full and --decision runs only"}])
+        with (vllm_arm.pipes(engine.model_id, threads, logs) if mode != "quick" else
+              contextlib.nullcontext(quick_skip)) as (vllm, vllm_skipped):
+            skipped += vllm_skipped
+            cases = peers.decision_cases(engine, DECISION[mode], {**pipes, **vllm})
         for case, row in cases.items():
-            others = "".join(f", {name} x{row[f'vs_{name}']['wall']}" for name in pipes if name != "pipeline")
+            others = "".join(f", {name} x{row[f'vs_{name}']['wall']}" for name in [*pipes, *vllm] if name != "pipeline")
             print(f"decision {case:>8}: blink {row['arms']['blink']['total_wall_s']:.2f} s, pipeline "
                   f"{row['arms']['pipeline']['total_wall_s']:.2f} s: x{row['vs_pipeline']['wall']} "
                   f"(CPU time x{row['vs_pipeline']['cpu']}){others}; prefill {row['prefill_tokens']} of "
@@ -441,8 +449,6 @@ def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[d
         if mode == "quick":
             http = [{"target": "HTTP /v1/systemone", "skipped": "full and --decision runs only"}]
         else:
-            logs = tempfile.mkdtemp(prefix="blink-bench-servers-")
-            print(f"server logs in {logs}", flush=True)
             http = peers.http_rows(engine, HTTP, threads, export_dir, logs)
         for r in http:
             print(f"http {r['target']} {r.get('clients', '')}: {r.get('requests_per_s', r.get('skipped'))} req/s "

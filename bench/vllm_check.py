@@ -49,8 +49,8 @@ import saved  # noqa: E402
 import systemone_requests  # noqa: E402
 import throughput  # noqa: E402
 from run import HTTP  # noqa: E402
+from vllm_arm import VLLM_PYTHON, missing, vllm_args, vllm_env  # noqa: E402
 
-VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 REFERENCE = "blink torch float32"  # what every arm's answers and speed are compared with
 # (arm, python, BLINK_BACKEND, BLINK_DTYPE); the reference first
 ARMS = ((REFERENCE, sys.executable, "torch", "float32"),
@@ -61,29 +61,10 @@ OWN_ROUTE = "vLLM's own /v1/systemone"
 START_S = 900  # three vLLM engines and two torch apps start side by side on a small machine
 
 
-def missing() -> str | None:
-    """Why this arm cannot run here (None when it can)."""
-    if not os.path.exists(VLLM_PYTHON):
-        return f"no vLLM environment at {VLLM_PYTHON} (bash tools/setup.sh --vllm builds it)"
-    return None
-
-
 def workload(count: int, seed: int = 7) -> list[dict]:
     """The requests every arm answers: generated ones plus one choice with 200 options (two vLLM requests)."""
     wide = {"type": "choice", "instructions": "Which code fits?", "criteria": {f"code {i}": None for i in range(200)}}
     return systemone_requests.requests(count - 1, seed) + [{"state": "ticket 4417: refund", "questions": {"w": wide}}]
-
-
-def vllm_args(max_model_len: int) -> dict:
-    """The vLLM engine arguments of both vLLM arms: a bounded context; on a CPU the engine not compiled (it starts in
-    about a minute rather than three); on a GPU a share of its memory each, as two engines share it."""
-    return {"max_model_len": max_model_len, **({"gpu_memory_utilization": 0.3} if blink._cuda() else
-                                                 {"enforce_eager": True})}
-
-
-def vllm_env() -> dict:
-    """What vLLM reads on a CPU: its KV cache size in GiB (the default takes a large share of a small machine)."""
-    return {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def app_env(model: str, backend: str, dtype: str, port: int, engine_args: dict) -> dict:
@@ -95,10 +76,10 @@ def app_env(model: str, backend: str, dtype: str, port: int, engine_args: dict) 
 
 def own_route_cmd(folder: str, port: int, max_model_len: int) -> list[str]:
     """vLLM's own OpenAI-compatible server on the model folder, with raw log-probs (its decision route needs them)."""
-    eager = [] if blink._cuda() else ["--enforce-eager"]
+    eager = [] if blink.cuda_available() else ["--enforce-eager"]
     return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
             "--port", str(port), "--logprobs-mode", "raw_logprobs", "--max-model-len", str(max_model_len), *eager,
-            *(["--gpu-memory-utilization", "0.3"] if blink._cuda() else [])]
+            *(["--gpu-memory-utilization", "0.3"] if blink.cuda_available() else [])]
 
 
 def probabilities(answer: dict) -> dict[str, float]:
@@ -188,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"skipped: the vLLM arm needs the vLLM environment ({why}); nothing was measured")
         return 0
-    out = args.out or os.path.join(HERE, "results", f"vllm-{'cuda' if blink._cuda() else 'cpu'}.json")
+    out = args.out or os.path.join(HERE, "results", f"vllm-{'cuda' if blink.cuda_available() else 'cpu'}.json")
     started = time.perf_counter()
     load0 = os.getloadavg()
     from transformers import AutoTokenizer
