@@ -250,6 +250,31 @@ def test_app_py_serves_system_one_on_vllm(torch_fp32, vllm_side):
     assert max(r.json()["x_meta"]["batched_requests"] for r in replies) > 1  # the Batcher packed callers together
 
 
+def test_the_bench_arm_asks_blink_on_vllm_and_counts_its_servers_cpu(torch_fp32, vllm_side):
+    # bench/run.py --decision's blink_vllm arm, on the same real server: blink's answers in blink's shapes (a noul's
+    # distribution included), and CPU time read from the server's process group, where vLLM's engine core runs
+    import peers
+    import vllm_arm
+
+    proc, (url, log_path) = vllm_side["app"]
+    wait_up(proc, url, log_path, ENGINE_START_S)
+    state = "Order 4100: I was charged twice for the same order and want my money back."
+    questions = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+                 "team": {"type": "choice", "instructions": "Which team handles it?",
+                          "criteria": ["billing", "shipping", "technical support"]}}
+    assert vllm_arm.missing() is None
+    with httpx.Client(timeout=600) as http:
+        pipe = vllm_arm.VllmPipe(url + "v1/systemone", blink.STANDIN_MODEL, proc.pid, http)
+        before = pipe.elsewhere_cpu()
+        got = pipe(peers.system_one(state, questions))
+        assert pipe.elsewhere_cpu() > before
+    want = blink.Deployment.serving(torch_fp32).decide(state, questions)["answers"]
+    for key, answer in want.items():
+        assert got[key]["probabilities"].keys() == answer["probabilities"].keys()
+        assert all(abs(got[key]["probabilities"][k] - p) < TOLERANCE for k, p in answer["probabilities"].items())
+        assert peers.pick(got[key]) == peers.pick(answer)
+
+
 def test_blink_batch_runs_on_vllm(torch_fp32, vllm_side):
     proc, folder = vllm_side["batch"]
     finished(proc, folder / "batch.log", ENGINE_START_S)
