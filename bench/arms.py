@@ -99,8 +99,13 @@ def user_model(engine: blink.TorchEngine) -> torch.nn.Module:
         dtype = checkpoint_dtype(engine)
         _USER_MODELS[engine.key] = (engine.model if engine.matmul == "torch" and engine.model.dtype == dtype else
                                     blink.load_pretrained(AutoModelForCausalLM, engine.source, engine.revision,
-                                                          replace(engine.settings, dtype=str(dtype)[6:])).eval())
+                                                          replace(engine.settings, dtype=dtype_name(dtype))).eval())
     return _USER_MODELS[engine.key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as blink's settings name it ("bfloat16" for torch.bfloat16)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def checkpoint_dtype(engine: blink.TorchEngine) -> torch.dtype:

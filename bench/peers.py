@@ -86,7 +86,7 @@ def same_dtype_pipelines(engine: blink.TorchEngine) -> dict:
     both sides, so its ratio is what batching and shared prefixes alone are worth. Else none."""
     if engine.model.dtype == arms.user_model(engine).dtype:
         return {}
-    return {f"pipeline_{str(engine.model.dtype)[6:]}": decision_pipeline(engine, model=engine.model)}
+    return {f"pipeline_{arms.dtype_name(engine.model.dtype)}": decision_pipeline(engine, model=engine.model)}
 
 
 def export_config(model: str, folder: str) -> str | None:

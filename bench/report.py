@@ -151,7 +151,8 @@ def run_report(res: dict) -> str:
         parts += ["", "Against transformers' pipeline(\"decision\"), time per request (mean of the repetitions; "
                   "ratios > 1: blink faster; `pipeline` runs its own built-in prompt, `pipeline_export` blink's "
                   "exported one, both on the model as from_pretrained loads it; `pipeline_<dtype>` its own prompt on "
-                  "blink's model, in blink's dtype; `llama.cpp` the GGUF file, fed blink's prompt ids):", "", *decision_table(res), "", "Over HTTP (`/v1/systemone`):", "", *http_table(res)]
+                  "blink's model, in blink's dtype; `llama.cpp` the GGUF file, fed blink's prompt ids):", "",
+                  *decision_table(res), "", "Over HTTP (`/v1/systemone`):", "", *http_table(res)]
     if res["cells"]:
         parts += ["", "Time per request (* = scaled from a subsample of the questions, see the JSON; a ratio is "
                   "starred when either of its sides is):", "", *cells_table(res), "", "Prefill against the machine:",
