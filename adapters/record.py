@@ -15,8 +15,10 @@ import blink
 
 def recording_entry(readouts: dict[str, blink.Readout]) -> dict:
     """The "logits" and "lse" of a recording entry; a one-prompt question keeps the original flat layout."""
-    return {"logits": {qkey: r.logits[0] if len(r.logits) == 1 else r.logits for qkey, r in readouts.items()},
-            "lse": {qkey: r.lse for qkey, r in readouts.items()}}
+    return {
+        "logits": {qkey: r.logits[0] if len(r.logits) == 1 else r.logits for qkey, r in readouts.items()},
+        "lse": {qkey: r.lse for qkey, r in readouts.items()},
+    }
 
 
 def record(model_id: str | None = None, path: str | None = None, settings: blink.Settings | None = None) -> dict:
@@ -28,17 +30,27 @@ def record(model_id: str | None = None, path: str | None = None, settings: blink
     requests = {}
     for file in blink.example_files():
         example = blink.load_example(file)
-        request = blink.parse_request(example["state"], example["questions"], images=example.get("images"),
-                                      settings=settings)
+        request = blink.parse_request(
+            example["state"], example["questions"], images=example.get("images"), settings=settings
+        )
         if request.holds_images():
             continue
         t0 = time.perf_counter()
         result = live.forward(request)
         requests[request.key] = {
-            "example": os.path.basename(file), **recording_entry(result.readouts), "input_tokens": result.input_tokens,
-            "latency_ms": blink.since_ms(t0), "model_ms": result.model_ms}
-    data = {"model": model_id, "revision": live.revision, "hardware": blink.hardware(),
-            "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "requests": requests}
+            "example": os.path.basename(file),
+            **recording_entry(result.readouts),
+            "input_tokens": result.input_tokens,
+            "latency_ms": blink.since_ms(t0),
+            "model_ms": result.model_ms,
+        }
+    data = {
+        "model": model_id,
+        "revision": live.revision,
+        "hardware": blink.hardware(),
+        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "requests": requests,
+    }
     with open(path or settings.replay_path_for(model_id), "w", encoding="utf-8") as fh:
         json.dump(data, fh, ensure_ascii=False, indent=1)
         fh.write("\n")

@@ -30,26 +30,43 @@ from dataclasses import dataclass
 
 import blink
 
-
 DEFAULT_MODEL_ALIAS = "jev-latest"  # the System One SDKs' default model: answered by the default model
 _JSON_KINDS = {str: "a string", dict: "an object", list: "an array", bool: "a boolean"}
 TEXTLIKE = (str, dict, list)  # instructions and descriptions: text, or structured as an object or an array
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
 DECISION_TYPES = {"predicate": "noul", "choice": "choice", "score": "score"}  # Decisions type -> blink type
-_DECISION_PARTS = {"user": ("input_text", "input_image", "input_json"), "developer": ("input_text",),
-                   "system": ("input_text",), "assistant": ("output_text", "refusal")}
+_DECISION_PARTS = {
+    "user": ("input_text", "input_image", "input_json"),
+    "developer": ("input_text",),
+    "system": ("input_text",),
+    "assistant": ("output_text", "refusal"),
+}
 _DECISION_ITEMS = ("function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output")
-BLINK_EXTRAS = ("label_mass", "rotations", "rotation_choices", "order_sensitivity", "multi", "choices", "abstained",
-                "reason")  # answer fields blink adds, sent as x_<name>
+BLINK_EXTRAS = (
+    "label_mass",
+    "rotations",
+    "rotation_choices",
+    "order_sensitivity",
+    "multi",
+    "choices",
+    "abstained",
+    "reason",
+)  # answer fields blink adds, sent as x_<name>
 
 
 class WireError(blink.BlinkError):
     """A refused wire request: its HTTP status and error type (422 "value_error" and the like are field-level
     validation errors), and `retry_after` seconds when trying again later can help."""
 
-    def __init__(self, message: str, loc: list | None = None, status: int = 422, kind: str = "value_error",
-                 retry_after: float | None = None):
+    def __init__(
+        self,
+        message: str,
+        loc: list | None = None,
+        status: int = 422,
+        kind: str = "value_error",
+        retry_after: float | None = None,
+    ):
         super().__init__(message, loc)
         self.status, self.kind, self.retry_after = status, kind, retry_after
 
@@ -94,21 +111,29 @@ def wire_model(model, deployment: blink.Deployment) -> str:
             return deployment.model_id(model)
     except blink.BlinkError:
         pass
-    raise WireError(f"model {model!r:.80} is not served here; this deployment serves {', '.join(deployment.models())} "
-                    f"({DEFAULT_MODEL_ALIAS!r} answers with {deployment.default_model})", ["body", "model"], 404,
-                    "model_not_found")
+    raise WireError(
+        f"model {model!r:.80} is not served here; this deployment serves {', '.join(deployment.models())} "
+        f"({DEFAULT_MODEL_ALIAS!r} answers with {deployment.default_model})",
+        ["body", "model"],
+        404,
+        "model_not_found",
+    )
 
 
 def wire_json(data: bytes):
     """A request body parsed as strict JSON (no NaN or Infinity), or a 422 saying where it breaks."""
+
     def constant(name: str):
         raise ValueError(f"{name} is not JSON")
 
     try:
         return json.loads(data, parse_constant=constant)
     except json.JSONDecodeError as exc:
-        raise WireError(f"the body is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-                        ["body", exc.pos], kind="json_invalid") from None
+        raise WireError(
+            f"the body is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
+            ["body", exc.pos],
+            kind="json_invalid",
+        ) from None
     except RecursionError:
         raise WireError("the body nests too deep to read", ["body"], kind="json_invalid") from None
     except ValueError as exc:  # bytes that are not UTF-8 text, NaN or Infinity, an integer of too many digits
@@ -137,12 +162,21 @@ def decoded_body(data: bytes, encoding: str, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return data
     if encoding != "zstd":
-        raise WireError(f"Content-Encoding {encoding!r:.40} is not supported: send the body as it is, or as zstd",
-                        ["body"], 415, "unsupported_media_type")
+        raise WireError(
+            f"Content-Encoding {encoding!r:.40} is not supported: send the body as it is, or as zstd",
+            ["body"],
+            415,
+            "unsupported_media_type",
+        )
     zstd = zstd_module()
     if zstd is None:
-        raise WireError("this server cannot read zstd bodies (it lacks backports.zstd): send the body uncompressed "
-                        "(typesafe-sdk: compression=False)", ["body"], 415, "unsupported_media_type")
+        raise WireError(
+            "this server cannot read zstd bodies (it lacks backports.zstd): send the body uncompressed "
+            "(typesafe-sdk: compression=False)",
+            ["body"],
+            415,
+            "unsupported_media_type",
+        )
     out = bytearray()
     while data:
         frame = zstd.ZstdDecompressor()
@@ -165,8 +199,12 @@ def check_bearer(authorization: str, key: str | None) -> None:
         return
     scheme, _, given = authorization.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-        raise WireError("missing or wrong API key: send the deployment's key as Authorization: Bearer <key>", [], 401,
-                        "authentication_error")
+        raise WireError(
+            "missing or wrong API key: send the deployment's key as Authorization: Bearer <key>",
+            [],
+            401,
+            "authentication_error",
+        )
 
 
 def media_type(content_type: str) -> str:
@@ -184,8 +222,12 @@ def request_body(data: bytes, content_type: str):
     415 naming the type."""
     kind = media_type(content_type)
     if kind and kind != "application/json" and not kind.endswith("+json"):
-        raise WireError(f"Content-Type {kind!r:.60} is not supported: send application/json (or multipart/form-data "
-                        "with images)", ["body"], 415, "unsupported_media_type")
+        raise WireError(
+            f"Content-Type {kind!r:.60} is not supported: send application/json (or multipart/form-data with images)",
+            ["body"],
+            415,
+            "unsupported_media_type",
+        )
     return wire_json(data)
 
 
@@ -193,8 +235,9 @@ def form_body(parts: dict[str, bytes]) -> tuple[object, dict[str, bytes]]:
     """A multipart form's parts as (the JSON `request` part, the other parts by name: images)."""
     parts = dict(parts)
     if "request" not in parts:
-        raise WireError("the multipart body needs a `request` part holding the JSON request", ["body", "request"],
-                        kind="missing")
+        raise WireError(
+            "the multipart body needs a `request` part holding the JSON request", ["body", "request"], kind="missing"
+        )
     return wire_json(parts.pop("request")), parts
 
 
@@ -229,8 +272,9 @@ def _asset_uri(key: str, asset, parts: Mapping[str, bytes], claimed: set, limits
     else:
         data = _typed(asset.get("data_base64"), (str,), [*loc, "data_base64"], nullable=True)
         if data is None:
-            raise WireError(f"asset {key!r} needs data_base64 or a multipart part", [*loc, "data_base64"],
-                            kind="missing")
+            raise WireError(
+                f"asset {key!r} needs data_base64 or a multipart part", [*loc, "data_base64"], kind="missing"
+            )
         payload = "".join(data.split())
         if len(payload) % 4 or not _BASE64.fullmatch(payload):
             raise WireError(f"asset {key!r}: data_base64 is not valid base64", [*loc, "data_base64"])
@@ -256,8 +300,9 @@ def asset_uris(assets, parts: Mapping[str, bytes], engine: blink.Engine) -> dict
         raise WireError("asset names must be non-empty", ["body", "assets", ""])
     first = next(iter(assets))
     if not engine.reads_images:
-        raise WireError(f"asset {first!r}: this model reads text only, so it cannot take images", ["body", "assets",
-                                                                                                    first])
+        raise WireError(
+            f"asset {first!r}: this model reads text only, so it cannot take images", ["body", "assets", first]
+        )
     claimed: set = set()
     uris = {key: _asset_uri(key, asset, parts, claimed, engine.image_limits) for key, asset in assets.items()}
     unclaimed = sorted(set(parts) - claimed)
@@ -268,8 +313,9 @@ def asset_uris(assets, parts: Mapping[str, bytes], engine: blink.Engine) -> dict
 
 def _image_uri_count(state) -> int:
     """How many image data URIs stand in the state (blink numbers them [image 1], [image 2], ... in this order)."""
-    return sum(1 for value, _ in blink.state_strings(state) for _, _, error in blink.scan_image_uris(value)
-               if error is None)
+    return sum(
+        1 for value, _ in blink.state_strings(state) for _, _, error in blink.scan_image_uris(value) if error is None
+    )
 
 
 def _replace_in_texts(value, pattern: re.Pattern, replace: Callable):
@@ -323,11 +369,19 @@ def _systemone_question(key: str, q) -> None:
     _typed(q, (dict,), loc)
     qtype = _need(q, "type", loc)
     if qtype == "box":
-        raise WireError(f"question {key!r}: box questions (locating a region of an image) are not supported; blink "
-                        "answers noul, choice and score questions", [*loc, "type"], 400, "unsupported_question_type")
+        raise WireError(
+            f"question {key!r}: box questions (locating a region of an image) are not supported; blink "
+            "answers noul, choice and score questions",
+            [*loc, "type"],
+            400,
+            "unsupported_question_type",
+        )
     if qtype not in blink.QUESTION_TYPES:
-        raise WireError(f"question {key!r}: type must be noul, choice, score or box (got {qtype!r:.80})",
-                        [*loc, "type"], kind="union_tag_invalid")
+        raise WireError(
+            f"question {key!r}: type must be noul, choice, score or box (got {qtype!r:.80})",
+            [*loc, "type"],
+            kind="union_tag_invalid",
+        )
     _typed(q.get("instructions"), TEXTLIKE, [*loc, "instructions"], nullable=True)
     crit_loc = [*loc, "criteria"]
     if qtype == "noul":
@@ -395,16 +449,26 @@ def systemone_answer(question: blink.Question, answer: dict, sent: dict) -> dict
         return {"type": "noul", "noul": probs["yes"], **extras}
     if question.type == "choice":
         return {"type": "choice", "choice": pick, "confidence": confidence, "probabilities": probs, **extras}
-    return {"type": "score", "score": expected_level(dist), "confidence": confidence,
-            "legend": {str(i): level for i, level in enumerate(sent["criteria"])}, "probabilities": probs, **extras}
+    return {
+        "type": "score",
+        "score": expected_level(dist),
+        "confidence": confidence,
+        "legend": {str(i): level for i, level in enumerate(sent["criteria"])},
+        "probabilities": probs,
+        **extras,
+    }
 
 
 def systemone_response(call: WireCall, result: dict) -> dict:
     """The System One response of an answered request; blink's meta as x_meta."""
     answers = {q.key: systemone_answer(q, result["answers"][q.key], call.sent[q.key]) for q in call.request.questions}
     meta = result["meta"]
-    return {"model": call.model, "answers": answers,
-            "usage": {"input_tokens": int(meta["input_tokens"]), "output_tokens": 0}, "x_meta": meta}
+    return {
+        "model": call.model,
+        "answers": answers,
+        "usage": {"input_tokens": int(meta["input_tokens"]), "output_tokens": 0},
+        "x_meta": meta,
+    }
 
 
 # ---- OpenAI Decisions ------------------------------------------------------------------------------------------
@@ -414,8 +478,13 @@ def _decision_image(part: dict, loc: list) -> str:
     """An input_image part's image: a data URL blink reads (http(s) URLs and file ids are not fetched)."""
     url = _typed(_need(part, "image_url", loc), (str,), [*loc, "image_url"])
     if not url[:11].lower().startswith(blink.IMAGE_PREFIX):
-        raise WireError(f"{_field([*loc, 'image_url'])}: images must be sent as data URLs (data:image/png;base64,"
-                        "...); URLs and file ids are not fetched", [*loc, "image_url"], 400, "unsupported_image_url")
+        raise WireError(
+            f"{_field([*loc, 'image_url'])}: images must be sent as data URLs (data:image/png;base64,"
+            "...); URLs and file ids are not fetched",
+            [*loc, "image_url"],
+            400,
+            "unsupported_image_url",
+        )
     return url
 
 
@@ -429,8 +498,10 @@ def _decision_content(content, role: str, loc: list) -> str | list:
         ploc = [*loc, i]
         kind = _need(_typed(part, (dict,), ploc), "type", ploc)
         if kind not in _DECISION_PARTS[role]:
-            raise WireError(f"{_field(ploc)}: a {role} message takes {', '.join(_DECISION_PARTS[role])} parts (got "
-                            f"{kind!r:.40})", [*ploc, "type"])
+            raise WireError(
+                f"{_field(ploc)}: a {role} message takes {', '.join(_DECISION_PARTS[role])} parts (got {kind!r:.40})",
+                [*ploc, "type"],
+            )
         if kind == "input_image":
             out.append(_decision_image(part, ploc))
         elif kind == "input_json":
@@ -458,15 +529,18 @@ def decision_state(value):
         if "role" in item:
             role = item["role"]
             if role not in _DECISION_PARTS:
-                raise WireError(f"{_field([*iloc, 'role'])} must be user, developer, system or assistant",
-                                [*iloc, "role"])
-            turns.append({"role": role, "content": _decision_content(_need(item, "content", iloc), role,
-                                                                     [*iloc, "content"])})
+                raise WireError(
+                    f"{_field([*iloc, 'role'])} must be user, developer, system or assistant", [*iloc, "role"]
+                )
+            turns.append(
+                {"role": role, "content": _decision_content(_need(item, "content", iloc), role, [*iloc, "content"])}
+            )
         elif item.get("type") in _DECISION_ITEMS:
             turns.append({k: v for k, v in item.items() if v is not None})
         else:
-            raise WireError(f"{_field(iloc)} must be a message (with a role) or one of {', '.join(_DECISION_ITEMS)}",
-                            iloc)
+            raise WireError(
+                f"{_field(iloc)} must be a message (with a role) or one of {', '.join(_DECISION_ITEMS)}", iloc
+            )
     if len(turns) == 1 and turns[0].get("role") == "user":
         return turns[0]["content"]
     return turns
@@ -486,8 +560,10 @@ def _decision_instructions(value, loc: list, images: list, first_number: int) ->
             images.append(_decision_image(part, ploc))
             lines.append(f"[image {first_number + len(images) - 1}]")
         else:
-            raise WireError(f"{_field(ploc)}: instructions take input_text and input_image parts (got {kind!r:.40})",
-                            [*ploc, "type"])
+            raise WireError(
+                f"{_field(ploc)}: instructions take input_text and input_image parts (got {kind!r:.40})",
+                [*ploc, "type"],
+            )
     return "\n".join(lines)
 
 
@@ -533,11 +609,18 @@ def decisions_call(body, parts: Mapping[str, bytes], deployment: blink.Deploymen
         loc = ["body", "questions", i]
         kind = _need(_typed(q, (dict,), loc), "type", loc)
         if kind not in DECISION_TYPES:
-            raise WireError(f"{_field([*loc, 'type'])} must be predicate, choice or score (got {kind!r:.80})",
-                            [*loc, "type"], kind="union_tag_invalid")
+            raise WireError(
+                f"{_field([*loc, 'type'])} must be predicate, choice or score (got {kind!r:.80})",
+                [*loc, "type"],
+                kind="union_tag_invalid",
+            )
         _typed(q.get("name"), (str,), [*loc, "name"], nullable=True)
-        spec = {"type": DECISION_TYPES[kind], "instructions": _decision_instructions(
-            _need(q, "instructions", loc), [*loc, "instructions"], images, in_state + 1)}
+        spec = {
+            "type": DECISION_TYPES[kind],
+            "instructions": _decision_instructions(
+                _need(q, "instructions", loc), [*loc, "instructions"], images, in_state + 1
+            ),
+        }
         if kind != "predicate":
             spec["criteria"] = _decision_options(q, kind, loc)
         spec.update({k: q[k] for k in ("permute", "multi", "abstain") if k in q})  # blink's opt-in features
@@ -553,22 +636,38 @@ def decision_answer(question: blink.Question, answer: dict, sent: dict) -> dict:
         return {**head, "probability": dist[0], **extras}
     if question.type == "choice":
         values = [c["value"] for c in sent["choices"]]
-        return {**head, "choice": values[question.keys.index(pick)], "confidence": confidence,
-                "probabilities": [{"value": v, "probability": p} for v, p in zip(values, dist)], **extras}
-    return {**head, "score": expected_level(dist), "confidence": confidence,
-            "probabilities": [{"value": i, "label": level["label"], "probability": p}
-                              for i, (level, p) in enumerate(zip(sent["levels"], dist))], **extras}
+        return {
+            **head,
+            "choice": values[question.keys.index(pick)],
+            "confidence": confidence,
+            "probabilities": [{"value": v, "probability": p} for v, p in zip(values, dist)],
+            **extras,
+        }
+    return {
+        **head,
+        "score": expected_level(dist),
+        "confidence": confidence,
+        "probabilities": [
+            {"value": i, "label": level["label"], "probability": p}
+            for i, (level, p) in enumerate(zip(sent["levels"], dist))
+        ],
+        **extras,
+    }
 
 
 def decisions_response(call: WireCall, result: dict) -> dict:
     """The Decisions response of an answered request, answers in question order; blink's meta as x_meta."""
-    answers = [decision_answer(q, result["answers"][q.key], sent) for q, sent in zip(call.request.questions,
-                                                                                      call.sent)]
+    answers = [decision_answer(q, result["answers"][q.key], sent) for q, sent in zip(call.request.questions, call.sent)]
     meta = result["meta"]
     tokens = int(meta["input_tokens"])
     cached = int(meta.get("cached_tokens") or 0)  # read from prefixes kept by earlier requests
-    usage = {"input_tokens": tokens, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-             "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": tokens}
+    usage = {
+        "input_tokens": tokens,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": 0,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": tokens,
+    }
     return {"model": call.model, "answers": answers, "usage": usage, "x_meta": meta}
 
 
@@ -619,8 +718,14 @@ def decisions_error(exc: Exception) -> tuple[int, dict]:
     is a 400 invalid_request_error, as OpenAI's are)."""
     err = wire_refusal(exc)
     status = 400 if err.status == 422 else err.status
-    return status, {"error": {"message": str(err), "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
-                              "param": decisions_param(err.loc), "code": err.kind}}
+    return status, {
+        "error": {
+            "message": str(err),
+            "type": _OPENAI_TYPES.get(status, "invalid_request_error"),
+            "param": decisions_param(err.loc),
+            "code": err.kind,
+        }
+    }
 
 
 def weights_date(engine: blink.Engine) -> str:
@@ -646,8 +751,14 @@ def models_listing(deployment: blink.Deployment) -> dict:
     for mid in deployment.models():
         eng = deployment.engine(mid)
         what = "default model" if mid == deployment.default_model else "served model"
-        rows.append({"name": mid, "description": f"blink {what}, {eng.name} engine", "release_date": weights_date(eng),
-                     "x_engine": eng.name})
+        rows.append(
+            {
+                "name": mid,
+                "description": f"blink {what}, {eng.name} engine",
+                "release_date": weights_date(eng),
+                "x_engine": eng.name,
+            }
+        )
     default = rows[0]
     rows.append({**default, "name": DEFAULT_MODEL_ALIAS, "description": f"alias of {deployment.default_model}"})
     return {"models": rows}

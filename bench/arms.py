@@ -14,10 +14,10 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+import clock
 import torch
 
 import blink
-import clock
 
 
 @dataclass
@@ -97,9 +97,13 @@ def user_model(engine: blink.TorchEngine) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
         dtype = checkpoint_dtype(engine)
-        _USER_MODELS[engine.key] = (engine.model if engine.matmul == "torch" and engine.model.dtype == dtype else
-                                    blink.load_pretrained(AutoModelForCausalLM, engine.source, engine.revision,
-                                                          replace(engine.settings, dtype=dtype_name(dtype))).eval())
+        _USER_MODELS[engine.key] = (
+            engine.model
+            if engine.matmul == "torch" and engine.model.dtype == dtype
+            else blink.load_pretrained(
+                AutoModelForCausalLM, engine.source, engine.revision, replace(engine.settings, dtype=dtype_name(dtype))
+            ).eval()
+        )
     return _USER_MODELS[engine.key]
 
 
@@ -157,6 +161,7 @@ def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: boo
     device = engine.model.lm_head.weight.device
     with prefix_cache(engine, prefix), PeakMemory(device) as mem:
         engine.prefixes.clear()  # cold: nothing kept from an earlier measurement
+
         def run() -> tuple:
             req = request(engine, state, questions)
             res = engine.forward(req)
@@ -167,11 +172,23 @@ def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: boo
         settings = engine.settings
     answers = blink.assemble(req, res.readouts, {k: settings.temperature for k in questions})
     prompts = engine.render(req)
-    shared = [n for _, n in blink._prefix_groups([p.ids for p in prompts], [p.cuts for p in prompts], settings,
-                                                 engine.prefixes.keeps) if n]
+    shared = [
+        n
+        for _, n in blink._prefix_groups(
+            [p.ids for p in prompts], [p.cuts for p in prompts], settings, engine.prefixes.keeps
+        )
+        if n
+    ]
     rows = {k: r.logits[0] for k, r in res.readouts.items()}  # one prompt per question: no permute or multi here
-    return Run(wall, cpu, res.prefill_tokens, {k: a["choice"] for k, a in answers.items()}, mem.peak_mb,
-               rows, {"shared_prefix_tokens": shared[0] if shared else 0, "model_ms": res.model_ms})
+    return Run(
+        wall,
+        cpu,
+        res.prefill_tokens,
+        {k: a["choice"] for k, a in answers.items()},
+        mem.peak_mb,
+        rows,
+        {"shared_prefix_tokens": shared[0] if shared else 0, "model_ms": res.model_ms},
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -183,6 +200,7 @@ def unbatched_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
     """model(ids).logits[0, -1] at the label ids: the loop a user writes by hand, one question at a time."""
     model, tok, device = user_model(engine), engine.tok, engine.model.lm_head.weight.device
     with PeakMemory(device) as mem, torch.no_grad():
+
         def run() -> tuple:
             text, keys = prompt_text(engine, state, qkey, q)
             ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
@@ -208,7 +226,7 @@ def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[i
         continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
     whole = tok(context + continuation, add_special_tokens=False)["input_ids"]
     ctx = tok(context, add_special_tokens=False)["input_ids"]
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
 def per_option_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
@@ -221,13 +239,14 @@ def per_option_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
     keys = [o.key for o in row.shown]
     sums, norms, means, spans = [], [], [], []
     with PeakMemory(device) as mem, torch.no_grad():
+
         def run() -> None:
             context, _ = prompt_text(engine, state, qkey, q)
             for display in (o.text for o in row.shown):
                 ctx, cont = encode_pair(tok, context, display)
                 inp = torch.tensor([(ctx + cont)[:-1]], device=device)
                 logprobs = torch.log_softmax(model(input_ids=inp).logits[0].float(), dim=-1)
-                picked = logprobs[len(ctx) - 1:, :].gather(1, torch.tensor(cont, device=device)[:, None]).squeeze(1)
+                picked = logprobs[len(ctx) - 1 :, :].gather(1, torch.tensor(cont, device=device)[:, None]).squeeze(1)
                 total = float(picked.sum())
                 sums.append(total)
                 norms.append(total / max(1, len(display)))
@@ -236,8 +255,12 @@ def per_option_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
             _sync(device)
 
         wall, cpu, _ = clock.timed(run)
-    extra = {"choice_acc_norm": _pick(keys, norms), "choice_token_mean": _pick(keys, means), "spans": spans,
-             "sum_logprobs": sums}
+    extra = {
+        "choice_acc_norm": _pick(keys, norms),
+        "choice_token_mean": _pick(keys, means),
+        "spans": spans,
+        "sum_logprobs": sums,
+    }
     return Run(wall, cpu, sum(n for _, n in spans), {qkey: _pick(keys, sums)}, mem.peak_mb, {}, extra)
 
 
@@ -260,13 +283,21 @@ def generate_one(engine: blink.TorchEngine, state, qkey: str, q: dict, max_new_t
     """model.generate (greedy, a few new tokens), then read the letter out of the text."""
     model, tok, device = user_model(engine), engine.tok, engine.model.lm_head.weight.device
     with PeakMemory(device) as mem, torch.no_grad():
+
         def run() -> tuple:
             text, keys = prompt_text(engine, state, qkey, q)
             ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, temperature=None, top_p=None, top_k=None,
-                                 pad_token_id=engine.pad_id)
-            reply = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=engine.pad_id,
+            )
+            reply = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
             _sync(device)
             return keys, ids, out, reply
 
@@ -274,8 +305,15 @@ def generate_one(engine: blink.TorchEngine, state, qkey: str, q: dict, max_new_t
     labels = engine.labels[: len(keys)]
     label = parse_label(reply, labels)
     choice = keys[labels.index(label)] if label is not None else None
-    return Run(wall, cpu, ids.shape[1], {qkey: choice}, mem.peak_mb, {},
-               {"generated_tokens": int(out.shape[1] - ids.shape[1]), "reply": reply})
+    return Run(
+        wall,
+        cpu,
+        ids.shape[1],
+        {qkey: choice},
+        mem.peak_mb,
+        {},
+        {"generated_tokens": int(out.shape[1] - ids.shape[1]), "reply": reply},
+    )
 
 
 PER_QUESTION_ARMS = {"unbatched": unbatched_one, "per_option": per_option_one, "generate": generate_one}

@@ -38,19 +38,36 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-import blink  # noqa: E402
 import clock  # noqa: E402
 import report  # noqa: E402
 import saved  # noqa: E402
 
-SUMMARY = re.compile(r"batch: (\d+) rows, (\d+) errors in ([\d.]+) s \(([\d.]+) rows/s\)"
-                     r"(?:; first rows after ([\d.]+) s)?")
-QUESTIONS = {"team": {"type": "choice", "instructions": "Which team should handle this ticket?",
-                      "criteria": {"billing": "charges, refunds, invoices", "technical": "bugs, crashes, errors",
-                                   "account": "logins, passwords, access", "shipping": "deliveries and returns"}}}
-PROBLEMS = ["was charged twice for the March invoice", "cannot log in since the password reset",
-            "sees the app crash when opening settings", "got a parcel that arrived crushed",
-            "wants a refund for an unused seat", "gets error 500 when exporting a report"]
+import blink  # noqa: E402
+
+SUMMARY = re.compile(
+    r"batch: (\d+) rows, (\d+) errors in ([\d.]+) s \(([\d.]+) rows/s\)"
+    r"(?:; first rows after ([\d.]+) s)?"
+)
+QUESTIONS = {
+    "team": {
+        "type": "choice",
+        "instructions": "Which team should handle this ticket?",
+        "criteria": {
+            "billing": "charges, refunds, invoices",
+            "technical": "bugs, crashes, errors",
+            "account": "logins, passwords, access",
+            "shipping": "deliveries and returns",
+        },
+    }
+}
+PROBLEMS = [
+    "was charged twice for the March invoice",
+    "cannot log in since the password reset",
+    "sees the app crash when opening settings",
+    "got a parcel that arrived crushed",
+    "wants a refund for an unused seat",
+    "gets error 500 when exporting a report",
+]
 
 
 def write_rows(path: str, n: int) -> None:
@@ -79,8 +96,9 @@ def run_arm(name: str, cmd: list[str], env: dict, out_path: str, first_rows: int
     """One arm in a fresh process: its wall time and the timings it printed; `first_rows` is what the first chunk of
     every worker holds (the steady rate counts the rows after them)."""
     load0 = os.getloadavg()[0]
-    wall, _, done = clock.timed(lambda: subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env},
-                                                       cwd=ROOT, timeout=3600))
+    wall, _, done = clock.timed(
+        lambda: subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT, timeout=3600)
+    )
     if done.returncode != 0:
         raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     if name == "loop":
@@ -90,12 +108,23 @@ def run_arm(name: str, cmd: list[str], env: dict, out_path: str, first_rows: int
         match = SUMMARY.search(done.stderr.strip().splitlines()[-1])
         rows, answer_s = int(match.group(1)), float(match.group(3))
         first_s = float(match.group(5)) if match.group(5) else None
-    steady = ((rows - first_rows) / (answer_s - first_s)
-              if first_s is not None and answer_s > first_s and rows > first_rows else None)
-    return {"arm": name, "rows": rows, "wall_s": round(wall, 2), "answer_s": round(answer_s, 2),
-            "rows_per_s": round(rows / answer_s, 2), "rows_per_s_wall": round(rows / wall, 2),
-            "first_rows_s": first_s, "steady_rows_per_s": round(steady, 2) if steady else None,
-            "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)], "out": out_path}
+    steady = (
+        (rows - first_rows) / (answer_s - first_s)
+        if first_s is not None and answer_s > first_s and rows > first_rows
+        else None
+    )
+    return {
+        "arm": name,
+        "rows": rows,
+        "wall_s": round(wall, 2),
+        "answer_s": round(answer_s, 2),
+        "rows_per_s": round(rows / answer_s, 2),
+        "rows_per_s_wall": round(rows / wall, 2),
+        "first_rows_s": first_s,
+        "steady_rows_per_s": round(steady, 2) if steady else None,
+        "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
+        "out": out_path,
+    }
 
 
 def answers(path: str) -> dict:
@@ -110,8 +139,10 @@ def max_gap(a: dict, b: dict) -> float:
     for rid in a.keys() & b.keys():
         for qkey, ans in a[rid].items():
             other = b[rid][qkey]
-            gap = max([gap, abs(ans["label_mass"] - other["label_mass"])]
-                      + [abs(p - other["probabilities"][k]) for k, p in ans["probabilities"].items()])
+            gap = max(
+                [gap, abs(ans["label_mass"] - other["label_mass"])]
+                + [abs(p - other["probabilities"][k]) for k, p in ans["probabilities"].items()]
+            )
     return gap
 
 
@@ -126,9 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=128, help="rows the batch and ray arms answer")
     parser.add_argument("--loop-rows", type=int, default=16, help="rows the hand-written loop answers")
     parser.add_argument("--workers", type=int, default=2, help="Ray workers of the ray arm")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each model arm, interleaved; the fastest counts")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads per engine (OMP_NUM_THREADS; 0: torch's default). Ray gives each worker one")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs of each model arm, interleaved; the fastest counts"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads per engine (OMP_NUM_THREADS; 0: torch's default). Ray gives each worker one",
+    )
     parser.add_argument("--pipeline-rows", type=int, default=20000, help="rows of the no-model runs (0: skip them)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "batch.json"))
     parser.add_argument("--loop", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)  # the loop arm's process
@@ -147,12 +184,33 @@ def main(argv: list[str] | None = None) -> int:
     threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     for rep in range(args.repeats):  # interleaved, so a burst of load from elsewhere hits one run of an arm
         out = {name: os.path.join(work, f"{name}-{rep}.jsonl") for name in runs}
-        runs["loop"].append(run_arm("loop", [sys.executable, os.path.abspath(__file__), "--loop", loop_path,
-                                             out["loop"]], threads, out["loop"], 1))
-        runs["batch"].append(run_arm("batch", [sys.executable, blink_py, "batch", rows_path, "--out", out["batch"]],
-                                     threads, out["batch"], chunk))
-        runs["ray"].append(run_arm("ray", [sys.executable, blink_py, "batch", rows_path, "--out", out["ray"], "--ray",
-                                           str(args.workers)], threads, out["ray"], chunk * args.workers))
+        runs["loop"].append(
+            run_arm(
+                "loop",
+                [sys.executable, os.path.abspath(__file__), "--loop", loop_path, out["loop"]],
+                threads,
+                out["loop"],
+                1,
+            )
+        )
+        runs["batch"].append(
+            run_arm(
+                "batch",
+                [sys.executable, blink_py, "batch", rows_path, "--out", out["batch"]],
+                threads,
+                out["batch"],
+                chunk,
+            )
+        )
+        runs["ray"].append(
+            run_arm(
+                "ray",
+                [sys.executable, blink_py, "batch", rows_path, "--out", out["ray"], "--ray", str(args.workers)],
+                threads,
+                out["ray"],
+                chunk * args.workers,
+            )
+        )
     arms = [max(r, key=lambda a: a["rows_per_s"]) for r in runs.values()]  # each arm's fastest run
     reference = answers(arms[0]["out"])
     for arm in arms:
@@ -165,31 +223,51 @@ def main(argv: list[str] | None = None) -> int:
         for name, workers in (("pipeline", 0), ("pipeline ray", args.workers)):
             path = os.path.join(work, f"{name.replace(' ', '-')}.jsonl")
             extra = ["--ray", str(workers)] if workers else []
-            pipeline.append(run_arm(name, [sys.executable, blink_py, "batch", many, "--out", path, *extra],
-                                    {"BLINK_MOCK": "1"}, path, chunk * max(workers, 1)))
+            pipeline.append(
+                run_arm(
+                    name,
+                    [sys.executable, blink_py, "batch", many, "--out", path, *extra],
+                    {"BLINK_MOCK": "1"},
+                    path,
+                    chunk * max(workers, 1),
+                )
+            )
     for arm in arms + pipeline:  # where this run kept its files says nothing about the result
         del arm["out"]
     by = {a["arm"]: a for a in arms}
     result = {
-        "command": saved.command("batch.py", argv), "model": settings.default_model, "hardware": blink.hardware(),
+        "command": saved.command("batch.py", argv),
+        "model": settings.default_model,
+        "hardware": blink.hardware(),
         "rows": args.rows,
-        "loop_rows": min(args.loop_rows, args.rows), "workers": args.workers, "repeats": args.repeats,
+        "loop_rows": min(args.loop_rows, args.rows),
+        "workers": args.workers,
+        "repeats": args.repeats,
         "threads_per_engine": args.threads or "default",
-        "rows_per_call": chunk, "token_budget": settings.token_budget, "arms": arms, "pipeline": pipeline,
+        "rows_per_call": chunk,
+        "token_budget": settings.token_budget,
+        "arms": arms,
+        "pipeline": pipeline,
         "speedup_batch_over_loop": ratio(by["batch"]["rows_per_s"], by["loop"]["rows_per_s"]),
         "speedup_ray_over_batch": ratio(by["ray"]["rows_per_s"], by["batch"]["rows_per_s"]),
         "speedup_ray_over_batch_steady": ratio(by["ray"]["steady_rows_per_s"], by["batch"]["steady_rows_per_s"]),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     saved.write_json(args.out, result)
-    print(f"{result['model']} on {result['hardware']}; {args.rows} rows ({result['loop_rows']} for the loop), "
-          f"{chunk} rows per decide_many call, {result['threads_per_engine']} thread(s) per engine")
+    print(
+        f"{result['model']} on {result['hardware']}; {args.rows} rows ({result['loop_rows']} for the loop), "
+        f"{chunk} rows per decide_many call, {result['threads_per_engine']} thread(s) per engine"
+    )
     print("\n".join(report.batch_table(result)))
-    times = {k: "—" if result[k] is None else f"{result[k]}x" for k in ("speedup_batch_over_loop",
-             "speedup_ray_over_batch", "speedup_ray_over_batch_steady")}  # None: too few rows to tell
-    print(f"batch {times['speedup_batch_over_loop']} the hand loop's rows/s; --ray {args.workers} "
-          f"{times['speedup_ray_over_batch']} batch's end to end, {times['speedup_ray_over_batch_steady']} steady; "
-          f"wrote {args.out}")
+    times = {
+        k: "—" if result[k] is None else f"{result[k]}x"
+        for k in ("speedup_batch_over_loop", "speedup_ray_over_batch", "speedup_ray_over_batch_steady")
+    }  # None: too few rows to tell
+    print(
+        f"batch {times['speedup_batch_over_loop']} the hand loop's rows/s; --ray {args.workers} "
+        f"{times['speedup_ray_over_batch']} batch's end to end, {times['speedup_ray_over_batch_steady']} steady; "
+        f"wrote {args.out}"
+    )
     return 0
 
 

@@ -23,15 +23,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import torch  # noqa: E402
-
-import blink  # noqa: E402
 import clock  # noqa: E402
 import saved  # noqa: E402
+import torch  # noqa: E402
 import workloads  # noqa: E402
 
-CONFIGS = {"full": {"doc": 300, "questions": 16, "short_requests": 64, "kept_doc": 1000, "reps": 3},
-           "quick": {"doc": 100, "questions": 4, "short_requests": 16, "kept_doc": 300, "reps": 1}}
+import blink  # noqa: E402
+
+CONFIGS = {
+    "full": {"doc": 300, "questions": 16, "short_requests": 64, "kept_doc": 1000, "reps": 3},
+    "quick": {"doc": 100, "questions": 4, "short_requests": 16, "kept_doc": 300, "reps": 1},
+}
 VALUES = {"token_budget": [4096, 32768], "prefix_kv_tokens": [8192, 131072]}
 
 
@@ -48,23 +50,50 @@ def main(argv: list[str] | None = None) -> int:
     base = blink.Settings.from_env({})
     engine = blink.TorchEngine(blink.STANDIN_MODEL, settings=base)
     doc = workloads.document(engine.tok, cfg["doc"])
-    many = blink.parse_request(doc, workloads.questions(cfg["questions"], 4, workloads.ticket_count(doc)),
-                               settings=base)
-    shorts = [blink.parse_request(f"Order {i}: charged twice for one order, the customer wants a refund.",
-                                  {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
-                                  settings=base) for i in range(cfg["short_requests"])]
+    many = blink.parse_request(
+        doc, workloads.questions(cfg["questions"], 4, workloads.ticket_count(doc)), settings=base
+    )
+    shorts = [
+        blink.parse_request(
+            f"Order {i}: charged twice for one order, the customer wants a refund.",
+            {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
+            settings=base,
+        )
+        for i in range(cfg["short_requests"])
+    ]
     kept = workloads.document(engine.tok, cfg["kept_doc"], seed=3)
-    first, again = (blink.parse_request(kept, workloads.questions(8, 4, workloads.ticket_count(kept)), settings=base),
-                    blink.parse_request(kept, {f"new{k}": {**q, "instructions": "Now: " + q["instructions"]} for k, q
-                                               in workloads.questions(8, 4, workloads.ticket_count(kept)).items()},
-                                        settings=base))
+    first, again = (
+        blink.parse_request(kept, workloads.questions(8, 4, workloads.ticket_count(kept)), settings=base),
+        blink.parse_request(
+            kept,
+            {
+                f"new{k}": {**q, "instructions": "Now: " + q["instructions"]}
+                for k, q in workloads.questions(8, 4, workloads.ticket_count(kept)).items()
+            },
+            settings=base,
+        ),
+    )
     # (setting it varies, shared prefixes on, the work, what runs before it untimed)
-    work = {f"plain path, {cfg['questions']} questions over {cfg['doc']} tokens":
-            ("token_budget", False, lambda: engine.forward(many), lambda: None),
-            f"{cfg['short_requests']} short requests packed":
-            ("token_budget", True, lambda: engine.run([engine.prepare(r) for r in shorts]), lambda: None),
-            f"8 new questions over a kept {cfg['kept_doc']}-token document":
-            ("prefix_kv_tokens", True, lambda: engine.forward(again), lambda: engine.forward(first))}
+    work = {
+        f"plain path, {cfg['questions']} questions over {cfg['doc']} tokens": (
+            "token_budget",
+            False,
+            lambda: engine.forward(many),
+            lambda: None,
+        ),
+        f"{cfg['short_requests']} short requests packed": (
+            "token_budget",
+            True,
+            lambda: engine.run([engine.prepare(r) for r in shorts]),
+            lambda: None,
+        ),
+        f"8 new questions over a kept {cfg['kept_doc']}-token document": (
+            "prefix_kv_tokens",
+            True,
+            lambda: engine.forward(again),
+            lambda: engine.forward(first),
+        ),
+    }
     times: dict = {(name, v): [] for name, (field, *_) in work.items() for v in VALUES[field]}
     for _ in range(cfg["reps"] + 1):  # the first round warms up and is not counted
         for name, (field, prefix, fn, before) in work.items():
@@ -74,23 +103,41 @@ def main(argv: list[str] | None = None) -> int:
                 before()
                 wall, cpu, _ = clock.timed(fn)
                 times[(name, value)].append((wall, cpu))
-    rows = [{"workload": name, "setting": work[name][0], "value": value,
-             "wall_s": [round(w, 3) for w, _ in runs[1:]], "cpu_s": [round(c, 3) for _, c in runs[1:]],
-             "total_cpu_s": round(sum(c for _, c in runs[1:]), 3)} for (name, value), runs in times.items()]
+    rows = [
+        {
+            "workload": name,
+            "setting": work[name][0],
+            "value": value,
+            "wall_s": [round(w, 3) for w, _ in runs[1:]],
+            "cpu_s": [round(c, 3) for _, c in runs[1:]],
+            "total_cpu_s": round(sum(c for _, c in runs[1:]), 3),
+        }
+        for (name, value), runs in times.items()
+    ]
     for r in rows:
         print(f"{r['workload']:>50} {r['setting']} {r['value']:>6}: CPU {r['total_cpu_s']:.2f} s, wall {r['wall_s']}")
-    res = {"command": saved.command("budget.py", argv),
-           "hardware": blink.hardware(), "threads": args.threads, "rows": rows,
-           "duration_s": round(time.perf_counter() - started, 1)}
+    res = {
+        "command": saved.command("budget.py", argv),
+        "hardware": blink.hardware(),
+        "threads": args.threads,
+        "rows": rows,
+        "duration_s": round(time.perf_counter() - started, 1),
+    }
     path = saved.write_json(os.path.join(args.out, f"budget{'-quick' if args.quick else ''}.json"), res)
     ratios = []
     for name, (field, *_) in work.items():
-        small, large = (next(r["total_cpu_s"] for r in rows if r["workload"] == name and r["value"] == v)
-                        for v in (VALUES[field][0], VALUES[field][-1]))
-        ratios.append(f"{name}: {field} {VALUES[field][-1]} takes {large / small:.2f}x the CPU time of "
-                      f"{VALUES[field][0]}")
-    print(f"blink budget ({res['hardware']}, {args.threads} thread(s), {res['duration_s']:.0f} s): "
-          + "; ".join(ratios) + f"; results {os.path.relpath(path)}")
+        small, large = (
+            next(r["total_cpu_s"] for r in rows if r["workload"] == name and r["value"] == v)
+            for v in (VALUES[field][0], VALUES[field][-1])
+        )
+        ratios.append(
+            f"{name}: {field} {VALUES[field][-1]} takes {large / small:.2f}x the CPU time of {VALUES[field][0]}"
+        )
+    print(
+        f"blink budget ({res['hardware']}, {args.threads} thread(s), {res['duration_s']:.0f} s): "
+        + "; ".join(ratios)
+        + f"; results {os.path.relpath(path)}"
+    )
     return 0
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import blink
 
@@ -17,8 +18,12 @@ def timed(fn: Callable[[], T]) -> tuple[float, float, T]:
     return time.perf_counter() - t0, time.process_time() - c0, out
 
 
-def best_of(fn: Callable[[], T], reps: int, cost: Callable[[float, float, T], float] = lambda wall, cpu, out: wall,
-            stop_above: float | None = None) -> tuple[float, float, T]:
+def best_of(
+    fn: Callable[[], T],
+    reps: int,
+    cost: Callable[[float, float, T], float] = lambda wall, cpu, out: wall,
+    stop_above: float | None = None,
+) -> tuple[float, float, T]:
     """timed(fn) of the call whose cost (wall seconds unless told) was least among up to `reps` calls; a call whose
     cost is `stop_above` or more ends the repeats (a long run is measured once)."""
     best = timed(fn)

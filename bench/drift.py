@@ -35,14 +35,16 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import torch  # noqa: E402
-
-import blink  # noqa: E402
 import saved  # noqa: E402
+import torch  # noqa: E402
 import workloads  # noqa: E402
 
-CONFIGS = {"full": {"standin": [100, 1000, 3800, 7000], "tiny": [100, 1000, 18000], "reps": 3},
-           "quick": {"standin": [100, 1000], "tiny": [100, 2000], "reps": 1}}
+import blink  # noqa: E402
+
+CONFIGS = {
+    "full": {"standin": [100, 1000, 3800, 7000], "tiny": [100, 1000, 18000], "reps": 3},
+    "quick": {"standin": [100, 1000], "tiny": [100, 2000], "reps": 1},
+}
 REFERENCE = "float32"
 UNTIMED = ("bfloat16_plain",)  # run for its drift only: the plain path over long logs is slow and not a default
 WARM = ("The parcel arrived on time.", {"q": {"type": "noul", "instructions": "Did the parcel arrive?"}})
@@ -68,8 +70,11 @@ def quantize_int8(engine: blink.TorchEngine) -> blink.TorchEngine:
     from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
 
     head = engine.model.get_output_embeddings()
-    names = {name: default_dynamic_qconfig for name, m in engine.model.named_modules()
-             if type(m) is torch.nn.Linear and m is not head}
+    names = {
+        name: default_dynamic_qconfig
+        for name, m in engine.model.named_modules()
+        if type(m) is torch.nn.Linear and m is not head
+    }
     quantize_dynamic(engine.model, names, dtype=torch.qint8, inplace=True)
     return engine
 
@@ -79,11 +84,13 @@ def engines(model: str) -> dict[str, blink.TorchEngine]:
     base = blink.Settings(prefix_min_tokens=256)
     fp32 = replace(base, dtype="float32")
     bf16 = replace(base, dtype="bfloat16")
-    return {"float32": blink.TorchEngine(model, settings=replace(fp32, cpu_matmul="torch")),
-            "float32_onednn": blink.TorchEngine(model, settings=replace(fp32, cpu_matmul="onednn")),
-            "bfloat16": blink.TorchEngine(model, settings=bf16),
-            "bfloat16_plain": blink.TorchEngine(model, settings=replace(bf16, prefix_cache=False)),
-            "int8": quantize_int8(blink.TorchEngine(model, settings=replace(fp32, cpu_matmul="torch")))}
+    return {
+        "float32": blink.TorchEngine(model, settings=replace(fp32, cpu_matmul="torch")),
+        "float32_onednn": blink.TorchEngine(model, settings=replace(fp32, cpu_matmul="onednn")),
+        "bfloat16": blink.TorchEngine(model, settings=bf16),
+        "bfloat16_plain": blink.TorchEngine(model, settings=replace(bf16, prefix_cache=False)),
+        "int8": quantize_int8(blink.TorchEngine(model, settings=replace(fp32, cpu_matmul="torch"))),
+    }
 
 
 def questions(n_tickets: int) -> dict:
@@ -91,8 +98,11 @@ def questions(n_tickets: int) -> dict:
     qs = workloads.questions(6, 4, n_tickets)
     last = max(1, n_tickets)
     qs["refund"] = {"type": "noul", "instructions": f"Did the customer in ticket #{last} ask for a refund?"}
-    qs["upset"] = {"type": "score", "instructions": f"How upset is the customer in ticket #{last}?",
-                   "criteria": ["calm", "mildly annoyed", "frustrated", "angry", "furious"]}
+    qs["upset"] = {
+        "type": "score",
+        "instructions": f"How upset is the customer in ticket #{last}?",
+        "criteria": ["calm", "mildly annoyed", "frustrated", "angry", "furious"],
+    }
     return qs
 
 
@@ -105,11 +115,17 @@ def compare(ref: dict, got: dict) -> dict:
     """The largest label-logit and probability differences of one arm's readouts from the reference's, and the
     questions whose top label differs."""
     p_ref, p_got = probabilities(ref), probabilities(got)
-    differ = sorted(k for k in ref if max(range(len(p_ref[k])), key=p_ref[k].__getitem__)
-                    != max(range(len(p_got[k])), key=p_got[k].__getitem__))
-    return {"max_logit_diff": max(abs(a - b) for k in ref for a, b in zip(ref[k].logits[0], got[k].logits[0])),
-            "max_prob_diff": max(abs(a - b) for k in ref for a, b in zip(p_ref[k], p_got[k])),
-            "picks_differ": differ, "reference_margins": {k: round(margin(p_ref[k]), 4) for k in differ}}
+    differ = sorted(
+        k
+        for k in ref
+        if max(range(len(p_ref[k])), key=p_ref[k].__getitem__) != max(range(len(p_got[k])), key=p_got[k].__getitem__)
+    )
+    return {
+        "max_logit_diff": max(abs(a - b) for k in ref for a, b in zip(ref[k].logits[0], got[k].logits[0])),
+        "max_prob_diff": max(abs(a - b) for k in ref for a, b in zip(p_ref[k], p_got[k])),
+        "picks_differ": differ,
+        "reference_margins": {k: round(margin(p_ref[k]), 4) for k in differ},
+    }
 
 
 def margin(probs: list[float]) -> float:
@@ -148,37 +164,61 @@ def measure(name: str, model: str, targets: list[int], reps: int) -> list[dict]:
         timed = [arm for arm in arms if arm not in UNTIMED]
         best: dict[str, list[float]] = {arm: [float("inf"), float("inf")] for arm in timed}
         for rep in range(reps):
-            for arm in timed[rep % len(timed):] + timed[:rep % len(timed)]:
+            for arm in timed[rep % len(timed) :] + timed[: rep % len(timed)]:
                 wall, cpu, _ = cold_run(arms[arm], request, warm)
                 best[arm] = [min(best[arm][0], wall), min(best[arm][1], cpu)]
-        row = {"model": name, "doc_tokens": evidence_tokens(prompt),
-               "questions": len(request.questions), "prompt_tokens": sum(len(p.ids) for p in ref.render(request)),
-               "arms": {}}
+        row = {
+            "model": name,
+            "doc_tokens": evidence_tokens(prompt),
+            "questions": len(request.questions),
+            "prompt_tokens": sum(len(p.ids) for p in ref.render(request)),
+            "arms": {},
+        }
         for arm in arms:
-            timing = {} if arm in UNTIMED else {
-                "wall_s": round(best[arm][0], 4), "cpu_s": round(best[arm][1], 4),
-                "speedup_wall": round(best[REFERENCE][0] / best[arm][0], 3),
-                "speedup_cpu": round(best[REFERENCE][1] / best[arm][1], 3)}
+            timing = (
+                {}
+                if arm in UNTIMED
+                else {
+                    "wall_s": round(best[arm][0], 4),
+                    "cpu_s": round(best[arm][1], 4),
+                    "speedup_wall": round(best[REFERENCE][0] / best[arm][0], 3),
+                    "speedup_cpu": round(best[REFERENCE][1] / best[arm][1], 3),
+                }
+            )
             row["arms"][arm] = {**timing, **({} if arm == REFERENCE else compare(first[REFERENCE], first[arm]))}
         row["bfloat16_vs_bfloat16_plain"] = compare(first["bfloat16_plain"], first["bfloat16"])
         rows.append(row)
-        print(f"{name:>12} {row['doc_tokens']:>6} tok: " + "; ".join(
-            f"{arm}" + (f" {v['speedup_cpu']:.2f}x" if "speedup_cpu" in v else "")
-            + (f" {v['max_prob_diff']:.4f} {len(v['picks_differ'])} flips" if arm != REFERENCE else f" {v['cpu_s']:.2f}s")
-            for arm, v in row["arms"].items()), flush=True)
+        print(
+            f"{name:>12} {row['doc_tokens']:>6} tok: "
+            + "; ".join(
+                f"{arm}"
+                + (f" {v['speedup_cpu']:.2f}x" if "speedup_cpu" in v else "")
+                + (
+                    f" {v['max_prob_diff']:.4f} {len(v['picks_differ'])} flips"
+                    if arm != REFERENCE
+                    else f" {v['cpu_s']:.2f}s"
+                )
+                for arm, v in row["arms"].items()
+            ),
+            flush=True,
+        )
     return rows
 
 
 def worst(rows: list[dict], arm: str, model: str | None = None) -> dict:
     """An arm's largest probability difference, its picks that differ and its least speedup over the rows."""
     picked = [r for r in rows if model is None or r["model"] == model]
-    return {"max_prob_diff": max(r["arms"][arm]["max_prob_diff"] for r in picked),
-            "picks_differ": sum(len(r["arms"][arm]["picks_differ"]) for r in picked),
-            "asked": sum(r["questions"] for r in picked),
-            "min_speedup_cpu": min((r["arms"][arm]["speedup_cpu"] for r in picked if "speedup_cpu" in r["arms"][arm]),
-                                   default=None),
-            "widest_flipped_margin": max((m for r in picked for m in r["arms"][arm]["reference_margins"].values()),
-                                         default=None)}
+    return {
+        "max_prob_diff": max(r["arms"][arm]["max_prob_diff"] for r in picked),
+        "picks_differ": sum(len(r["arms"][arm]["picks_differ"]) for r in picked),
+        "asked": sum(r["questions"] for r in picked),
+        "min_speedup_cpu": min(
+            (r["arms"][arm]["speedup_cpu"] for r in picked if "speedup_cpu" in r["arms"][arm]), default=None
+        ),
+        "widest_flipped_margin": max(
+            (m for r in picked for m in r["arms"][arm]["reference_margins"].values()), default=None
+        ),
+    }
 
 
 def summary_line(res: dict, path: str) -> str:
@@ -188,11 +228,15 @@ def summary_line(res: dict, path: str) -> str:
     for arm in ("bfloat16", "int8"):
         w = worst(res["rows"], arm)
         speed = "/".join(f"{r['arms'][arm]['speedup_cpu']:.2f}" for r in stand)
-        parts.append(f"{arm}: stand-in {speed}x float32's speed (CPU time; logs of "
-                     f"{'/'.join(str(r['doc_tokens']) for r in stand)} tokens), largest probability difference "
-                     f"{w['max_prob_diff']:.4f}, picks differ {w['picks_differ']} of {w['asked']}")
-    return (f"blink precision ({res['mode']}, {res['hardware']}, {res['threads']} thread, {res['duration_s']:.0f} s): "
-            f"{'; '.join(parts)}; results {os.path.relpath(path)}")
+        parts.append(
+            f"{arm}: stand-in {speed}x float32's speed (CPU time; logs of "
+            f"{'/'.join(str(r['doc_tokens']) for r in stand)} tokens), largest probability difference "
+            f"{w['max_prob_diff']:.4f}, picks differ {w['picks_differ']} of {w['asked']}"
+        )
+    return (
+        f"blink precision ({res['mode']}, {res['hardware']}, {res['threads']} thread, {res['duration_s']:.0f} s): "
+        f"{'; '.join(parts)}; results {os.path.relpath(path)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,24 +254,34 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = time.perf_counter(), [round(x, 2) for x in os.getloadavg()]
     rows = measure("stand-in", blink.STANDIN_MODEL, cfg["standin"], reps)
     with tempfile.TemporaryDirectory() as tmp:
-        rows += measure("qwen3.5-tiny", tiny_qwen(os.path.join(tmp, "tiny"), max(cfg["tiny"]) + 2048), cfg["tiny"],
-                        reps)
-    res = {"mode": mode, "command": saved.command("drift.py", argv), "hardware": blink.hardware(),
-           "cpu_bf16": blink.native_bf16(), "torch": torch.__version__, "threads": args.threads, "reps": reps,
-           "load_average": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
-           "rows": rows, "worst": {arm: worst(rows, arm) for arm in ("float32_onednn", "bfloat16", "bfloat16_plain",
-                                                                      "int8")},
-           "duration_s": round(time.perf_counter() - started, 1),
-           "notes": ["Reference: float32 on torch's own kernels with shared prefixes (equal to the plain path within "
-                     "float rounding). Probabilities are each question's softmax over its labels at temperature 1; "
-                     "picks are the top label.",
-                     "Times: one request over a log not seen before, the arms interleaved, the least of the "
-                     "repetitions; speedup_cpu (this process's CPU time) is the figure to read on a shared machine, "
-                     "where waiting for a core inflates the wall clock.",
-                     "The tiny Qwen3.5 has random weights and 64 hidden units: its times say little about a real "
-                     "model; it is here for the drift of its linear-attention layers.",
-                     "Measured on a CPU: CUDA's bfloat16 kernels round differently, so rerun this on the GPU a "
-                     "deployment uses before relying on the figures there."]}
+        rows += measure(
+            "qwen3.5-tiny", tiny_qwen(os.path.join(tmp, "tiny"), max(cfg["tiny"]) + 2048), cfg["tiny"], reps
+        )
+    res = {
+        "mode": mode,
+        "command": saved.command("drift.py", argv),
+        "hardware": blink.hardware(),
+        "cpu_bf16": blink.native_bf16(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "reps": reps,
+        "load_average": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
+        "rows": rows,
+        "worst": {arm: worst(rows, arm) for arm in ("float32_onednn", "bfloat16", "bfloat16_plain", "int8")},
+        "duration_s": round(time.perf_counter() - started, 1),
+        "notes": [
+            "Reference: float32 on torch's own kernels with shared prefixes (equal to the plain path within "
+            "float rounding). Probabilities are each question's softmax over its labels at temperature 1; "
+            "picks are the top label.",
+            "Times: one request over a log not seen before, the arms interleaved, the least of the "
+            "repetitions; speedup_cpu (this process's CPU time) is the figure to read on a shared machine, "
+            "where waiting for a core inflates the wall clock.",
+            "The tiny Qwen3.5 has random weights and 64 hidden units: its times say little about a real "
+            "model; it is here for the drift of its linear-attention layers.",
+            "Measured on a CPU: CUDA's bfloat16 kernels round differently, so rerun this on the GPU a "
+            "deployment uses before relying on the figures there.",
+        ],
+    }
     path = saved.write_json(os.path.join(args.out, f"drift{'-quick' if args.quick else ''}.json"), res)
     print(summary_line(res, path))
     return 0

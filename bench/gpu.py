@@ -34,17 +34,27 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import torch  # noqa: E402
-
-import blink  # noqa: E402
 import drift  # noqa: E402
 import saved  # noqa: E402
+import torch  # noqa: E402
 import workloads  # noqa: E402
 
+import blink  # noqa: E402
+
 CONFIGS = {"full": {"docs": [1000, 4000, 16000], "reps": 3}, "quick": {"docs": [1000, 4000], "reps": 1}}
-SHAPE = {"hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32, "num_attention_heads": 16,
-         "num_key_value_heads": 4, "head_dim": 256, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-         "linear_num_key_heads": 16, "linear_num_value_heads": 32, "vocab_size": 248320}
+SHAPE = {
+    "hidden_size": 2560,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "vocab_size": 248320,
+}
 
 
 def build_model(folder: str) -> tuple[str, int]:
@@ -56,8 +66,9 @@ def build_model(folder: str) -> tuple[str, int]:
     config = tiny_models.text_config(tok)
     for key, value in SHAPE.items():
         setattr(config, key, value)
-    config.layer_types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                          for i in range(SHAPE["num_hidden_layers"])]
+    config.layer_types = [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(SHAPE["num_hidden_layers"])
+    ]
     config.max_position_embeddings = 32768
     tok.model_max_length = 32768
     config.initializer_range = 0.02
@@ -77,9 +88,11 @@ def build_model(folder: str) -> tuple[str, int]:
 def arms(folder: str) -> dict[str, blink.TorchEngine]:
     """The model under each arm's settings (see the module's docstring)."""
     gpu = blink.Settings.from_env({})
-    return {"default": blink.TorchEngine(folder, settings=gpu),
-            "kv_32768": blink.TorchEngine(folder, settings=replace(gpu, prefix_kv_tokens=32768)),
-            "plain": blink.TorchEngine(folder, settings=replace(gpu, prefix_cache=False))}
+    return {
+        "default": blink.TorchEngine(folder, settings=gpu),
+        "kv_32768": blink.TorchEngine(folder, settings=replace(gpu, prefix_kv_tokens=32768)),
+        "plain": blink.TorchEngine(folder, settings=replace(gpu, prefix_cache=False)),
+    }
 
 
 def cold(engine: blink.TorchEngine, request: blink.Request, warm: blink.Request) -> tuple[float, float, dict]:
@@ -115,26 +128,36 @@ def measure(folder: str, targets: list[int], reps: int) -> list[dict]:
         peaks = {arm: first[arm][1] for arm in engines}
         names = list(engines)
         for rep in range(reps):
-            for arm in names[rep % len(names):] + names[:rep % len(names)]:
+            for arm in names[rep % len(names) :] + names[: rep % len(names)]:
                 wall, peak, _ = cold(engines[arm], request, warm)
                 times[arm].append(wall)
                 peaks[arm] = max(peaks[arm], peak)
         prompts = ref.render(request)
-        row = {"doc_tokens": drift.evidence_tokens(prompts[0]), "questions": len(request.questions),
-               "prompt_tokens": sum(len(p.ids) for p in prompts),
-               "arms": {}}
+        row = {
+            "doc_tokens": drift.evidence_tokens(prompts[0]),
+            "questions": len(request.questions),
+            "prompt_tokens": sum(len(p.ids) for p in prompts),
+            "arms": {},
+        }
         plain_s = statistics.median(times["plain"])
         for arm in engines:
             wall = statistics.median(times[arm])
-            row["arms"][arm] = {"wall_s": round(wall, 4), "working_gib": round(peaks[arm], 2),
-                                "peak_gib": round(weights_gib(engines[arm]) + peaks[arm], 2),
-                                "speedup_vs_plain": round(plain_s / wall, 2),
-                                "max_prob_diff_vs_plain": round(drift.compare(first["plain"][2],
-                                                                              first[arm][2])["max_prob_diff"], 4)}
+            row["arms"][arm] = {
+                "wall_s": round(wall, 4),
+                "working_gib": round(peaks[arm], 2),
+                "peak_gib": round(weights_gib(engines[arm]) + peaks[arm], 2),
+                "speedup_vs_plain": round(plain_s / wall, 2),
+                "max_prob_diff_vs_plain": round(drift.compare(first["plain"][2], first[arm][2])["max_prob_diff"], 4),
+            }
         rows.append(row)
-        print(f"{row['doc_tokens']:>6} tok: " + "; ".join(
-            f"{arm} {v['wall_s'] * 1000:.0f} ms, {v['peak_gib']:.1f} GiB, {v['speedup_vs_plain']:.2f}x plain"
-            for arm, v in row["arms"].items()), flush=True)
+        print(
+            f"{row['doc_tokens']:>6} tok: "
+            + "; ".join(
+                f"{arm} {v['wall_s'] * 1000:.0f} ms, {v['peak_gib']:.1f} GiB, {v['speedup_vs_plain']:.2f}x plain"
+                for arm, v in row["arms"].items()
+            ),
+            flush=True,
+        )
     return rows
 
 
@@ -153,22 +176,33 @@ def main(argv: list[str] | None = None) -> int:
         folder, params = build_model(os.path.join(tmp, "qwen3.5-4b-shape"))
         saved_gib = round(sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) / 2**30, 2)
         rows = measure(folder, CONFIGS[mode]["docs"], CONFIGS[mode]["reps"])
-    res = {"mode": mode, "command": saved.command("gpu.py", argv), "hardware": blink.hardware(),
-           "torch": torch.__version__, "model": {"kind": "random-weight Qwen3.5 text model", "parameters": params,
-                                                 "saved_gib": saved_gib, **SHAPE},
-           "defaults": {k: getattr(blink.Settings.from_env({}), k) for k in
-                        ("compute_dtype", "token_budget", "prefix_kv_tokens", "prefix_cache_mb")},
-           "rows": rows, "duration_s": round(time.perf_counter() - started, 1),
-           "notes": ["Random weights: the probability gaps say only that the arms compute the same thing; the "
-                     "sizes and times are those of a model of this shape.",
-                     "working_gib: torch.cuda.max_memory_allocated during the arm's runs less what was allocated "
-                     "before each; peak_gib adds the arm's own weights (the other arms' stay out)."]}
+    res = {
+        "mode": mode,
+        "command": saved.command("gpu.py", argv),
+        "hardware": blink.hardware(),
+        "torch": torch.__version__,
+        "model": {"kind": "random-weight Qwen3.5 text model", "parameters": params, "saved_gib": saved_gib, **SHAPE},
+        "defaults": {
+            k: getattr(blink.Settings.from_env({}), k)
+            for k in ("compute_dtype", "token_budget", "prefix_kv_tokens", "prefix_cache_mb")
+        },
+        "rows": rows,
+        "duration_s": round(time.perf_counter() - started, 1),
+        "notes": [
+            "Random weights: the probability gaps say only that the arms compute the same thing; the "
+            "sizes and times are those of a model of this shape.",
+            "working_gib: torch.cuda.max_memory_allocated during the arm's runs less what was allocated "
+            "before each; peak_gib adds the arm's own weights (the other arms' stay out).",
+        ],
+    }
     path = saved.write_json(os.path.join(args.out, f"gpu{'-quick' if args.quick else ''}.json"), res)
     worst_peak = max(v["peak_gib"] for r in rows for v in r["arms"].values())
-    print(f"blink on {res['hardware']} ({params / 1e9:.2f} B-parameter Qwen3.5 shape, bfloat16): "
-          f"largest peak GPU memory {worst_peak:.1f} GiB at up to {rows[-1]['doc_tokens']} tokens; shared prefixes "
-          f"{'/'.join(str(r['arms']['default']['speedup_vs_plain']) for r in rows)}x the plain path; results "
-          f"{os.path.relpath(path)}")
+    print(
+        f"blink on {res['hardware']} ({params / 1e9:.2f} B-parameter Qwen3.5 shape, bfloat16): "
+        f"largest peak GPU memory {worst_peak:.1f} GiB at up to {rows[-1]['doc_tokens']} tokens; shared prefixes "
+        f"{'/'.join(str(r['arms']['default']['speedup_vs_plain']) for r in rows)}x the plain path; results "
+        f"{os.path.relpath(path)}"
+    )
     return 0
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 import clock
+import torch
 
 
 def matmul_flops(device: torch.device, n: int = 2048, reps: int = 10) -> float:

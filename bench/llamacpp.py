@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import importlib.util
 
+import models
 import numpy as np
 
 import blink
-import models
 
 ARMS = {"llama.cpp": False, "llama.cpp_reuse": True}  # arm: keeps the longest common prefix in its KV cache
-SKIP_NO_PACKAGE = ("needs llama-cpp-python (bash tools/setup.sh --llama, which builds llama.cpp from source: about "
-                   "5 min on 2 cores)")
+SKIP_NO_PACKAGE = (
+    "needs llama-cpp-python (bash tools/setup.sh --llama, which builds llama.cpp from source: about 5 min on 2 cores)"
+)
 
 
 def common_prefix(held: list[int], ids: list[int]) -> int:
@@ -39,8 +40,14 @@ class LlamaArm:
         if llama_cpp is None:
             import llama_cpp
         self.llama_cpp, self.engine, self.reuse = llama_cpp, engine, reuse
-        self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=int(min(blink.context_length(engine.model.config), 32768)),
-                                   n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=gguf,
+            n_ctx=int(min(blink.context_length(engine.model.config), 32768)),
+            n_threads=threads,
+            n_threads_batch=threads,
+            logits_all=False,
+            verbose=False,
+        )
         self.held: list[int] = []  # the ids whose keys and values the context holds, in order
         self.evaluated = 0
 

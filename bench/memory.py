@@ -28,14 +28,27 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-import blink  # noqa: E402
 import saved  # noqa: E402
 import workloads  # noqa: E402
 
-CONFIGS = {"full": {"docs": 24, "doc_tokens": 3800, "questions": 4, "bound_mb": 1024,
-                    "runs": "decide:float32:on,app:float32:on,app:float32:off,decide:default:on,app:default:on"},
-           "quick": {"docs": 8, "doc_tokens": 1000, "questions": 2, "bound_mb": 64,
-                     "runs": "decide:float32:on,decide:float32:off,app:float32:on"}}
+import blink  # noqa: E402
+
+CONFIGS = {
+    "full": {
+        "docs": 24,
+        "doc_tokens": 3800,
+        "questions": 4,
+        "bound_mb": 1024,
+        "runs": "decide:float32:on,app:float32:on,app:float32:off,decide:default:on,app:default:on",
+    },
+    "quick": {
+        "docs": 8,
+        "doc_tokens": 1000,
+        "questions": 2,
+        "bound_mb": 64,
+        "runs": "decide:float32:on,decide:float32:off,app:float32:on",
+    },
+}
 WORKING_SET_MB = 768  # the target: growth over the start at most the bound plus this
 MB = 2**20
 SHORT = ("The parcel arrived on time.", {"q": {"type": "noul", "instructions": "Did the parcel arrive?"}})
@@ -74,9 +87,15 @@ def documents(tok, cfg: dict) -> list[tuple[str, dict]]:
 def sample(pid: int | str, start: dict, seconds: float, peak_reset: bool, extra: dict | None = None) -> dict:
     """One point of the curve: resident memory now, its growth over the start, and the peak while the document ran."""
     now = status(pid)
-    point = {"rss_mb": now["VmRSS"], "anon_mb": now["RssAnon"], "file_mb": now["RssFile"],
-             "growth_mb": now["VmRSS"] - start["VmRSS"], "anon_growth_mb": now["RssAnon"] - start["RssAnon"],
-             "peak_growth_mb": now["VmHWM"] - start["VmRSS"] if peak_reset else None, "seconds": round(seconds, 1)}
+    point = {
+        "rss_mb": now["VmRSS"],
+        "anon_mb": now["RssAnon"],
+        "file_mb": now["RssFile"],
+        "growth_mb": now["VmRSS"] - start["VmRSS"],
+        "anon_growth_mb": now["RssAnon"] - start["RssAnon"],
+        "peak_growth_mb": now["VmHWM"] - start["VmRSS"] if peak_reset else None,
+        "seconds": round(seconds, 1),
+    }
     return {**point, **(extra or {})}
 
 
@@ -93,14 +112,27 @@ def decide_child(cfg: dict) -> None:
         peak_reset = reset_peak()
         t0 = time.perf_counter()
         dep.decide(doc, questions)
-        print(json.dumps(sample("self", start, time.perf_counter() - t0, peak_reset,
-                                {"held_mb": round(live.prefixes.held_bytes() / MB, 1)})), flush=True)
+        print(
+            json.dumps(
+                sample(
+                    "self",
+                    start,
+                    time.perf_counter() - t0,
+                    peak_reset,
+                    {"held_mb": round(live.prefixes.held_bytes() / MB, 1)},
+                )
+            ),
+            flush=True,
+        )
 
 
 def describe(engine) -> dict:
     """What the arm ran: the engine's compute settings and its prefix-cache bound."""
-    return {**engine.compute, "prefix_cache_mb": engine.settings.prefix_cache_mb,
-            "release_memory": engine.settings.release_memory}
+    return {
+        **engine.compute,
+        "prefix_cache_mb": engine.settings.prefix_cache_mb,
+        "release_memory": engine.settings.release_memory,
+    }
 
 
 def child_env(env: dict) -> dict:
@@ -122,8 +154,11 @@ def run_decide(cfg: dict, env: dict) -> dict:
             first = row
         else:
             points.append(row)
-            print(f"  decide {len(points):>3}: {row['rss_mb']} MB, +{row['growth_mb']} (anon +{row['anon_growth_mb']}"
-                  f", peak +{row['peak_growth_mb']}), prefixes {row['held_mb']} MB, {row['seconds']} s", flush=True)
+            print(
+                f"  decide {len(points):>3}: {row['rss_mb']} MB, +{row['growth_mb']} (anon +{row['anon_growth_mb']}"
+                f", peak +{row['peak_growth_mb']}), prefixes {row['held_mb']} MB, {row['seconds']} s",
+                flush=True,
+            )
     if proc.wait() != 0:
         raise RuntimeError(f"the decide arm exited with status {proc.returncode}")
     return {"start_mb": first["start"]["VmRSS"], "settings": first["settings"], "points": points}
@@ -132,7 +167,6 @@ def run_decide(cfg: dict, env: dict) -> dict:
 def run_app(cfg: dict, env: dict, stream: list[tuple[str, dict]]) -> dict:
     """The `app` arm: `python app.py` in its own process, the stream posted to /v1/systemone one at a time."""
     import httpx
-
     import peers
     import throughput
 
@@ -154,12 +188,16 @@ def run_app(cfg: dict, env: dict, stream: list[tuple[str, dict]]) -> dict:
             for doc, questions in stream:
                 peak_reset = reset_peak(proc.pid)
                 t0 = time.perf_counter()
-                http.post(url, json={"model": blink.STANDIN_MODEL, **peers.system_one(doc, questions)}
-                          ).raise_for_status()
+                http.post(
+                    url, json={"model": blink.STANDIN_MODEL, **peers.system_one(doc, questions)}
+                ).raise_for_status()
                 row = sample(proc.pid, start, time.perf_counter() - t0, peak_reset)
                 points.append(row)
-                print(f"  app    {len(points):>3}: {row['rss_mb']} MB, +{row['growth_mb']} (anon "
-                      f"+{row['anon_growth_mb']}, peak +{row['peak_growth_mb']}), {row['seconds']} s", flush=True)
+                print(
+                    f"  app    {len(points):>3}: {row['rss_mb']} MB, +{row['growth_mb']} (anon "
+                    f"+{row['anon_growth_mb']}, peak +{row['peak_growth_mb']}), {row['seconds']} s",
+                    flush=True,
+                )
     finally:
         proc.terminate()
         try:
@@ -175,8 +213,12 @@ def verdict(arm: dict, bound_mb: int) -> dict:
     """An arm's largest growth over the start (after a document, and at its peak) against bound + WORKING_SET_MB."""
     growth = max(p["growth_mb"] for p in arm["points"])
     peaks = [p["peak_growth_mb"] for p in arm["points"] if p["peak_growth_mb"] is not None]
-    return {"max_growth_mb": growth, "max_peak_growth_mb": max(peaks) if peaks else None,
-            "last_growth_mb": arm["points"][-1]["growth_mb"], "within_target": growth <= bound_mb + WORKING_SET_MB}
+    return {
+        "max_growth_mb": growth,
+        "max_peak_growth_mb": max(peaks) if peaks else None,
+        "last_growth_mb": arm["points"][-1]["growth_mb"],
+        "within_target": growth <= bound_mb + WORKING_SET_MB,
+    }
 
 
 def load_average() -> list[float]:
@@ -191,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", type=int, help="documents in the stream")
     ap.add_argument("--doc-tokens", type=int, help="tokens per document")
     ap.add_argument("--bound-mb", type=int, help="BLINK_PREFIX_CACHE_MB")
-    ap.add_argument("--runs", help="comma-separated ARM:DTYPE:RELEASE, ARM decide or app, DTYPE float32, bfloat16 or "
-                                   "default (BLINK_DTYPE unset), RELEASE on or off (BLINK_RELEASE_MEMORY)")
+    ap.add_argument(
+        "--runs",
+        help="comma-separated ARM:DTYPE:RELEASE, ARM decide or app, DTYPE float32, bfloat16 or "
+        "default (BLINK_DTYPE unset), RELEASE on or off (BLINK_RELEASE_MEMORY)",
+    )
     ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the arms (default: unset, every core)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -202,32 +247,52 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     mode = "quick" if args.quick else "full"
     cfg = dict(CONFIGS[mode])
-    cfg.update({k: v for k, v in (("docs", args.docs), ("doc_tokens", args.doc_tokens), ("bound_mb", args.bound_mb))
-                if v is not None})
+    cfg.update(
+        {
+            k: v
+            for k, v in (("docs", args.docs), ("doc_tokens", args.doc_tokens), ("bound_mb", args.bound_mb))
+            if v is not None
+        }
+    )
     from transformers import AutoTokenizer
 
-    stream = documents(AutoTokenizer.from_pretrained(blink.model_source(blink.STANDIN_MODEL,
-                                                                        blink.Settings().cache_dir)), cfg)
+    stream = documents(
+        AutoTokenizer.from_pretrained(blink.model_source(blink.STANDIN_MODEL, blink.Settings().cache_dir)), cfg
+    )
     started, load_before = time.perf_counter(), load_average()
     runs = []
     for spec in (args.runs or cfg["runs"]).split(","):
         arm, dtype, release = spec.split(":")
-        env = {"BLINK_PREFIX_CACHE_MB": str(cfg["bound_mb"]), "BLINK_RELEASE_MEMORY": release,
-               "BLINK_MODEL": blink.STANDIN_MODEL, "TOKENIZERS_PARALLELISM": "false",
-               **({} if dtype == "default" else {"BLINK_DTYPE": dtype})}
+        env = {
+            "BLINK_PREFIX_CACHE_MB": str(cfg["bound_mb"]),
+            "BLINK_RELEASE_MEMORY": release,
+            "BLINK_MODEL": blink.STANDIN_MODEL,
+            "TOKENIZERS_PARALLELISM": "false",
+            **({} if dtype == "default" else {"BLINK_DTYPE": dtype}),
+        }
         if args.threads:
             env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
         print(f"{arm}, dtype {dtype}, BLINK_RELEASE_MEMORY={release}:", flush=True)
         got = run_decide(cfg, env) if arm == "decide" else run_app(cfg, env, stream)
-        runs.append({"arm": arm, "dtype": dtype, "release_memory": release == "on", **got,
-                     **verdict(got, cfg["bound_mb"])})
-    res = {"mode": mode, "command": saved.command("memory.py", argv), "hardware": blink.hardware(),
-           "threads": args.threads or os.cpu_count(), "config": cfg, "target_mb": cfg["bound_mb"] + WORKING_SET_MB,
-           "load_average": {"before": load_before, "after": load_average()}, "runs": runs,
-           "duration_s": round(time.perf_counter() - started, 1),
-           "notes": ["growth_mb: VmRSS after the document less VmRSS at the start (the model loaded and one short "
-                     "question answered); peak_growth_mb: VmHWM while the document ran, less the same start.",
-                     "The target: growth at most the prefix-cache bound (BLINK_PREFIX_CACHE_MB) plus 768 MB."]}
+        runs.append(
+            {"arm": arm, "dtype": dtype, "release_memory": release == "on", **got, **verdict(got, cfg["bound_mb"])}
+        )
+    res = {
+        "mode": mode,
+        "command": saved.command("memory.py", argv),
+        "hardware": blink.hardware(),
+        "threads": args.threads or os.cpu_count(),
+        "config": cfg,
+        "target_mb": cfg["bound_mb"] + WORKING_SET_MB,
+        "load_average": {"before": load_before, "after": load_average()},
+        "runs": runs,
+        "duration_s": round(time.perf_counter() - started, 1),
+        "notes": [
+            "growth_mb: VmRSS after the document less VmRSS at the start (the model loaded and one short "
+            "question answered); peak_growth_mb: VmHWM while the document ran, less the same start.",
+            "The target: growth at most the prefix-cache bound (BLINK_PREFIX_CACHE_MB) plus 768 MB.",
+        ],
+    }
     path = saved.write_json(os.path.join(args.out, f"memory{'-quick' if args.quick else ''}.json"), res)
     print(summary_line(res, path))
     return 0
@@ -235,11 +300,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary_line(res: dict, path: str) -> str:
     """The one line the command ends with."""
-    parts = [f"{r['arm']} {r['dtype']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
-             f" (peak +{r['max_peak_growth_mb']})" for r in res["runs"]]
-    return (f"blink memory ({res['mode']}, {res['config']['docs']} documents of ~{res['config']['doc_tokens']} "
-            f"tokens, bound {res['config']['bound_mb']} MB, target +{res['target_mb']} MB): {'; '.join(parts)}; "
-            f"results {os.path.relpath(path)}")
+    parts = [
+        f"{r['arm']} {r['dtype']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
+        f" (peak +{r['max_peak_growth_mb']})"
+        for r in res["runs"]
+    ]
+    return (
+        f"blink memory ({res['mode']}, {res['config']['docs']} documents of ~{res['config']['doc_tokens']} "
+        f"tokens, bound {res['config']['bound_mb']} MB, target +{res['target_mb']} MB): {'; '.join(parts)}; "
+        f"results {os.path.relpath(path)}"
+    )
 
 
 if __name__ == "__main__":

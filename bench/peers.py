@@ -13,15 +13,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Iterator, TypeVar
-
-import torch
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import arms
-import blink
 import clock
 import throughput
+import torch
 import workloads
+
+import blink
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = TypeVar("T")
@@ -114,10 +115,14 @@ def case_requests(engine: blink.TorchEngine, cfg: dict, rep: int) -> dict[str, t
     doc = workloads.document(engine.tok, cfg["doc"], seed=1000 + rep)
     n = workloads.ticket_count(doc)
     first = workloads.questions(cfg["questions"], cfg["options"], n)
-    again = {f"r{k}": {**q, "instructions": q["instructions"].replace("Which team", "What team, in your view,")}
-             for k, q in workloads.questions(cfg["questions"], cfg["options"], n).items()}
-    short = (f"Order {4100 + rep}: I was charged twice for the same order and want my money back.",
-             {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}})
+    again = {
+        f"r{k}": {**q, "instructions": q["instructions"].replace("Which team", "What team, in your view,")}
+        for k, q in workloads.questions(cfg["questions"], cfg["options"], n).items()
+    }
+    short = (
+        f"Order {4100 + rep}: I was charged twice for the same order and want my money back.",
+        {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
+    )
     return {"document": (doc, first), "again": (doc, again), "short": short}
 
 
@@ -143,30 +148,41 @@ def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
             for name, pipe in pipes.items():
                 elsewhere = getattr(pipe, "elsewhere_cpu", lambda: 0.0)  # an HTTP peer's server processes
                 before = elsewhere()
-                wall, cpu, out = clock.timed(lambda: pipe(system_one(state, questions)))
+                wall, cpu, out = clock.timed(lambda: pipe(system_one(state, questions)))  # noqa: B023 (called at once)
                 times[case][name].append((wall, cpu + elsewhere() - before))
                 answers.setdefault((rep, case, name), out)
-            wall, cpu, out = clock.timed(lambda: dep.decide(state, questions))
+            wall, cpu, out = clock.timed(lambda: dep.decide(state, questions))  # noqa: B023 (called at once)
             times[case]["blink"].append((wall, cpu))
             answers[(rep, case, "blink")] = out
     rows = {}
     for case in CASES:
         state, questions = first[case]
         meta = answers[(0, case, "blink")]["meta"]
-        row = {"questions": len(questions), "prompt_tokens": meta["input_tokens"],
-               "prefill_tokens": meta["prefill_tokens"], "cached_tokens": meta["cached_tokens"], "arms": {}}
+        row = {
+            "questions": len(questions),
+            "prompt_tokens": meta["input_tokens"],
+            "prefill_tokens": meta["prefill_tokens"],
+            "cached_tokens": meta["cached_tokens"],
+            "arms": {},
+        }
         for arm, runs in times[case].items():
-            row["arms"][arm] = {"wall_s": [round(w, 4) for w, _ in runs], "cpu_s": [round(c, 4) for _, c in runs],
-                                "total_wall_s": round(sum(w for w, _ in runs), 4),
-                                "total_cpu_s": round(sum(c for _, c in runs), 4)}
+            row["arms"][arm] = {
+                "wall_s": [round(w, 4) for w, _ in runs],
+                "cpu_s": [round(c, 4) for _, c in runs],
+                "total_wall_s": round(sum(w for w, _ in runs), 4),
+                "total_cpu_s": round(sum(c for _, c in runs), 4),
+            }
         for name in pipes:
-            row[f"vs_{name}"] = {"wall": ratio(row["arms"], name, "total_wall_s"),
-                                 "cpu": ratio(row["arms"], name, "total_cpu_s"),
-                                 "per_rep_wall": [round(p[0] / b[0], 2) for p, b in
-                                                  zip(times[case][name], times[case]["blink"])],
-                                 "picks_differ_from_blink": sorted(
-                                     k for k, a in answers[(0, case, name)].items()
-                                     if pick(a) != pick(answers[(0, case, "blink")]["answers"][k]))}
+            row[f"vs_{name}"] = {
+                "wall": ratio(row["arms"], name, "total_wall_s"),
+                "cpu": ratio(row["arms"], name, "total_cpu_s"),
+                "per_rep_wall": [round(p[0] / b[0], 2) for p, b in zip(times[case][name], times[case]["blink"])],
+                "picks_differ_from_blink": sorted(
+                    k
+                    for k, a in answers[(0, case, name)].items()
+                    if pick(a) != pick(answers[(0, case, "blink")]["answers"][k])
+                ),
+            }
         row["vs_unbatched"] = against_unbatched(engine, state, questions, answers[(0, case, "blink")]["answers"])
         rows[case] = row
     return rows
@@ -201,8 +217,14 @@ def _child_env(threads: int) -> dict:
     """The environment of a server the bench starts: no BLINK_* variables (defaults), the bench's thread count,
     no hub access."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
-               HF_HUB_DISABLE_UPDATE_CHECK="1", GRADIO_ANALYTICS_ENABLED="False", TOKENIZERS_PARALLELISM="false")
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        HF_HUB_OFFLINE="1",
+        HF_HUB_DISABLE_UPDATE_CHECK="1",
+        GRADIO_ANALYTICS_ENABLED="False",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
@@ -228,8 +250,14 @@ def process(cmd: list[str], threads: int, log: str, env: dict | None = None) -> 
     """A process the bench starts (its output to `log`), in a process group of its own, for the duration; then
     stopped with whatever it started."""
     with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**_child_env(threads), **(env or {})}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**_child_env(threads), **(env or {})},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         yield proc
     finally:
@@ -237,8 +265,9 @@ def process(cmd: list[str], threads: int, log: str, env: dict | None = None) -> 
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], health: str, threads: int, log: str, env: dict | None = None,
-           timeout_s: float = 300) -> Iterator[str | None]:
+def server(
+    cmd: list[str], health: str, threads: int, log: str, env: dict | None = None, timeout_s: float = 300
+) -> Iterator[str | None]:
     """A server process for the duration: yields None when it is up, else why it is not; then stopped with its group."""
     with process(cmd, threads, log, env) as proc:
         yield wait_up(health, proc, timeout_s)
@@ -325,17 +354,24 @@ def http_rows(engine: blink.TorchEngine, cfg: dict, threads: int, export_dir: st
         if isinstance(t_cmd, str):
             rows.append({"target": "transformers serve /v1/systemone", "skipped": t_cmd})
         else:
-            why = stack.enter_context(server(t_cmd, f"http://127.0.0.1:{t_port}/health", threads,
-                                             os.path.join(log_dir, "transformers-serve.log")))
+            why = stack.enter_context(
+                server(
+                    t_cmd, f"http://127.0.0.1:{t_port}/health", threads, os.path.join(log_dir, "transformers-serve.log")
+                )
+            )
             if why:
                 rows.append({"target": "transformers serve /v1/systemone", "skipped": why})
             else:
-                targets["transformers serve /v1/systemone"] = (f"http://127.0.0.1:{t_port}/v1/systemone",
-                                                               engine.source)
-        why = stack.enter_context(server(b_cmd, f"http://127.0.0.1:{b_port}/", threads,
-                                         os.path.join(log_dir, "blink-app.log"),
-                                         {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(b_port),
-                                          "BLINK_MODEL": engine.model_id}))  # the same model; nothing else set
+                targets["transformers serve /v1/systemone"] = (f"http://127.0.0.1:{t_port}/v1/systemone", engine.source)
+        why = stack.enter_context(
+            server(
+                b_cmd,
+                f"http://127.0.0.1:{b_port}/",
+                threads,
+                os.path.join(log_dir, "blink-app.log"),
+                {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(b_port), "BLINK_MODEL": engine.model_id},
+            )
+        )  # the same model; nothing else set
         if why is None:
             why = systemone_probe(f"http://127.0.0.1:{b_port}/v1/systemone", engine.model_id, requests[0])
         if why:
@@ -377,8 +413,11 @@ def vllm_row() -> dict:
     """Where vLLM's throughput lives: vLLM pins a transformers blink's torch engine does not run on, so it cannot
     share this process; bench/vllm_check.py runs both backends as servers side by side (the decision cases run it
     as the arm blink_vllm, bench/vllm_arm.py)."""
-    return {"target": "vLLM", "skipped": "throughput in an arm of its own: python bench/vllm_check.py (blink on vLLM "
-                                         "against blink on torch, bench/results/vllm-cpu.json)"}
+    return {
+        "target": "vLLM",
+        "skipped": "throughput in an arm of its own: python bench/vllm_check.py (blink on vLLM "
+        "against blink on torch, bench/results/vllm-cpu.json)",
+    }
 
 
 def with_export(model: str, fn: Callable[[str | None, str | None], object]):

@@ -35,8 +35,9 @@ def _bars(ax, cells: list[dict], value, arms: list[str], log: bool = True) -> No
         ys = [value(c, arm) for c in cells]
         hatch = ["//" if c["arms"].get(arm, {}).get("extrapolated") else "" for c in cells]
         for x, y, h in zip(xs, ys, hatch):
-            ax.bar(x, y, width, color=colour, hatch=h, edgecolor="white", linewidth=0.3,
-                   label=name if x == xs[0] else None)
+            ax.bar(
+                x, y, width, color=colour, hatch=h, edgecolor="white", linewidth=0.3, label=name if x == xs[0] else None
+            )
     ax.set_xticks(range(len(cells)), [_label(c) for c in cells], fontsize=7)
     if log:
         ax.set_yscale("log")
@@ -61,11 +62,22 @@ def plot(res: dict, path: str) -> None:
         for peer in peers:
             xs = [i + (k - (2 * len(peers) - 1) / 2) * width for i in range(len(cells))]
             ys = [c["speedup"][blink_arm][peer] for c in cells]
-            ax.bar(xs, ys, width, color=ARM_STYLE[peer][1], alpha=1.0 if blink_arm == "blink_plain" else 0.55,
-                   label=f"{ARM_STYLE[blink_arm][0]} vs {ARM_STYLE[peer][0]}")
+            ax.bar(
+                xs,
+                ys,
+                width,
+                color=ARM_STYLE[peer][1],
+                alpha=1.0 if blink_arm == "blink_plain" else 0.55,
+                label=f"{ARM_STYLE[blink_arm][0]} vs {ARM_STYLE[peer][0]}",
+            )
             k += 1
-    ax.plot(range(len(cells)), [c["speedup"]["blink_prefix"]["blink_plain"] for c in cells], "o-",
-            color=ARM_STYLE["blink_prefix"][1], label="shared prefix vs blink plain")
+    ax.plot(
+        range(len(cells)),
+        [c["speedup"]["blink_prefix"]["blink_plain"] for c in cells],
+        "o-",
+        color=ARM_STYLE["blink_prefix"][1],
+        label="shared prefix vs blink plain",
+    )
     ax.axhline(1, color="black", lw=0.8)
     ax.axhline(3, color="#d62728", lw=0.8, ls="--")
     ax.axhline(4, color="#17becf", lw=0.8, ls="--")
@@ -77,26 +89,37 @@ def plot(res: dict, path: str) -> None:
     ax = axes[1][0]
     _bars(ax, cells, lambda c, a: c["arms"][a].get("gflops_body_attention", 0), arms, log=False)
     ax.axhline(res["matmul_gflops"], color="black", ls="--", lw=1)
-    ax.text(0, res["matmul_gflops"] * 0.97, f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s", fontsize=8,
-            va="top")
+    ax.text(0, res["matmul_gflops"] * 0.97, f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s", fontsize=8, va="top")
     ax.set_title("achieved prefill GFLOP/s (body matmuls + attention) against the machine's matmul", fontsize=9)
 
     ax = axes[1][1]
     rows = [r for r in res.get("throughput", []) if "requests_per_s" in r]
     if rows:
-        names = [f"{r['target'].split(' ')[0]}\n{'' if r['window_ms'] is None else str(r['window_ms']) + ' ms'}"
-                 f"{' prefix' if r.get('prefix_cache') else ''}\n{_short(r.get('workload', ''))}" for r in rows]
+        names = [
+            f"{r['target'].split(' ')[0]}\n{'' if r['window_ms'] is None else str(r['window_ms']) + ' ms'}"
+            f"{' prefix' if r.get('prefix_cache') else ''}\n{_short(r.get('workload', ''))}"
+            for r in rows
+        ]
         ax.bar(range(len(rows)), [r["requests_per_s"] for r in rows], color="#1f77b4")
         for i, r in enumerate(rows):
-            ax.text(i, r["requests_per_s"], f"p50 {r['p50_ms']:.0f}\np99 {r['p99_ms']:.0f} ms", ha="center",
-                    va="bottom", fontsize=6)
+            ax.text(
+                i,
+                r["requests_per_s"],
+                f"p50 {r['p50_ms']:.0f}\np99 {r['p99_ms']:.0f} ms",
+                ha="center",
+                va="bottom",
+                fontsize=6,
+            )
         ax.set_xticks(range(len(rows)), names, fontsize=6)
         ax.set_title(f"throughput: requests/s, {rows[-1]['clients']} concurrent clients", fontsize=9)
     else:
         ax.set_axis_off()
 
-    fig.suptitle(f"blink bench: {res['model']} ({res['dtype']}, {res['device']}), {res['hardware']}, "
-                 f"{res['threads']['threads']} thread(s) — {res['mode']} run", fontsize=10)
+    fig.suptitle(
+        f"blink bench: {res['model']} ({res['dtype']}, {res['device']}), {res['hardware']}, "
+        f"{res['threads']['threads']} thread(s) — {res['mode']} run",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -19,8 +19,13 @@ sys.path.insert(0, HERE)
 
 import saved  # noqa: E402
 
-ARM_NAMES = {"blink_plain": "blink", "blink_prefix": "blink prefix", "unbatched": "forward/question",
-             "per_option": "per-option LL", "generate": "generate+parse"}
+ARM_NAMES = {
+    "blink_plain": "blink",
+    "blink_prefix": "blink prefix",
+    "unbatched": "forward/question",
+    "per_option": "per-option LL",
+    "generate": "generate+parse",
+}
 
 
 def _s(row: dict) -> str:
@@ -37,68 +42,96 @@ def _ratio(cell: dict, arm: str, peer: str, digits: int) -> str:
 
 def cells_table(res: dict) -> list[str]:
     """One row per cell: time per request of every arm and the speed-ups (* where a side was scaled)."""
-    head = ("| doc tokens | questions | options | " + " | ".join(f"{n} (s)" for n in ARM_NAMES.values())
-            + " | blink vs per-option | blink vs forward/question | prefix vs blink | differ (unbatched/per-option/generate) |")
+    head = (
+        "| doc tokens | questions | options | "
+        + " | ".join(f"{n} (s)" for n in ARM_NAMES.values())
+        + " | blink vs per-option | blink vs forward/question | prefix vs blink"
+        + " | differ (unbatched/per-option/generate) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in res["cells"]:
         a, g = c["arms"], c["agreement"]
-        differ = "/".join(f"{len(g[p]['differ'])} of {g[p]['compared']}" for p in ("unbatched", "per_option", "generate"))
-        lines.append(f"| {c['doc_tokens']} | {c['questions']} | {c['options']} | "
-                     + " | ".join(_s(a[k]) for k in ARM_NAMES)
-                     + f" | {_ratio(c, 'blink_plain', 'per_option', 1)} | {_ratio(c, 'blink_plain', 'unbatched', 2)}"
-                     f" | {_ratio(c, 'blink_prefix', 'blink_plain', 1)} | {differ} |")
+        differ = "/".join(
+            f"{len(g[p]['differ'])} of {g[p]['compared']}" for p in ("unbatched", "per_option", "generate")
+        )
+        lines.append(
+            f"| {c['doc_tokens']} | {c['questions']} | {c['options']} | "
+            + " | ".join(_s(a[k]) for k in ARM_NAMES)
+            + f" | {_ratio(c, 'blink_plain', 'per_option', 1)} | {_ratio(c, 'blink_plain', 'unbatched', 2)}"
+            f" | {_ratio(c, 'blink_prefix', 'blink_plain', 1)} | {differ} |"
+        )
     return lines
 
 
 def flops_table(res: dict) -> list[str]:
     """Achieved prefill FLOP/s of blink's arms against the measured matmul."""
-    lines = ["| doc tokens | questions | options | arm | prefill tokens | GFLOP/s (2PT) | of matmul | "
-             "GFLOP/s (body+attention) | of matmul | peak MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| doc tokens | questions | options | arm | prefill tokens | GFLOP/s (2PT) | of matmul | "
+        "GFLOP/s (body+attention) | of matmul | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in res["cells"]:
         for arm in ("blink_plain", "blink_prefix"):
             r = c["arms"][arm]
-            lines.append(f"| {c['doc_tokens']} | {c['questions']} | {c['options']} | {ARM_NAMES[arm]} | "
-                         f"{r['prefill_tokens']} | {r['gflops_2pt']:.0f} | {r['fraction_of_matmul_2pt']:.0%} | "
-                         f"{r['gflops_body_attention']:.0f} | {r['fraction_of_matmul_body_attention']:.0%} | "
-                         f"{r['peak_mb']:.0f} |")
+            lines.append(
+                f"| {c['doc_tokens']} | {c['questions']} | {c['options']} | {ARM_NAMES[arm]} | "
+                f"{r['prefill_tokens']} | {r['gflops_2pt']:.0f} | {r['fraction_of_matmul_2pt']:.0%} | "
+                f"{r['gflops_body_attention']:.0f} | {r['fraction_of_matmul_body_attention']:.0%} | "
+                f"{r['peak_mb']:.0f} |"
+            )
     return lines
 
 
 def throughput_table(res: dict) -> list[str]:
     """Requests per second and latency percentiles per batch window."""
-    lines = ["| target | workload | window (ms) | shared prefix | clients | requests/s | p50 (ms) | p99 (ms) | "
-             "mean requests per forward |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| target | workload | window (ms) | shared prefix | clients | requests/s | p50 (ms) | p99 (ms) | "
+        "mean requests per forward |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in res.get("throughput", []):
         if "skipped" in r:
             lines.append(f"| {r['target']} | skipped: {r['skipped']} | | | | | | | |")
             continue
         window = "-" if r["window_ms"] is None else f"{r['window_ms']:g}"
-        lines.append(f"| {r['target']} | {r.get('workload', '')} | {window} | {'on' if r['prefix_cache'] else 'off'} "
-                     f"| {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
-                     f"{r['mean_batched_requests']} |")
+        lines.append(
+            f"| {r['target']} | {r.get('workload', '')} | {window} | {'on' if r['prefix_cache'] else 'off'} "
+            f"| {r['clients']} | {r['requests_per_s']:.2f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} | "
+            f"{r['mean_batched_requests']} |"
+        )
     return lines
 
 
-CASE_NAMES = {"document": "questions over a new document", "again": "the same document, new questions",
-              "short": "one short yes/no question"}
+CASE_NAMES = {
+    "document": "questions over a new document",
+    "again": "the same document, new questions",
+    "short": "one short yes/no question",
+}
 
 
 def decision_table(res: dict) -> list[str]:
     """blink at its defaults against pipeline("decision") per case: time per request, ratios, tokens, and the
     questions where a peer picked another option than blink."""
     peers_ = [k[3:] for k in next(iter(res["decision"].values())) if k.startswith("vs_") and k != "vs_unbatched"]
-    head = ("| case | questions | prompt tokens | computed by blink | read from the cache | blink (s) | "
-            + " | ".join(f"{p} (s) | blink vs {p} (wall / CPU) | {p} picks unlike blink" for p in peers_)
-            + " | differ from unbatched |")
+    head = (
+        "| case | questions | prompt tokens | computed by blink | read from the cache | blink (s) | "
+        + " | ".join(f"{p} (s) | blink vs {p} (wall / CPU) | {p} picks unlike blink" for p in peers_)
+        + " | differ from unbatched |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for case, row in res["decision"].items():
         a, reps = row["arms"], len(row["arms"]["blink"]["wall_s"])
-        cells = " | ".join(f"{a[p]['total_wall_s'] / reps:.2f} | {row['vs_' + p]['wall']:.2f}x / "
-                           f"{row['vs_' + p]['cpu']:.2f}x | {len(row['vs_' + p]['picks_differ_from_blink'])} of "
-                           f"{row['questions']}" for p in peers_)
-        lines.append(f"| {CASE_NAMES[case]} | {row['questions']} | {row['prompt_tokens']} | {row['prefill_tokens']} "
-                     f"| {row['cached_tokens']} | {a['blink']['total_wall_s'] / reps:.2f} | {cells} | "
-                     f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']} |")
+        cells = " | ".join(
+            f"{a[p]['total_wall_s'] / reps:.2f} | {row['vs_' + p]['wall']:.2f}x / "
+            f"{row['vs_' + p]['cpu']:.2f}x | {len(row['vs_' + p]['picks_differ_from_blink'])} of "
+            f"{row['questions']}"
+            for p in peers_
+        )
+        lines.append(
+            f"| {CASE_NAMES[case]} | {row['questions']} | {row['prompt_tokens']} | {row['prefill_tokens']} "
+            f"| {row['cached_tokens']} | {a['blink']['total_wall_s'] / reps:.2f} | {cells} | "
+            f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']} |"
+        )
     return lines
 
 
@@ -107,8 +140,10 @@ def http_table(res: dict) -> list[str]:
     lines = ["| server | clients | requests | requests/s | p50 (ms) | p99 (ms) |", "|---|---|---|---|---|---|"]
     for r in [*res.get("http", []), *res.get("peers_skipped", [])]:
         if "requests_per_s" in r:
-            lines.append(f"| {r['target']} | {r['clients']} | {r['completed']} | {r['requests_per_s']:.2f} | "
-                         f"{r['p50_ms']:.0f} | {r['p99_ms']:.0f} |")
+            lines.append(
+                f"| {r['target']} | {r['clients']} | {r['completed']} | {r['requests_per_s']:.2f} | "
+                f"{r['p50_ms']:.0f} | {r['p99_ms']:.0f} |"
+            )
         elif "skipped" in r:
             lines.append(f"| {r['target']} | skipped: {r['skipped']} | | | | |")
     return lines
@@ -116,11 +151,16 @@ def http_table(res: dict) -> list[str]:
 
 def targets_list(res: dict) -> list[str]:
     """The speed targets with the measured values."""
-    verdict = {True: "met", False: "**missed**",
-               None: "the target's own cell is measured by --decision and the full run"}
+    verdict = {
+        True: "met",
+        False: "**missed**",
+        None: "the target's own cell is measured by --decision and the full run",
+    }
     out = []
     for t in res["targets"]:
-        value = f"{t['value']}" if t["threshold"] == 0 else f"{t['value']:.2f}x ({t['value_cpu_time']:.2f}x on CPU time)"
+        value = (
+            f"{t['value']}" if t["threshold"] == 0 else f"{t['value']:.2f}x ({t['value_cpu_time']:.2f}x on CPU time)"
+        )
         extra = f" of {t['compared']} compared" if t["threshold"] == 0 else f" ({t['cell']})"
         out.append(f"- {t['target']}: {value}{extra} — {verdict[t['met']]}")
     return out
@@ -131,32 +171,54 @@ def steadiness_line(res: dict) -> str:
     a file written before runs recorded the flag)."""
     s = saved.steadiness(*res["matmul_gflops_start_end"])
     start, end = s["matmul_gflops_start_end"]
-    probes = (f"matmul probe {start:.0f} GFLOP/s at the start of the run and {end:.0f} at its end "
-              f"({s['matmul_change']:.0%} apart)")
+    probes = (
+        f"matmul probe {start:.0f} GFLOP/s at the start of the run and {end:.0f} at its end "
+        f"({s['matmul_change']:.0%} apart)"
+    )
     if s["unsteady"]:
-        return (f"**Unsteady machine:** {probes}, more than the {s['unsteady_threshold']:.0%} a steady run stays "
-                "within: the machine's speed changed during the run, so read its ratios with care.")
+        return (
+            f"**Unsteady machine:** {probes}, more than the {s['unsteady_threshold']:.0%} a steady run stays "
+            "within: the machine's speed changed during the run, so read its ratios with care."
+        )
     return f"Steady machine: {probes}, within {s['unsteady_threshold']:.0%}."
 
 
 def run_report(res: dict) -> str:
     """bench/run.py (full, --decision, --quick): the targets, the decision peers, HTTP, the grid and serving."""
-    head = (f"Measured {res['started_at']} by `{res['command']}` in {res['duration_s'] / 60:.1f} min: {res['model']} "
-            f"({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), {res['hardware']}, "
-            f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "
-            f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run), blink's "
-            f"linear layers by {res['settings'].get('linear_layers', 'torch')}.")
+    head = (
+        f"Measured {res['started_at']} by `{res['command']}` in {res['duration_s'] / 60:.1f} min: {res['model']} "
+        f"({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), {res['hardware']}, "
+        f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "
+        f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run), blink's "
+        f"linear layers by {res['settings'].get('linear_layers', 'torch')}."
+    )
     parts = [head, "", steadiness_line(res), "", *targets_list(res)]
     if res.get("decision"):  # runs before the decision peers existed have none
-        parts += ["", "Against transformers' pipeline(\"decision\"), time per request (mean of the repetitions; "
-                  "ratios > 1: blink faster; `pipeline` runs its own built-in prompt, `pipeline_export` blink's "
-                  "exported one, both on the model as from_pretrained loads it; `pipeline_<dtype>` its own prompt on "
-                  "blink's model, in blink's dtype; `llama.cpp` the GGUF file, fed blink's prompt ids):", "",
-                  *decision_table(res), "", "Over HTTP (`/v1/systemone`):", "", *http_table(res)]
+        parts += [
+            "",
+            'Against transformers\' pipeline("decision"), time per request (mean of the repetitions; '
+            "ratios > 1: blink faster; `pipeline` runs its own built-in prompt, `pipeline_export` blink's "
+            "exported one, both on the model as from_pretrained loads it; `pipeline_<dtype>` its own prompt on "
+            "blink's model, in blink's dtype; `llama.cpp` the GGUF file, fed blink's prompt ids):",
+            "",
+            *decision_table(res),
+            "",
+            "Over HTTP (`/v1/systemone`):",
+            "",
+            *http_table(res),
+        ]
     if res["cells"]:
-        parts += ["", "Time per request (* = scaled from a subsample of the questions, see the JSON; a ratio is "
-                  "starred when either of its sides is):", "", *cells_table(res), "", "Prefill against the machine:",
-                  "", *flops_table(res)]
+        parts += [
+            "",
+            "Time per request (* = scaled from a subsample of the questions, see the JSON; a ratio is "
+            "starred when either of its sides is):",
+            "",
+            *cells_table(res),
+            "",
+            "Prefill against the machine:",
+            "",
+            *flops_table(res),
+        ]
     if res["throughput"]:
         parts += ["", "Serving:", "", *throughput_table(res)]
     return "\n".join(parts)
@@ -166,23 +228,37 @@ def budget_table(res: dict) -> list[str]:
     """bench/budget.py: CPU and wall time of each workload at each value of the setting it varies."""
     lines = ["| workload | setting | value | CPU s (sum of runs) | wall s per run |", "|---|---|---|---|---|"]
     for r in res["rows"]:
-        lines.append(f"| {r['workload']} | `{r['setting']}` | {r['value']:,} | {r['total_cpu_s']:.2f} | "
-                     + ", ".join(f"{w:.1f}" for w in r["wall_s"]) + " |")
+        lines.append(
+            f"| {r['workload']} | `{r['setting']}` | {r['value']:,} | {r['total_cpu_s']:.2f} | "
+            + ", ".join(f"{w:.1f}" for w in r["wall_s"])
+            + " |"
+        )
     return lines
 
 
-OVERHEAD_STEPS = {"parse_ms": "parse", "render_tokenize_ms": "render + tokenize", "forward_ms": "forward",
-                  "answer_meta_ms": "answer + meta", "decide_ms": "whole decide()"}
+OVERHEAD_STEPS = {
+    "parse_ms": "parse",
+    "render_tokenize_ms": "render + tokenize",
+    "forward_ms": "forward",
+    "answer_meta_ms": "answer + meta",
+    "decide_ms": "whole decide()",
+}
 
 
 def overhead_table(res: dict) -> list[str]:
     """bench/overhead.py: CPU ms of each step of one short question, per configuration."""
-    lines = ["| configuration | linear layers | " + " | ".join(f"{v} (ms)" for v in OVERHEAD_STEPS.values())
-             + " | prompt tokens | computed | from the cache |", "|---|---|" + "---|" * (len(OVERHEAD_STEPS) + 3)]
+    lines = [
+        "| configuration | linear layers | "
+        + " | ".join(f"{v} (ms)" for v in OVERHEAD_STEPS.values())
+        + " | prompt tokens | computed | from the cache |",
+        "|---|---|" + "---|" * (len(OVERHEAD_STEPS) + 3),
+    ]
     for name, r in res["rows"].items():
-        lines.append(f"| {name} | {r.get('linear_layers', 'torch')} | "
-                     + " | ".join(f"{r[k]:.2f}" for k in OVERHEAD_STEPS)
-                     + f" | {r['prompt_tokens']} | {r['computed_tokens']} | {r['cached_tokens']} |")
+        lines.append(
+            f"| {name} | {r.get('linear_layers', 'torch')} | "
+            + " | ".join(f"{r[k]:.2f}" for k in OVERHEAD_STEPS)
+            + f" | {r['prompt_tokens']} | {r['computed_tokens']} | {r['cached_tokens']} |"
+        )
     return lines
 
 
@@ -193,32 +269,47 @@ def drift_table(res: dict) -> list[str]:
     """bench/drift.py: each arm against float32 on torch's kernels, per model and document: the largest probability
     difference, the picks that differ, and its speed (CPU time) against float32's."""
     arms = [a for a in res["rows"][0]["arms"] if a != "float32"]
-    lines = ["| model | evidence tokens | float32 CPU s | " + " | ".join(
-        f"{a}: × float32 / largest probability difference / picks that differ" for a in arms) + " |",
-        "|---|---|---|" + "---|" * len(arms)]
+    lines = [
+        "| model | evidence tokens | float32 CPU s | "
+        + " | ".join(f"{a}: × float32 / largest probability difference / picks that differ" for a in arms)
+        + " |",
+        "|---|---|---|" + "---|" * len(arms),
+    ]
     for r in res["rows"]:
         cells = []
         for a in arms:
             v = r["arms"][a]
             speed = f"{v['speedup_cpu']:.2f}×" if "speedup_cpu" in v else "untimed"
             cells.append(f"{speed} / {v['max_prob_diff']:.4f} / {len(v['picks_differ'])} of {r['questions']}")
-        lines.append(f"| {DRIFT_MODELS.get(r['model'], r['model'])} | {r['doc_tokens']} | "
-                     f"{r['arms']['float32']['cpu_s']:.2f} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {DRIFT_MODELS.get(r['model'], r['model'])} | {r['doc_tokens']} | "
+            f"{r['arms']['float32']['cpu_s']:.2f} | " + " | ".join(cells) + " |"
+        )
     return lines
 
 
-BATCH_ARMS = {"loop": "loop of `decide()`", "batch": "`blink.py batch`", "ray": "`blink.py batch --ray {workers}`",
-              "pipeline": "no model, serial", "pipeline ray": "no model, `--ray {workers}`"}
+BATCH_ARMS = {
+    "loop": "loop of `decide()`",
+    "batch": "`blink.py batch`",
+    "ray": "`blink.py batch --ray {workers}`",
+    "pipeline": "no model, serial",
+    "pipeline ray": "no model, `--ray {workers}`",
+}
 
 
 def gpu_table(res: dict) -> list[str]:
     """bench/gpu.py: each arm's median time and one deployment's peak GPU memory per log, and the shared prefixes'
     speedup over the plain path."""
-    lines = ["| log tokens | defaults: ms / peak GiB | `BLINK_PREFIX_KV_TOKENS=32768`: ms / peak GiB | "
-             "`BLINK_PREFIX_CACHE=0`: ms / peak GiB | shared prefixes × plain |", "|---|---|---|---|---|"]
+    lines = [
+        "| log tokens | defaults: ms / peak GiB | `BLINK_PREFIX_KV_TOKENS=32768`: ms / peak GiB | "
+        "`BLINK_PREFIX_CACHE=0`: ms / peak GiB | shared prefixes × plain |",
+        "|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
-        cells = " | ".join(f"{r['arms'][a]['wall_s'] * 1000:.0f} / {r['arms'][a]['peak_gib']:.2f}"
-                           for a in ("default", "kv_32768", "plain"))
+        cells = " | ".join(
+            f"{r['arms'][a]['wall_s'] * 1000:.0f} / {r['arms'][a]['peak_gib']:.2f}"
+            for a in ("default", "kv_32768", "plain")
+        )
         lines.append(f"| {r['doc_tokens']} | {cells} | {r['arms']['default']['speedup_vs_plain']:.2f}× |")
     return lines
 
@@ -227,57 +318,82 @@ def memory_table(res: dict) -> list[str]:
     """bench/memory.py: each run's resident-memory growth over its start along the stream, against the target."""
     docs = res["config"]["docs"]
     marks = sorted({1, docs // 2, docs})
-    lines = [f"| run | dtype | freed memory released | start MB | growth after document {'/'.join(map(str, marks))} "
-             f"(MB) | largest peak growth (MB) | within bound + {res['target_mb'] - res['config']['bound_mb']} MB |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| run | dtype | freed memory released | start MB | growth after document {'/'.join(map(str, marks))} "
+        f"(MB) | largest peak growth (MB) | within bound + {res['target_mb'] - res['config']['bound_mb']} MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in res["runs"]:
         growth = "/".join(f"+{r['points'][m - 1]['growth_mb']}" for m in marks)
-        lines.append(f"| {r['arm']} | {r['dtype']} | {'yes' if r['release_memory'] else 'no'} | {r['start_mb']} | "
-                     f"{growth} | +{r['max_peak_growth_mb']} | {'yes' if r['within_target'] else 'no'} |")
+        lines.append(
+            f"| {r['arm']} | {r['dtype']} | {'yes' if r['release_memory'] else 'no'} | {r['start_mb']} | "
+            f"{growth} | +{r['max_peak_growth_mb']} | {'yes' if r['within_target'] else 'no'} |"
+        )
     return lines
 
 
 def batch_table(res: dict) -> list[str]:
     """bench/batch.py: rows/s of each arm, when its first rows landed, and how far its answers are from the loop's."""
-    lines = ["| arm | rows | wall s | answer s | rows/s | first rows after s | steady rows/s | max gap to loop | "
-             "1-min load |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | rows | wall s | answer s | rows/s | first rows after s | steady rows/s | max gap to loop | "
+        "1-min load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for a in [*res["arms"], *res["pipeline"]]:
         rate = f"{a['rows_per_s']:,.0f}" if a["rows_per_s"] >= 1000 else f"{a['rows_per_s']:.2f}"
         steady = a["steady_rows_per_s"]
         steady = "—" if not steady else f"{steady:,.0f}" if steady >= 1000 else f"{steady:.2f}"
         first = "—" if a["first_rows_s"] is None else f"{a['first_rows_s']:.1f}"
         gap = "—" if "max_gap_to_loop" not in a else "0" if a["max_gap_to_loop"] == 0 else f"{a['max_gap_to_loop']:.1e}"
-        lines.append(f"| {BATCH_ARMS.get(a['arm'], a['arm']).format(workers=res['workers'])} | {a['rows']:,} | "
-                     f"{a['wall_s']:.1f} | {a['answer_s']:.1f} | {rate} | {first} | {steady} | {gap} | "
-                     f"{a['load_avg_1min'][0]:.1f}-{a['load_avg_1min'][1]:.1f} |")
+        lines.append(
+            f"| {BATCH_ARMS.get(a['arm'], a['arm']).format(workers=res['workers'])} | {a['rows']:,} | "
+            f"{a['wall_s']:.1f} | {a['answer_s']:.1f} | {rate} | {first} | {steady} | {gap} | "
+            f"{a['load_avg_1min'][0]:.1f}-{a['load_avg_1min'][1]:.1f} |"
+        )
     return lines
 
 
 def batch_report(res: dict) -> str:
     """bench/batch.py: how it ran, then the per-arm table."""
-    return "\n".join([f"Measured {res['measured_at']}: {res['model']} on {res['hardware']}, {res['rows']} rows "
-                      f"({res['loop_rows']} for the loop), {res['rows_per_call']} rows per decide_many call, "
-                      f"{res['threads_per_engine']} thread(s) per engine, each model arm's fastest of "
-                      f"{res['repeats']} runs.", "", *batch_table(res)])
+    return "\n".join(
+        [
+            f"Measured {res['measured_at']}: {res['model']} on {res['hardware']}, {res['rows']} rows "
+            f"({res['loop_rows']} for the loop), {res['rows_per_call']} rows per decide_many call, "
+            f"{res['threads_per_engine']} thread(s) per engine, each model arm's fastest of "
+            f"{res['repeats']} runs.",
+            "",
+            *batch_table(res),
+        ]
+    )
 
 
 def order_table(res: dict) -> list[str]:
     """bench/order.py: how often a choice flips when only its options' order changes, per arm."""
     plain = res["arms"]["plain"]["prompts"]
-    lines = ["| arm | questions that flip | picks unlike the listed order's | accuracy | prompts (x plain) | "
-             "model s | mean label mass |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | questions that flip | picks unlike the listed order's | accuracy | prompts (x plain) | "
+        "model s | mean label mass |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, a in res["arms"].items():
-        lines.append(f"| {name} | {a['flip_rate']:.0%} | {a['disagreement']:.0%} | {a['accuracy']:.0%} | "
-                     f"{a['prompts']} ({a['prompts'] / plain:.1f}x) | {a['model_ms'] / 1000:.1f} | "
-                     f"{a['mean_label_mass']:.3f} |")
+        lines.append(
+            f"| {name} | {a['flip_rate']:.0%} | {a['disagreement']:.0%} | {a['accuracy']:.0%} | "
+            f"{a['prompts']} ({a['prompts'] / plain:.1f}x) | {a['model_ms'] / 1000:.1f} | "
+            f"{a['mean_label_mass']:.3f} |"
+        )
     return lines
 
 
 def order_report(res: dict) -> str:
     """bench/order.py: how it ran, then the per-arm table."""
-    return "\n".join([f"Measured {res['measured_at']}: {res['model']} on {res['hardware']}, {res['questions']} "
-                      f"questions under every rotation of their options, temperature {res['temperature']:g}.", "",
-                      *order_table(res)])
+    return "\n".join(
+        [
+            f"Measured {res['measured_at']}: {res['model']} on {res['hardware']}, {res['questions']} "
+            f"questions under every rotation of their options, temperature {res['temperature']:g}.",
+            "",
+            *order_table(res),
+        ]
+    )
 
 
 def models_report(res: dict) -> str:
@@ -327,16 +443,25 @@ def generic_report(res) -> str:
     return "\n".join([*fields, *tables])
 
 
-REPORTS = {"run": run_report, "budget": lambda res: "\n".join(budget_table(res)),
-           "overhead": lambda res: "\n".join(overhead_table(res)), "drift": lambda res: "\n".join(drift_table(res)),
-           "gpu": lambda res: "\n".join(gpu_table(res)),
-           "memory": lambda res: "\n".join(memory_table(res)),
-           "batch": batch_report, "models": models_report, "order": order_report}
+REPORTS = {
+    "run": run_report,
+    "budget": lambda res: "\n".join(budget_table(res)),
+    "overhead": lambda res: "\n".join(overhead_table(res)),
+    "drift": lambda res: "\n".join(drift_table(res)),
+    "gpu": lambda res: "\n".join(gpu_table(res)),
+    "memory": lambda res: "\n".join(memory_table(res)),
+    "batch": batch_report,
+    "models": models_report,
+    "order": order_report,
+}
 
 
 # The fields that mark a file of each kind that records no command (older files; a file read from stdin has no name).
-SIGNATURES = {"run": {"cells", "targets", "matmul_gflops_start_end"}, "batch": {"arms", "pipeline", "loop_rows"},
-              "order": {"arms", "questions", "temperature"}}
+SIGNATURES = {
+    "run": {"cells", "targets", "matmul_gflops_start_end"},
+    "batch": {"arms", "pipeline", "loop_rows"},
+    "order": {"arms", "questions", "temperature"},
+}
 
 
 def kind(res, name: str) -> str:
@@ -344,7 +469,7 @@ def kind(res, name: str) -> str:
     `decision` and `quick` are run.py's), else from the fields it has; 'generic' when none tells."""
     command = res.get("command", "") if isinstance(res, dict) else ""
     if command.startswith("python bench/"):
-        return command.split()[1][len("bench/"):-len(".py")]
+        return command.split()[1][len("bench/") : -len(".py")]
     stem = os.path.splitext(os.path.basename(name))[0]
     if stem in ("full", "decision", "quick"):
         return "run"

@@ -31,37 +31,58 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import torch  # noqa: E402
-
 import arms  # noqa: E402
-import blink  # noqa: E402
 import clock  # noqa: E402
-import llamacpp  # noqa: E402
 import limits  # noqa: E402
+import llamacpp  # noqa: E402
 import peers  # noqa: E402
 import saved  # noqa: E402
 import throughput  # noqa: E402
+import torch  # noqa: E402
 import vllm_arm  # noqa: E402
 import workloads  # noqa: E402
+
+import blink  # noqa: E402
 
 # Each slow arm runs at most `budget` prompt tokens per cell (always at least one question); its time for the whole
 # request is then scaled from the questions it ran, and the cell says so. blink with the shared prefix always runs
 # every question.
 CONFIGS = {
     "full": {
-        "docs": [200, 2000, 8000], "questions": [1, 8, 64], "options": 4,
+        "docs": [200, 2000, 8000],
+        "questions": [1, 8, 64],
+        "options": 4,
         "option_axis": {"doc": 200, "questions": 8, "options": [2, 26]},
-        "plain_budget": 24000, "peer_budget": 12000,
+        "plain_budget": 24000,
+        "peer_budget": 12000,
         "peer_cap": {"unbatched": 64, "per_option": 64, "generate": 64},
-        "throughput": {"clients": 8, "per_client": 3, "windows_ms": [0, 5, 20], "doc": 120,
-                       "prefix_doc": 300, "prefix_questions": 3, "prefix_per_client": 2},
+        "throughput": {
+            "clients": 8,
+            "per_client": 3,
+            "windows_ms": [0, 5, 20],
+            "doc": 120,
+            "prefix_doc": 300,
+            "prefix_questions": 3,
+            "prefix_per_client": 2,
+        },
     },
     "quick": {
-        "docs": [100], "questions": [2], "options": 4, "option_axis": None,
-        "plain_budget": 24000, "peer_budget": 12000,
+        "docs": [100],
+        "questions": [2],
+        "options": 4,
+        "option_axis": None,
+        "plain_budget": 24000,
+        "peer_budget": 12000,
         "peer_cap": {"unbatched": 1, "per_option": 1, "generate": 1},
-        "throughput": {"clients": 2, "per_client": 1, "windows_ms": [0, 20], "doc": 40,
-                       "prefix_doc": 0, "prefix_questions": 0, "prefix_per_client": 0},
+        "throughput": {
+            "clients": 2,
+            "per_client": 1,
+            "windows_ms": [0, 20],
+            "doc": 40,
+            "prefix_doc": 0,
+            "prefix_questions": 0,
+            "prefix_per_client": 0,
+        },
     },
 }
 # The decision peers: the three target cases at full size (--decision and the full run), small in --quick.
@@ -71,9 +92,11 @@ DECISION = {
 }
 HTTP = {"requests": 64, "doc": 120, "clients": [1, 8, 32], "per_level": 32}
 # (case, target ratio against pipeline("decision"), what it is)
-DECISION_TARGETS = (("document", 4.0, "questions over a new document"),
-                    ("again", 8.0, "the same document again with new questions"),
-                    ("short", 1.2, "one short yes/no question"))
+DECISION_TARGETS = (
+    ("document", 4.0, "questions over a new document"),
+    ("again", 8.0, "the same document again with new questions"),
+    ("short", 1.2, "one short yes/no question"),
+)
 LLAMA_TARGET = 1.5  # llama.cpp (its faster arm) at least this many times slower than blink, in every case
 PEERS = ("unbatched", "per_option", "generate")
 ARMS = ("blink_plain", "blink_prefix", *PEERS)
@@ -145,27 +168,41 @@ class Bench:
         run = self.measure(key, lambda: arms.blink_request(self.engine, doc, qs, prefix))
         scale = n_total / len(qs)
         prompts = self.engine.render(arms.request(self.engine, doc, qs))
-        row = {"measured_questions": len(qs), "extrapolated": scale != 1, "wall_s": round(run.wall_s * scale, 4),
-               "wall_s_measured": round(run.wall_s, 4), "cpu_s": round(run.cpu_s * scale, 4),
-               "prefill_tokens": round(run.prefill_tokens * scale),
-               "peak_mb": round(run.peak_mb, 1), "shared_prefix_tokens": run.extra["shared_prefix_tokens"],
-               **self.flops(run.prefill_tokens, spans_of(self.engine, prompts, prefix), run.wall_s)}
+        row = {
+            "measured_questions": len(qs),
+            "extrapolated": scale != 1,
+            "wall_s": round(run.wall_s * scale, 4),
+            "wall_s_measured": round(run.wall_s, 4),
+            "cpu_s": round(run.cpu_s * scale, 4),
+            "prefill_tokens": round(run.prefill_tokens * scale),
+            "peak_mb": round(run.peak_mb, 1),
+            "shared_prefix_tokens": run.extra["shared_prefix_tokens"],
+            **self.flops(run.prefill_tokens, spans_of(self.engine, prompts, prefix), run.wall_s),
+        }
         return row, run
 
     def peer_arm(self, name: str, doc_target: int, n_opt: int, qs: dict, n_measure: int) -> tuple[dict, dict]:
         """A per-question peer on the first `n_measure` questions, scaled to all of them."""
         doc, fn = self.doc(doc_target), arms.PER_QUESTION_ARMS[name]
-        runs = {k: self.measure((name, doc_target, n_opt, k), lambda k=k: fn(self.engine, doc, k, qs[k]))
-                for k in list(qs)[:n_measure]}
+        runs = {
+            k: self.measure((name, doc_target, n_opt, k), lambda k=k: fn(self.engine, doc, k, qs[k]))
+            for k in list(qs)[:n_measure]
+        }
         scale = len(qs) / n_measure
         wall = sum(r.wall_s for r in runs.values())
         cpu = sum(r.cpu_s for r in runs.values())
         tokens = sum(r.prefill_tokens for r in runs.values())
         spans = [s for r in runs.values() for s in r.extra.get("spans", [(0, r.prefill_tokens)])]
-        row = {"measured_questions": n_measure, "extrapolated": scale != 1, "wall_s": round(wall * scale, 4),
-               "wall_s_measured": round(wall, 4), "cpu_s": round(cpu * scale, 4),
-               "prefill_tokens": round(tokens * scale),
-               "peak_mb": round(max(r.peak_mb for r in runs.values()), 1), **self.flops(tokens, spans, wall)}
+        row = {
+            "measured_questions": n_measure,
+            "extrapolated": scale != 1,
+            "wall_s": round(wall * scale, 4),
+            "wall_s_measured": round(wall, 4),
+            "cpu_s": round(cpu * scale, 4),
+            "prefill_tokens": round(tokens * scale),
+            "peak_mb": round(max(r.peak_mb for r in runs.values()), 1),
+            **self.flops(tokens, spans, wall),
+        }
         if name == "per_option":
             row["forwards"] = n_opt * len(qs)
         if name == "generate":
@@ -180,9 +217,15 @@ class Bench:
         lengths = [len(ids) for ids in arms.render_ids(self.engine, doc, qs)]
         per_q = sum(lengths) / len(lengths)
         cfg = self.cfg
-        out = {"doc_tokens_target": doc_target, "doc_tokens": len(self.engine.tok(doc)["input_ids"]),
-               "questions": n_q, "options": n_opt, "prompt_tokens": sum(lengths),
-               "prompt_tokens_per_question": round(per_q, 1), "arms": {}}
+        out = {
+            "doc_tokens_target": doc_target,
+            "doc_tokens": len(self.engine.tok(doc)["input_ids"]),
+            "questions": n_q,
+            "options": n_opt,
+            "prompt_tokens": sum(lengths),
+            "prompt_tokens_per_question": round(per_q, 1),
+            "arms": {},
+        }
         t0 = time.perf_counter()
         n_plain = ladder(n_q, per_q, cfg["plain_budget"])
         plain_qs = dict(list(qs.items())[:n_plain])
@@ -213,9 +256,13 @@ def agreement(plain: arms.Run, prefix: arms.Run, peers: dict) -> dict:
     """Where each arm's choice differs from blink's (plain where it ran the question, else the prefix run)."""
     ref = {**prefix.choices, **plain.choices}
     common = plain.choices.keys() & prefix.choices.keys()
-    out = {"blink_prefix_vs_plain": {
-        "compared": len(common), "differ": sorted(k for k in common if plain.choices[k] != prefix.choices[k]),
-        "max_label_logit_gap": round(arms.label_logit_gap(plain.rows, prefix.rows), 7)}}
+    out = {
+        "blink_prefix_vs_plain": {
+            "compared": len(common),
+            "differ": sorted(k for k in common if plain.choices[k] != prefix.choices[k]),
+            "max_label_logit_gap": round(arms.label_logit_gap(plain.rows, prefix.rows), 7),
+        }
+    }
     for name, runs in peers.items():
         got = {k: c for r in runs.values() for k, c in r.choices.items()}
         row = {"compared": len(got), "differ": sorted(k for k, c in got.items() if c != ref[k])}
@@ -234,11 +281,14 @@ def agreement(plain: arms.Run, prefix: arms.Run, peers: dict) -> dict:
 
 def speedups(rows: dict, clock: str = "wall_s") -> dict:
     """How many times faster each blink arm answers the request than every other arm, on one clock."""
+
     def ratio(a: str, b: str) -> float:
         return round(rows[b][clock] / rows[a][clock], 2) if rows[a][clock] > 0 else math.nan
 
-    return {"blink_plain": {p: ratio("blink_plain", p) for p in PEERS},
-            "blink_prefix": {p: ratio("blink_prefix", p) for p in ("blink_plain", *PEERS)}}
+    return {
+        "blink_plain": {p: ratio("blink_plain", p) for p in PEERS},
+        "blink_prefix": {p: ratio("blink_prefix", p) for p in ("blink_plain", *PEERS)},
+    }
 
 
 def targets(cells: list[dict]) -> list[dict]:
@@ -249,28 +299,53 @@ def targets(cells: list[dict]) -> list[dict]:
         worst = min(four, key=lambda c: c["speedup"]["blink_plain"]["per_option"])
         value = worst["speedup"]["blink_plain"]["per_option"]
         worst_cpu = min(c["speedup_cpu_time"]["blink_plain"]["per_option"] for c in four)
-        out.append({"target": "blink plain >= 3x per-option log-likelihood at 4 options (worst 4-option cell)",
-                    "short": "plain vs per-option", "value": value, "threshold": 3.0, "met": value >= 3.0,
-                    "cell": cell_name(worst), "value_cpu_time": worst_cpu, "met_cpu_time": worst_cpu >= 3.0,
-                    "all": {cell_name(c): c["speedup"]["blink_plain"]["per_option"] for c in four},
-                    "all_cpu_time": {cell_name(c): c["speedup_cpu_time"]["blink_plain"]["per_option"] for c in four}})
+        out.append(
+            {
+                "target": "blink plain >= 3x per-option log-likelihood at 4 options (worst 4-option cell)",
+                "short": "plain vs per-option",
+                "value": value,
+                "threshold": 3.0,
+                "met": value >= 3.0,
+                "cell": cell_name(worst),
+                "value_cpu_time": worst_cpu,
+                "met_cpu_time": worst_cpu >= 3.0,
+                "all": {cell_name(c): c["speedup"]["blink_plain"]["per_option"] for c in four},
+                "all_cpu_time": {cell_name(c): c["speedup_cpu_time"]["blink_plain"]["per_option"] for c in four},
+            }
+        )
     eights = [c for c in four if c["questions"] == 8]
     if eights:
         c = min(eights, key=lambda c: abs(c["doc_tokens_target"] - 2000))
         value = c["speedup"]["blink_prefix"]["blink_plain"]
         value_cpu = c["speedup_cpu_time"]["blink_prefix"]["blink_plain"]
         exact = c["doc_tokens_target"] == 2000
-        out.append({"target": "shared prefix >= 4x blink plain, 8 questions over a 2,000-token document",
-                    "short": "prefix vs plain", "value": value, "threshold": 4.0,
-                    "met": value >= 4.0 if exact else None, "cell": cell_name(c), "value_cpu_time": value_cpu,
-                    "met_cpu_time": value_cpu >= 4.0 if exact else None,
-                    "note": "" if exact else "not the target's cell: only the full run has the 2,000-token document"})
+        out.append(
+            {
+                "target": "shared prefix >= 4x blink plain, 8 questions over a 2,000-token document",
+                "short": "prefix vs plain",
+                "value": value,
+                "threshold": 4.0,
+                "met": value >= 4.0 if exact else None,
+                "cell": cell_name(c),
+                "value_cpu_time": value_cpu,
+                "met_cpu_time": value_cpu >= 4.0 if exact else None,
+                "note": "" if exact else "not the target's cell: only the full run has the 2,000-token document",
+            }
+        )
     compared, differ = distinct(cells, "unbatched")
     p_compared, p_differ = distinct(cells, "blink_prefix_vs_plain")
-    out.append({"target": "0 answers that differ from the unbatched path", "short": "differ from unbatched",
-                "value": len(differ), "threshold": 0,
-                "met": not differ, "compared": compared, "differ": differ,
-                "prefix_vs_plain": {"compared": p_compared, "differ": p_differ}})
+    out.append(
+        {
+            "target": "0 answers that differ from the unbatched path",
+            "short": "differ from unbatched",
+            "value": len(differ),
+            "threshold": 0,
+            "met": not differ,
+            "compared": compared,
+            "differ": differ,
+            "prefix_vs_plain": {"compared": p_compared, "differ": p_differ},
+        }
+    )
     return out
 
 
@@ -321,19 +396,24 @@ def throughput_rows(engine: blink.TorchEngine, cfg: dict, with_app: bool) -> lis
 
     small = requests(tc["doc"], 1)
     rows = [throughput.serial_run(engine, small, tc["clients"], tc["per_client"], prefix=False)]
-    rows += [throughput.batcher_run(engine, small, w, tc["clients"], tc["per_client"], prefix=False)
-             for w in tc["windows_ms"]]
+    rows += [
+        throughput.batcher_run(engine, small, w, tc["clients"], tc["per_client"], prefix=False)
+        for w in tc["windows_ms"]
+    ]
     if tc["prefix_doc"]:  # several questions per request: packed requests should each keep their own prefix
         shared = requests(tc["prefix_doc"], tc["prefix_questions"])
         for prefix in (False, True):
-            row = throughput.batcher_run(engine, shared, max(tc["windows_ms"]), tc["clients"],
-                                         tc["prefix_per_client"], prefix)
+            row = throughput.batcher_run(
+                engine, shared, max(tc["windows_ms"]), tc["clients"], tc["prefix_per_client"], prefix
+            )
             rows.append({**row, "workload": f"{tc['prefix_questions']} questions over {tc['prefix_doc']} tokens"})
     for row in rows[: 1 + len(tc["windows_ms"])]:
         row["workload"] = f"1 question over {tc['doc']} tokens"
     if with_app:
-        rows += [{**r, "workload": f"1 question over {tc['doc']} tokens"} if "skipped" not in r else r
-                 for r in throughput.app_runs(engine, small, tc["windows_ms"], tc["clients"], tc["per_client"])]
+        rows += [
+            {**r, "workload": f"1 question over {tc['doc']} tokens"} if "skipped" not in r else r
+            for r in throughput.app_runs(engine, small, tc["windows_ms"], tc["clients"], tc["per_client"])
+        ]
     return rows
 
 
@@ -345,17 +425,34 @@ def decision_targets(decision: dict, mode: str) -> list[dict]:
     for case, threshold, what in DECISION_TARGETS:
         row = decision[case]
         value, cpu = row["vs_pipeline"]["wall"], row["vs_pipeline"]["cpu"]
-        out.append({"target": f"blink >= {threshold:g}x pipeline('decision'): {what}", "case": case,
-                    "short": what, "value": value, "value_cpu_time": cpu, "threshold": threshold,
-                    "met": value >= threshold if exact else None,
-                    "met_cpu_time": cpu >= threshold if exact else None,
-                    "cell": f"{row['questions']} question(s), {row['prompt_tokens']} prompt tokens"})
+        out.append(
+            {
+                "target": f"blink >= {threshold:g}x pipeline('decision'): {what}",
+                "case": case,
+                "short": what,
+                "value": value,
+                "value_cpu_time": cpu,
+                "threshold": threshold,
+                "met": value >= threshold if exact else None,
+                "met_cpu_time": cpu >= threshold if exact else None,
+                "cell": f"{row['questions']} question(s), {row['prompt_tokens']} prompt tokens",
+            }
+        )
     out += llama_targets(decision, exact)
     compared = sum(decision[c]["vs_unbatched"]["compared"] for c in peers.CASES)
     differ = [f"{c}/{k}" for c in peers.CASES for k in decision[c]["vs_unbatched"]["differ"]]
-    out.append({"target": "0 answers that differ from the cold, unbatched path", "short": "differ from unbatched",
-                "value": len(differ), "threshold": 0, "met": not differ, "compared": compared, "differ": differ,
-                "max_prob_diff": max(decision[c]["vs_unbatched"]["max_prob_diff"] for c in peers.CASES)})
+    out.append(
+        {
+            "target": "0 answers that differ from the cold, unbatched path",
+            "short": "differ from unbatched",
+            "value": len(differ),
+            "threshold": 0,
+            "met": not differ,
+            "compared": compared,
+            "differ": differ,
+            "max_prob_diff": max(decision[c]["vs_unbatched"]["max_prob_diff"] for c in peers.CASES),
+        }
+    )
     return out
 
 
@@ -369,48 +466,69 @@ def llama_targets(decision: dict, exact: bool) -> list[dict]:
             continue
         best = min(ran, key=lambda name: row[f"vs_{name}"]["wall"])  # the arm closest to blink
         value, cpu = row[f"vs_{best}"]["wall"], row[f"vs_{best}"]["cpu"]
-        out.append({"target": f"blink >= {LLAMA_TARGET:g}x llama.cpp: {what}", "case": case, "peer": best,
-                    "short": f"vs {best}: {what}", "value": value, "value_cpu_time": cpu,
-                    "threshold": LLAMA_TARGET, "met": value >= LLAMA_TARGET if exact else None,
-                    "met_cpu_time": cpu >= LLAMA_TARGET if exact else None,
-                    "picks_differ_from_blink": row[f"vs_{best}"]["picks_differ_from_blink"],
-                    "cell": f"{row['questions']} question(s), {row['prompt_tokens']} prompt tokens"})
+        out.append(
+            {
+                "target": f"blink >= {LLAMA_TARGET:g}x llama.cpp: {what}",
+                "case": case,
+                "peer": best,
+                "short": f"vs {best}: {what}",
+                "value": value,
+                "value_cpu_time": cpu,
+                "threshold": LLAMA_TARGET,
+                "met": value >= LLAMA_TARGET if exact else None,
+                "met_cpu_time": cpu >= LLAMA_TARGET if exact else None,
+                "picks_differ_from_blink": row[f"vs_{best}"]["picks_differ_from_blink"],
+                "cell": f"{row['questions']} question(s), {row['prompt_tokens']} prompt tokens",
+            }
+        )
     return out
 
 
 def summary_line(res: dict, path: str) -> str:
     """The one line the command ends with: the decision targets first, then the grid's and serving's."""
-    parts = [f"blink bench ({res['mode']}, {res['model']}, {res['hardware']}, {res['threads']['threads']} "
-             f"thread(s), {res['duration_s']:.0f} s)"]
+    parts = [
+        f"blink bench ({res['mode']}, {res['model']}, {res['hardware']}, {res['threads']['threads']} "
+        f"thread(s), {res['duration_s']:.0f} s)"
+    ]
     if res["unsteady"]:
         start, end = res["matmul_gflops_start_end"]
-        parts.append(f"UNSTEADY machine: matmul {start:.0f} GFLOP/s at the start, {end:.0f} at the end "
-                     f"({res['matmul_change']:.0%} change, over {res['unsteady_threshold']:.0%})")
+        parts.append(
+            f"UNSTEADY machine: matmul {start:.0f} GFLOP/s at the start, {end:.0f} at the end "
+            f"({res['matmul_change']:.0%} change, over {res['unsteady_threshold']:.0%})"
+        )
     verdict = {True: "met", False: "MISSED", None: "target is for the full run's cell"}
     for t in res["targets"]:
         if t["threshold"] == 0:
             parts.append(f"{t['value']} of {t['compared']} answers differ from unbatched ({verdict[t['met']]})")
         else:
-            both = (verdict[t["met"]] if t["met"] is None else
-                    f"wall {verdict[t['met']]}, CPU time {verdict[t['met_cpu_time']]}")
-            parts.append(f"{t['short']} {t['value']:.1f}x wall, {t['value_cpu_time']:.1f}x CPU time "
-                         f"(target {t['threshold']:g}x) at {t['cell']} ({both})")
+            both = (
+                verdict[t["met"]]
+                if t["met"] is None
+                else f"wall {verdict[t['met']]}, CPU time {verdict[t['met_cpu_time']]}"
+            )
+            parts.append(
+                f"{t['short']} {t['value']:.1f}x wall, {t['value_cpu_time']:.1f}x CPU time "
+                f"(target {t['threshold']:g}x) at {t['cell']} ({both})"
+            )
     if res["cells"]:
-        best = max((a.get("fraction_of_matmul_body_attention", 0), name) for c in res["cells"]
-                   for name, a in c["arms"].items())
+        best = max(
+            (a.get("fraction_of_matmul_body_attention", 0), name) for c in res["cells"] for name, a in c["arms"].items()
+        )
         parts.append(f"best prefill {best[0]:.0%} of measured matmul peak ({best[1]})")
     batcher = [r for r in res["throughput"] if r.get("target") == "Batcher" and not r.get("prefix_cache")]
     if batcher:
         top = max(batcher, key=lambda r: r["requests_per_s"])
-        parts.append(f"Batcher {top['requests_per_s']:.2f} req/s at {top['window_ms']:g} ms "
-                     f"(p99 {top['p99_ms']:.0f} ms)")
+        parts.append(
+            f"Batcher {top['requests_per_s']:.2f} req/s at {top['window_ms']:g} ms (p99 {top['p99_ms']:.0f} ms)"
+        )
     http = {(r["target"], r.get("clients")): r for r in res["http"] if "requests_per_s" in r}
     for clients in HTTP["clients"]:
-        serve, own = http.get(("transformers serve /v1/systemone", clients)), http.get(("blink /v1/systemone",
-                                                                                       clients))
+        serve, own = http.get(("transformers serve /v1/systemone", clients)), http.get(("blink /v1/systemone", clients))
         if serve and own:
-            parts.append(f"/v1/systemone x{own['requests_per_s'] / serve['requests_per_s']:.1f} transformers serve "
-                         f"at {clients} client(s)")
+            parts.append(
+                f"/v1/systemone x{own['requests_per_s'] / serve['requests_per_s']:.1f} transformers serve "
+                f"at {clients} client(s)"
+            )
     skipped = [f"{r['target']}: {r['skipped']}" for r in [*res["http"], *res["peers_skipped"]] if "skipped" in r]
     if skipped:
         parts.append("skipped " + "; ".join(skipped))
@@ -421,6 +539,7 @@ def summary_line(res: dict, path: str) -> str:
 def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[dict, list, list]:
     """The decision peers: the three cases against pipeline("decision") (its own prompt, and blink's exported
     config when there is one), over HTTP against `transformers serve` (not in --quick); vLLM's row names its own arm."""
+
     def run(export_dir: str | None, why: str | None) -> tuple[dict, list, list]:
         skipped = []
         pipes = {"pipeline": peers.decision_pipeline(engine)}
@@ -435,24 +554,31 @@ def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[d
         logs = tempfile.mkdtemp(prefix="blink-bench-servers-")
         print(f"server logs in {logs}", flush=True)
         quick_skip = ({}, [{"target": "blink on vLLM", "skipped": "full and --decision runs only"}])
-        with (vllm_arm.pipes(engine.model_id, threads, logs) if mode != "quick" else
-              contextlib.nullcontext(quick_skip)) as (vllm, vllm_skipped):
+        with (
+            vllm_arm.pipes(engine.model_id, threads, logs) if mode != "quick" else contextlib.nullcontext(quick_skip)
+        ) as (vllm, vllm_skipped):
             skipped += vllm_skipped
             cases = peers.decision_cases(engine, DECISION[mode], {**pipes, **vllm})
         for case, row in cases.items():
             others = "".join(f", {name} x{row[f'vs_{name}']['wall']}" for name in [*pipes, *vllm] if name != "pipeline")
-            print(f"decision {case:>8}: blink {row['arms']['blink']['total_wall_s']:.2f} s, pipeline "
-                  f"{row['arms']['pipeline']['total_wall_s']:.2f} s: x{row['vs_pipeline']['wall']} "
-                  f"(CPU time x{row['vs_pipeline']['cpu']}){others}; prefill {row['prefill_tokens']} of "
-                  f"{row['prompt_tokens']} tokens, {row['cached_tokens']} from the cache; differ from unbatched "
-                  f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']}", flush=True)
+            print(
+                f"decision {case:>8}: blink {row['arms']['blink']['total_wall_s']:.2f} s, pipeline "
+                f"{row['arms']['pipeline']['total_wall_s']:.2f} s: x{row['vs_pipeline']['wall']} "
+                f"(CPU time x{row['vs_pipeline']['cpu']}){others}; prefill {row['prefill_tokens']} of "
+                f"{row['prompt_tokens']} tokens, {row['cached_tokens']} from the cache; differ from unbatched "
+                f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']}",
+                flush=True,
+            )
         if mode == "quick":
             http = [{"target": "HTTP /v1/systemone", "skipped": "full and --decision runs only"}]
         else:
             http = peers.http_rows(engine, HTTP, threads, export_dir, logs)
         for r in http:
-            print(f"http {r['target']} {r.get('clients', '')}: {r.get('requests_per_s', r.get('skipped'))} req/s "
-                  f"p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms", flush=True)
+            print(
+                f"http {r['target']} {r.get('clients', '')}: {r.get('requests_per_s', r.get('skipped'))} req/s "
+                f"p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms",
+                flush=True,
+            )
         skipped.append(peers.vllm_row())
         return cases, http, skipped
 
@@ -470,10 +596,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default=None, help="file name stem (default: full, decision or quick)")
     ap.add_argument("--app", action="store_true", help="also drive the Gradio app's /decide with gradio_client")
     ap.add_argument("--no-throughput", action="store_true", help="skip the Batcher throughput part")
-    ap.add_argument("--token-budget", type=int, default=None, help="blink's padded tokens per forward "
-                    "(default: blink's own default for this hardware)")
-    ap.add_argument("--prefix-kv-tokens", type=int, default=None, help="prefix copies x length held at once "
-                    "(default: blink's own default)")
+    ap.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="blink's padded tokens per forward (default: blink's own default for this hardware)",
+    )
+    ap.add_argument(
+        "--prefix-kv-tokens",
+        type=int,
+        default=None,
+        help="prefix copies x length held at once (default: blink's own default)",
+    )
     args = ap.parse_args(argv)
     mode = "quick" if args.quick else "decision" if args.decision else "full"
     size = "quick" if args.quick else "full"  # the workloads' size (--decision runs the full-size cases)
@@ -482,16 +616,22 @@ def main(argv: list[str] | None = None) -> int:
 
     # blink at its defaults: no BLINK_* variable is read (the hardware is); the two flags change them for every arm
     defaults = blink.Settings.from_env({})
-    settings = replace(defaults, token_budget=args.token_budget or defaults.token_budget,
-                       prefix_kv_tokens=args.prefix_kv_tokens or defaults.prefix_kv_tokens)
+    settings = replace(
+        defaults,
+        token_budget=args.token_budget or defaults.token_budget,
+        prefix_kv_tokens=args.prefix_kv_tokens or defaults.prefix_kv_tokens,
+    )
     engine = blink.TorchEngine(args.model, settings=settings)
     device = engine.model.lm_head.weight.device
     threads = limits.choose_threads(engine.model, device, args.threads)
     matmul_start = limits.matmul_flops(device)
     bench = Bench(engine, cfg)
-    print(f"model {args.model}: {bench.params / 1e6:.1f}M parameters, {engine.model.dtype}, {device}, "
-          f"{threads['threads']} thread(s) ({threads['how']}), matmul {matmul_start / 1e9:.1f} GFLOP/s, blink's linear "
-          f"layers by {engine.matmul}", flush=True)
+    print(
+        f"model {args.model}: {bench.params / 1e6:.1f}M parameters, {engine.model.dtype}, {device}, "
+        f"{threads['threads']} thread(s) ({threads['how']}), matmul {matmul_start / 1e9:.1f} GFLOP/s, blink's linear "
+        f"layers by {engine.matmul}",
+        flush=True,
+    )
 
     decision, http, peers_skipped = decision_part(engine, size, threads["threads"])
     cells = []
@@ -501,11 +641,14 @@ def main(argv: list[str] | None = None) -> int:
             c = bench.cell(doc_target, n_q, n_opt)
             cells.append(c)
             a, s = c["arms"], c["speedup"]
-            print(f"{cell_name(c):>26}: plain {a['blink_plain']['wall_s']:8.2f}s  prefix "
-                  f"{a['blink_prefix']['wall_s']:8.2f}s  unbatched {a['unbatched']['wall_s']:8.2f}s  per-option "
-                  f"{a['per_option']['wall_s']:8.2f}s  generate {a['generate']['wall_s']:8.2f}s | plain "
-                  f"x{s['blink_plain']['per_option']} per-option, prefix x{s['blink_prefix']['blink_plain']} plain "
-                  f"({c['cell_seconds']}s)", flush=True)
+            print(
+                f"{cell_name(c):>26}: plain {a['blink_plain']['wall_s']:8.2f}s  prefix "
+                f"{a['blink_prefix']['wall_s']:8.2f}s  unbatched {a['unbatched']['wall_s']:8.2f}s  per-option "
+                f"{a['per_option']['wall_s']:8.2f}s  generate {a['generate']['wall_s']:8.2f}s | plain "
+                f"x{s['blink_plain']['per_option']} per-option, prefix x{s['blink_prefix']['blink_plain']} plain "
+                f"({c['cell_seconds']}s)",
+                flush=True,
+            )
 
     # Measured again after the cells: on a shared machine the best of the two is the closer to the ceiling, and a
     # large change between the two flags the run as unsteady (saved.steadiness).
@@ -515,25 +658,44 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [] if args.no_throughput or mode == "decision" else throughput_rows(engine, cfg, args.app)
     for r in rows:
-        print(f"throughput {r.get('target')} window {r.get('window_ms')} ms prefix {r.get('prefix_cache')}: "
-              f"{r.get('requests_per_s', r.get('skipped'))} req/s p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms",
-              flush=True)
+        print(
+            f"throughput {r.get('target')} window {r.get('window_ms')} ms prefix {r.get('prefix_cache')}: "
+            f"{r.get('requests_per_s', r.get('skipped'))} req/s p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms",
+            flush=True,
+        )
 
     res = {
-        "mode": mode, "command": saved.command("run.py", argv),
-        "model": args.model, "parameters": bench.params, "body_parameters": bench.body_params,
-        "dtype": str(engine.model.dtype).replace("torch.", ""), "device": str(device), "hardware": blink.hardware(),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__, "threads": threads,
+        "mode": mode,
+        "command": saved.command("run.py", argv),
+        "model": args.model,
+        "parameters": bench.params,
+        "body_parameters": bench.body_params,
+        "dtype": str(engine.model.dtype).replace("torch.", ""),
+        "device": str(device),
+        "hardware": blink.hardware(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "threads": threads,
         "matmul_gflops": round(matmul / 1e9, 2),
         **saved.steadiness(matmul_start / 1e9, matmul_end / 1e9),
-        "settings": {"token_budget": settings.token_budget, "prefix_cache": settings.prefix_cache,
-                     "prefix_cache_mb": settings.prefix_cache_mb, "prefix_min_tokens": settings.prefix_min_tokens,
-                     "prefix_kv_tokens": settings.prefix_kv_tokens, "readout": settings.readout,
-                     "linear_layers": engine.matmul, **cfg,
-                     "decision": DECISION[size], "http": HTTP},
-        "decision": decision, "http": http, "peers_skipped": peers_skipped,
-        "cells": cells, "throughput": rows,
+        "settings": {
+            "token_budget": settings.token_budget,
+            "prefix_cache": settings.prefix_cache,
+            "prefix_cache_mb": settings.prefix_cache_mb,
+            "prefix_min_tokens": settings.prefix_min_tokens,
+            "prefix_kv_tokens": settings.prefix_kv_tokens,
+            "readout": settings.readout,
+            "linear_layers": engine.matmul,
+            **cfg,
+            "decision": DECISION[size],
+            "http": HTTP,
+        },
+        "decision": decision,
+        "http": http,
+        "peers_skipped": peers_skipped,
+        "cells": cells,
+        "throughput": rows,
         "targets": decision_targets(decision, mode) + (targets(cells) if cells else []),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (time.perf_counter() - started))),
         "duration_s": round(time.perf_counter() - started, 1),

@@ -38,6 +38,9 @@ def steadiness(start_gflops: float, end_gflops: float) -> dict:
     """The matmul probes of a run's start and end, their relative change, and `unsteady` when it is over
     UNSTEADY_MATMUL_CHANGE."""
     change = abs(start_gflops - end_gflops) / max(start_gflops, end_gflops)
-    return {"matmul_gflops_start_end": [round(start_gflops, 2), round(end_gflops, 2)],
-            "matmul_change": round(change, 3), "unsteady_threshold": UNSTEADY_MATMUL_CHANGE,
-            "unsteady": change > UNSTEADY_MATMUL_CHANGE}
+    return {
+        "matmul_gflops_start_end": [round(start_gflops, 2), round(end_gflops, 2)],
+        "matmul_change": round(change, 3),
+        "unsteady_threshold": UNSTEADY_MATMUL_CHANGE,
+        "unsteady": change > UNSTEADY_MATMUL_CHANGE,
+    }

@@ -10,19 +10,25 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 import arms
+
 import blink
 
 
-def serving(engine: blink.TorchEngine, window_ms: float = 0.0, max_requests: int = 1,
-            max_queued: int | None = None) -> blink.Deployment:
+def serving(
+    engine: blink.TorchEngine, window_ms: float = 0.0, max_requests: int = 1, max_queued: int | None = None
+) -> blink.Deployment:
     """A deployment whose only model is the loaded engine, its Batcher gathering up to `max_requests` requests
     within `window_ms` (BLINK_BATCH_WINDOW_MS, BLINK_BATCH_MAX_REQUESTS, BLINK_BATCH_MAX_QUEUED)."""
-    settings = replace(engine.settings, batch_window_ms=window_ms, batch_max_requests=max_requests,
-                       batch_max_queued=max_queued or engine.settings.batch_max_queued)
+    settings = replace(
+        engine.settings,
+        batch_window_ms=window_ms,
+        batch_max_requests=max_requests,
+        batch_max_queued=max_queued or engine.settings.batch_max_queued,
+    )
     return blink.Deployment.serving(engine, settings)
 
 
@@ -69,17 +75,24 @@ def drive(call: Callable[[int, int], dict], clients: int, per_client: int) -> di
         t.join()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     done = len(latencies)
-    return {"clients": clients, "requests": clients * per_client, "completed": done, "errors": errors[:5],
-            "wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "load_avg_1min": [round(load0, 2),
-                                                                               round(os.getloadavg()[0], 2)],
-            "requests_per_s": round(done / wall, 3) if done else 0.0,
-            "p50_ms": round(1000 * percentile(latencies, 50), 1) if done else None,
-            "p99_ms": round(1000 * percentile(latencies, 99), 1) if done else None,
-            "mean_batched_requests": round(statistics.mean(batched), 2) if batched else None}
+    return {
+        "clients": clients,
+        "requests": clients * per_client,
+        "completed": done,
+        "errors": errors[:5],
+        "wall_s": round(wall, 3),
+        "cpu_s": round(cpu, 3),
+        "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
+        "requests_per_s": round(done / wall, 3) if done else 0.0,
+        "p50_ms": round(1000 * percentile(latencies, 50), 1) if done else None,
+        "p99_ms": round(1000 * percentile(latencies, 99), 1) if done else None,
+        "mean_batched_requests": round(statistics.mean(batched), 2) if batched else None,
+    }
 
 
-def batcher_run(engine: blink.TorchEngine, requests: list, window_ms: float, clients: int, per_client: int,
-                prefix: bool) -> dict:
+def batcher_run(
+    engine: blink.TorchEngine, requests: list, window_ms: float, clients: int, per_client: int, prefix: bool
+) -> dict:
     """Clients submitting through one Batcher with the given window; request (c, r) is requests[c * per_client + r]."""
     dep = serving(engine, window_ms, min(blink.Batcher.MAX_REQUESTS, max(1, clients)), max(64, clients))
     with arms.prefix_cache(engine, prefix):
@@ -101,11 +114,22 @@ def serial_run(engine: blink.TorchEngine, requests: list, clients: int, per_clie
             dep.decide(state, questions)
             latencies.append(time.perf_counter() - t1)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {"target": "decide, one at a time", "window_ms": None, "prefix_cache": prefix, "clients": 1,
-            "requests": len(latencies), "completed": len(latencies), "errors": [], "wall_s": round(wall, 3),
-            "cpu_s": round(cpu, 3), "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
-            "requests_per_s": round(len(latencies) / wall, 3), "p50_ms": round(1000 * percentile(latencies, 50), 1),
-            "p99_ms": round(1000 * percentile(latencies, 99), 1), "mean_batched_requests": 1.0}
+    return {
+        "target": "decide, one at a time",
+        "window_ms": None,
+        "prefix_cache": prefix,
+        "clients": 1,
+        "requests": len(latencies),
+        "completed": len(latencies),
+        "errors": [],
+        "wall_s": round(wall, 3),
+        "cpu_s": round(cpu, 3),
+        "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
+        "requests_per_s": round(len(latencies) / wall, 3),
+        "p50_ms": round(1000 * percentile(latencies, 50), 1),
+        "p99_ms": round(1000 * percentile(latencies, 99), 1),
+        "mean_batched_requests": 1.0,
+    }
 
 
 def free_port() -> int:
@@ -115,8 +139,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def app_runs(engine: blink.TorchEngine, requests: list, windows_ms: list[float], clients: int,
-             per_client: int) -> list[dict]:
+def app_runs(
+    engine: blink.TorchEngine, requests: list, windows_ms: list[float], clients: int, per_client: int
+) -> list[dict]:
     """Clients calling the app's /decide endpoint through gradio_client, one app launch per batch window.
     Skipped (with the reason) when app.py is not importable here."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,13 +156,15 @@ def app_runs(engine: blink.TorchEngine, requests: list, windows_ms: list[float],
                 # for its default model, so nothing is loaded twice
                 process = blink.deployment()
                 process.install(engine, process.default_model)
-                import app  # noqa: PLC0415 - imported per window: a fresh page and queue for each launch
                 from gradio_client import Client
+
+                import app  # noqa: PLC0415 - imported per window: a fresh page and queue for each launch
             except (Exception, SystemExit) as exc:  # noqa: BLE001 - report why the app arm could not run
                 return rows + [{"target": "app", "skipped": f"import app failed: {type(exc).__name__}: {exc}"}]
             # this launch's deployment: the loaded engine as the only model, its Batcher with this window
-            app.DEPLOYMENT = serving(engine, window, engine.settings.batch_max_requests,
-                                     engine.settings.batch_max_queued)
+            app.DEPLOYMENT = serving(
+                engine, window, engine.settings.batch_max_requests, engine.settings.batch_max_queued
+            )
             port = free_port()
             app.demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
             try:
@@ -146,14 +173,20 @@ def app_runs(engine: blink.TorchEngine, requests: list, windows_ms: list[float],
 
                 def call(c: int, r: int) -> dict:
                     state, questions = requests[c * per_client + r]
-                    return conns[c].predict(state, json.dumps(questions), api_name="/decide")
+                    return conns[c].predict(state, json.dumps(questions), api_name="/decide")  # noqa: B023 (called at once)
 
                 try:
                     call(0, 0)  # the app answers at all, and is warm, before the clock starts
                 except Exception as exc:  # noqa: BLE001 - the app's own failure, reported instead of the row
                     return rows + [{"target": "app", "skipped": f"/decide failed: {type(exc).__name__}: {exc}"}]
-                rows.append({"target": "app /decide (gradio_client)", "window_ms": window, "prefix_cache": False,
-                             **drive(call, clients, per_client)})
+                rows.append(
+                    {
+                        "target": "app /decide (gradio_client)",
+                        "window_ms": window,
+                        "prefix_cache": False,
+                        **drive(call, clients, per_client),
+                    }
+                )
             finally:
                 app.demo.close()
     return rows

@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
-import blink
 import peers
 import throughput
+
+import blink
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -36,8 +37,10 @@ def missing() -> str | None:
 def vllm_args(max_model_len: int) -> dict:
     """The vLLM engine arguments of every vLLM arm: a bounded context; on a CPU the engine not compiled (it starts in
     about a minute rather than three); on a GPU a share of its memory each, as two engines may share it."""
-    return {"max_model_len": max_model_len, **({"gpu_memory_utilization": 0.3} if blink.cuda_available() else
-                                                 {"enforce_eager": True})}
+    return {
+        "max_model_len": max_model_len,
+        **({"gpu_memory_utilization": 0.3} if blink.cuda_available() else {"enforce_eager": True}),
+    }
 
 
 def vllm_env() -> dict:
@@ -95,12 +98,20 @@ def pipes(model: str, threads: int, logs: str) -> Iterator[tuple[dict, list[dict
 
     port = throughput.free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "BLINK_MODEL": model,
-           "BLINK_BACKEND": "vllm", "BLINK_VLLM_ARGS": json.dumps(vllm_args(MAX_MODEL_LEN)), **vllm_env()}
-    with peers.process([VLLM_PYTHON, os.path.join(ROOT, "app.py")], threads, os.path.join(logs, "blink-vllm.log"),
-                       env) as proc:
+    env = {
+        "GRADIO_SERVER_NAME": "127.0.0.1",
+        "GRADIO_SERVER_PORT": str(port),
+        "BLINK_MODEL": model,
+        "BLINK_BACKEND": "vllm",
+        "BLINK_VLLM_ARGS": json.dumps(vllm_args(MAX_MODEL_LEN)),
+        **vllm_env(),
+    }
+    with peers.process(
+        [VLLM_PYTHON, os.path.join(ROOT, "app.py")], threads, os.path.join(logs, "blink-vllm.log"), env
+    ) as proc:
         why = peers.wait_up(base + "/", proc, START_S) or peers.systemone_probe(
-            base + "/v1/systemone", model, peers.system_one("warm-up", {"w": {"type": "noul"}}))
+            base + "/v1/systemone", model, peers.system_one("warm-up", {"w": {"type": "noul"}})
+        )
         if why:
             yield {}, [{"target": "blink on vLLM", "skipped": f"the server did not answer: {why}"}]
             return

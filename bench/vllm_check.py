@@ -43,7 +43,6 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-import blink  # noqa: E402
 import peers  # noqa: E402
 import saved  # noqa: E402
 import systemone_requests  # noqa: E402
@@ -51,12 +50,16 @@ import throughput  # noqa: E402
 from run import HTTP  # noqa: E402
 from vllm_arm import VLLM_PYTHON, missing, vllm_args, vllm_env  # noqa: E402
 
+import blink  # noqa: E402
+
 REFERENCE = "blink torch float32"  # what every arm's answers and speed are compared with
 # (arm, python, BLINK_BACKEND, BLINK_DTYPE); the reference first
-ARMS = ((REFERENCE, sys.executable, "torch", "float32"),
-        ("blink torch bfloat16", sys.executable, "torch", "bfloat16"),
-        ("blink vLLM float32", VLLM_PYTHON, "vllm", "float32"),
-        ("blink vLLM bfloat16", VLLM_PYTHON, "vllm", "bfloat16"))
+ARMS = (
+    (REFERENCE, sys.executable, "torch", "float32"),
+    ("blink torch bfloat16", sys.executable, "torch", "bfloat16"),
+    ("blink vLLM float32", VLLM_PYTHON, "vllm", "float32"),
+    ("blink vLLM bfloat16", VLLM_PYTHON, "vllm", "bfloat16"),
+)
 OWN_ROUTE = "vLLM's own /v1/systemone"
 START_S = 900  # three vLLM engines and two torch apps start side by side on a small machine
 
@@ -69,17 +72,36 @@ def workload(count: int, seed: int = 7) -> list[dict]:
 
 def app_env(model: str, backend: str, dtype: str, port: int, engine_args: dict) -> dict:
     """The environment of one blink server: the model, backend and dtype, the port; nothing else of blink's set."""
-    env = {"GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), "BLINK_MODEL": model,
-           "BLINK_BACKEND": backend, "BLINK_DTYPE": dtype}
+    env = {
+        "GRADIO_SERVER_NAME": "127.0.0.1",
+        "GRADIO_SERVER_PORT": str(port),
+        "BLINK_MODEL": model,
+        "BLINK_BACKEND": backend,
+        "BLINK_DTYPE": dtype,
+    }
     return {**env, "BLINK_VLLM_ARGS": json.dumps(engine_args), **vllm_env()} if backend == "vllm" else env
 
 
 def own_route_cmd(folder: str, port: int, max_model_len: int) -> list[str]:
     """vLLM's own OpenAI-compatible server on the model folder, with raw log-probs (its decision route needs them)."""
     eager = [] if blink.cuda_available() else ["--enforce-eager"]
-    return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-            "--port", str(port), "--logprobs-mode", "raw_logprobs", "--max-model-len", str(max_model_len), *eager,
-            *(["--gpu-memory-utilization", "0.3"] if blink.cuda_available() else [])]
+    return [
+        VLLM_PYTHON,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        folder,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--logprobs-mode",
+        "raw_logprobs",
+        "--max-model-len",
+        str(max_model_len),
+        *eager,
+        *(["--gpu-memory-utilization", "0.3"] if blink.cuda_available() else []),
+    ]
 
 
 def probabilities(answer: dict) -> dict[str, float]:
@@ -118,15 +140,27 @@ def compare(reference: list[dict], other: list[dict]) -> dict:
             a, b = probabilities(answer), probabilities(theirs[key])
             gap = max(gap, *(abs(a[k] - b[k]) for k in a))
             if peers.pick(answer) != peers.pick(theirs[key]):
-                differ.append({"request": i, "question": key, "reference": peers.pick(answer),
-                               "arm": peers.pick(theirs[key]), "reference_top_gap": round(top_gap(a), 6)})
+                differ.append(
+                    {
+                        "request": i,
+                        "question": key,
+                        "reference": peers.pick(answer),
+                        "arm": peers.pick(theirs[key]),
+                        "reference_top_gap": round(top_gap(a), 6),
+                    }
+                )
     return {"questions": questions, "max_abs_probability_gap": gap, "picks_differ": differ}
 
 
 def vllm_version() -> str:
     """The vLLM version installed in the vLLM environment."""
-    done = subprocess.run([VLLM_PYTHON, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = subprocess.run(
+        [VLLM_PYTHON, "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     return done.stdout.strip() or done.stderr.strip()[-200:]
 
 
@@ -141,13 +175,22 @@ def start_all(stack: contextlib.ExitStack, model: str, threads: int, max_model_l
         log = os.path.join(logs, name.replace(" ", "-") + ".log")
         waiting[name] = (f"http://127.0.0.1:{port}", model, cmd, env, log)
     port = throughput.free_port()
-    waiting[OWN_ROUTE] = (f"http://127.0.0.1:{port}", folder, own_route_cmd(folder, port, max_model_len), vllm_env(),
-                          os.path.join(logs, "vllm-serve.log"))
+    waiting[OWN_ROUTE] = (
+        f"http://127.0.0.1:{port}",
+        folder,
+        own_route_cmd(folder, port, max_model_len),
+        vllm_env(),
+        os.path.join(logs, "vllm-serve.log"),
+    )
     # every process is started before the first is waited for: the engines start side by side
-    procs = {name: stack.enter_context(peers.process(cmd, threads, log, env))
-             for name, (_, _, cmd, env, log) in waiting.items()}
-    starting = {name: peers.wait_up(waiting[name][0] + ("/health" if name == OWN_ROUTE else "/"), proc, START_S)
-                for name, proc in procs.items()}
+    procs = {
+        name: stack.enter_context(peers.process(cmd, threads, log, env))
+        for name, (_, _, cmd, env, log) in waiting.items()
+    }
+    starting = {
+        name: peers.wait_up(waiting[name][0] + ("/health" if name == OWN_ROUTE else "/"), proc, START_S)
+        for name, proc in procs.items()
+    }
     up = {}
     for name, why in starting.items():
         base, served, *_ = waiting[name]
@@ -181,14 +224,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"server logs in {logs}", flush=True)
     with contextlib.ExitStack() as stack:
         up = start_all(stack, args.model, args.threads, args.max_model_len, logs)
-        print(f"servers up after {time.perf_counter() - started:.0f} s: "
-              + "; ".join(f"{k}: {'up' if isinstance(v, tuple) else v}" for k, v in up.items()), flush=True)
+        print(
+            f"servers up after {time.perf_counter() - started:.0f} s: "
+            + "; ".join(f"{k}: {'up' if isinstance(v, tuple) else v}" for k, v in up.items()),
+            flush=True,
+        )
         blink_arms = {name: up[name] for name, *_ in ARMS if isinstance(up[name], tuple)}
         answers = {name: answers_of(url, served, parity_requests) for name, (url, served) in blink_arms.items()}
         parity = {name: compare(answers[REFERENCE], got) for name, got in answers.items() if name != REFERENCE}
         for name, row in parity.items():
-            print(f"answers {name}: max |dp| {row['max_abs_probability_gap']:.2e} vs {REFERENCE} on "
-                  f"{row['questions']} questions, {len(row['picks_differ'])} picks differ", flush=True)
+            print(
+                f"answers {name}: max |dp| {row['max_abs_probability_gap']:.2e} vs {REFERENCE} on "
+                f"{row['questions']} questions, {len(row['picks_differ'])} picks differ",
+                flush=True,
+            )
         driven = {name: target for name, target in up.items() if isinstance(target, tuple)}
         serving = []
         for clients in HTTP["clients"]:
@@ -196,27 +245,39 @@ def main(argv: list[str] | None = None) -> int:
             for name, (url, served) in driven.items():
                 row = peers.http_drive(url, served, http_requests, clients, per_client)
                 serving.append({"target": name, **row})
-                print(f"{clients:>3} clients {name}: {row['requests_per_s']} req/s, p50 {row['p50_ms']} ms, "
-                      f"p99 {row['p99_ms']} ms", flush=True)
+                print(
+                    f"{clients:>3} clients {name}: {row['requests_per_s']} req/s, p50 {row['p50_ms']} ms, "
+                    f"p99 {row['p99_ms']} ms",
+                    flush=True,
+                )
     base = {r["clients"]: r["requests_per_s"] for r in serving if r["target"] == REFERENCE}
     for row in serving:
-        row[f"vs_{REFERENCE.replace(' ', '_')}"] = (round(row["requests_per_s"] / base[row["clients"]], 2)
-                                                    if base.get(row["clients"]) else None)
+        row[f"vs_{REFERENCE.replace(' ', '_')}"] = (
+            round(row["requests_per_s"] / base[row["clients"]], 2) if base.get(row["clients"]) else None
+        )
     import torch
 
-    result = {"model": args.model, "hardware": blink.hardware(), "threads": args.threads,
-              "torch": torch.__version__, "vllm": vllm_version(),
-              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "command": saved.command("vllm_check.py", argv), "duration_s": round(time.perf_counter() - started, 1),
-              "load_avg_start_end": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
-              "vllm_args": vllm_args(args.max_model_len), "vllm_env": vllm_env(),
-              "arms": {name: {"backend": backend, "dtype": dtype, "python": os.path.relpath(python, ROOT)}
-                       for name, python, backend, dtype in ARMS},
-              "not_up": {name: reason for name, *_ in ARMS if not isinstance(reason := up[name], tuple)},
-              "vllm_own_route": ("answered: driven in the http rows" if isinstance(up[OWN_ROUTE], tuple)
-                                 else up[OWN_ROUTE]),
-              "answers": {"requests": len(parity_requests), "reference": REFERENCE, "arms": parity},
-              "http": {**HTTP, "rows": serving}}
+    result = {
+        "model": args.model,
+        "hardware": blink.hardware(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "vllm": vllm_version(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": saved.command("vllm_check.py", argv),
+        "duration_s": round(time.perf_counter() - started, 1),
+        "load_avg_start_end": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
+        "vllm_args": vllm_args(args.max_model_len),
+        "vllm_env": vllm_env(),
+        "arms": {
+            name: {"backend": backend, "dtype": dtype, "python": os.path.relpath(python, ROOT)}
+            for name, python, backend, dtype in ARMS
+        },
+        "not_up": {name: reason for name, *_ in ARMS if not isinstance(reason := up[name], tuple)},
+        "vllm_own_route": ("answered: driven in the http rows" if isinstance(up[OWN_ROUTE], tuple) else up[OWN_ROUTE]),
+        "answers": {"requests": len(parity_requests), "reference": REFERENCE, "arms": parity},
+        "http": {**HTTP, "rows": serving},
+    }
     saved.write_json(out, result)
     print(f"wrote {out}")
     down = [name for name, *_ in ARMS if name in result["not_up"]]

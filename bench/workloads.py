@@ -8,23 +8,76 @@ from __future__ import annotations
 import random
 
 TEAMS = [
-    "billing", "shipping", "technical support", "account security", "returns", "sales", "legal", "privacy",
-    "accessibility", "mobile app", "web checkout", "warehouse", "customs", "partnerships", "marketing",
-    "loyalty program", "gift cards", "subscriptions", "hardware repair", "installation", "training",
-    "data export", "integrations", "fraud prevention", "translations", "executive escalations",
+    "billing",
+    "shipping",
+    "technical support",
+    "account security",
+    "returns",
+    "sales",
+    "legal",
+    "privacy",
+    "accessibility",
+    "mobile app",
+    "web checkout",
+    "warehouse",
+    "customs",
+    "partnerships",
+    "marketing",
+    "loyalty program",
+    "gift cards",
+    "subscriptions",
+    "hardware repair",
+    "installation",
+    "training",
+    "data export",
+    "integrations",
+    "fraud prevention",
+    "translations",
+    "executive escalations",
 ]
-PRODUCTS = ["router", "invoice", "parcel", "password", "laptop", "subscription", "gift card", "monitor",
-            "headset", "order", "refund", "coupon", "printer", "account", "charger", "camera"]
+PRODUCTS = [
+    "router",
+    "invoice",
+    "parcel",
+    "password",
+    "laptop",
+    "subscription",
+    "gift card",
+    "monitor",
+    "headset",
+    "order",
+    "refund",
+    "coupon",
+    "printer",
+    "account",
+    "charger",
+    "camera",
+]
 PROBLEMS = [
-    "was charged twice", "arrived damaged", "never arrived", "stopped working after an update",
-    "cannot be reset", "shows the wrong price", "was sent to an old address", "is missing a part",
-    "keeps logging the customer out", "was cancelled without notice", "cannot be exported", "is stuck in customs",
+    "was charged twice",
+    "arrived damaged",
+    "never arrived",
+    "stopped working after an update",
+    "cannot be reset",
+    "shows the wrong price",
+    "was sent to an old address",
+    "is missing a part",
+    "keeps logging the customer out",
+    "was cancelled without notice",
+    "cannot be exported",
+    "is stuck in customs",
 ]
 MOODS = ["calm", "frustrated", "angry", "polite", "confused", "in a hurry", "satisfied with the first reply"]
 ACTIONS = [
-    "asked for a refund", "asked for a replacement", "wants to speak to a manager", "attached a screenshot",
-    "threatened to cancel the contract", "asked how to export their data", "asked for a callback tomorrow",
-    "mentioned a similar issue last month", "asked whether the warranty still applies",
+    "asked for a refund",
+    "asked for a replacement",
+    "wants to speak to a manager",
+    "attached a screenshot",
+    "threatened to cancel the contract",
+    "asked how to export their data",
+    "asked for a callback tomorrow",
+    "mentioned a similar issue last month",
+    "asked whether the warranty still applies",
 ]
 QUESTION_TEMPLATES = [
     "Which team should handle ticket #{n}?",
@@ -40,10 +93,12 @@ QUESTION_TEMPLATES = [
 
 def _ticket(rng: random.Random, n: int) -> str:
     """One ticket of the log."""
-    return (f"Ticket #{n} ({2024 + rng.randint(0, 1)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}): "
-            f"the customer's {rng.choice(PRODUCTS)} {rng.choice(PROBLEMS)}. They were {rng.choice(MOODS)} and "
-            f"{rng.choice(ACTIONS)}. The agent noted that the {rng.choice(PRODUCTS)} {rng.choice(PROBLEMS)} "
-            f"as well, and tagged it for {rng.choice(TEAMS)}.\n")
+    return (
+        f"Ticket #{n} ({2024 + rng.randint(0, 1)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}): "
+        f"the customer's {rng.choice(PRODUCTS)} {rng.choice(PROBLEMS)}. They were {rng.choice(MOODS)} and "
+        f"{rng.choice(ACTIONS)}. The agent noted that the {rng.choice(PRODUCTS)} {rng.choice(PROBLEMS)} "
+        f"as well, and tagged it for {rng.choice(TEAMS)}.\n"
+    )
 
 
 def document(tokenizer, target_tokens: int, seed: int = 0) -> str:
@@ -72,6 +127,5 @@ def questions(n_questions: int, n_options: int, n_tickets: int) -> dict:
     for i in range(n_questions):
         template = QUESTION_TEMPLATES[i % len(QUESTION_TEMPLATES)]
         ticket = 1 + (i * 7) % max(1, n_tickets)
-        out[f"q{i:02d}"] = {"type": "choice", "instructions": template.format(n=ticket),
-                            "criteria": TEAMS[:n_options]}
+        out[f"q{i:02d}"] = {"type": "choice", "instructions": template.format(n=ticket), "criteria": TEAMS[:n_options]}
     return out

@@ -21,7 +21,6 @@ sys.path.append(os.path.join(ROOT, "bench"))  # last: the bench's helpers (peers
 
 import blink  # noqa: E402
 
-
 DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
 
 
@@ -111,8 +110,9 @@ def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeou
         stop_group(proc)
 
 
-def start_app(env: dict, prelude: str = "", tmp_dir: str | None = None, python: str = sys.executable,
-              as_script: bool = False):
+def start_app(
+    env: dict, prelude: str = "", tmp_dir: str | None = None, python: str = sys.executable, as_script: bool = False
+):
     """Start the app on a free loopback port without waiting for it: `import app` after `prelude` in `python`, or
     as_script: `python app.py` itself (the port from GRADIO_SERVER_PORT). Returns (process, url, log path); the
     process leads a process group of its own (peers.stop_group stops it and whatever it started)."""
@@ -124,9 +124,20 @@ def start_app(env: dict, prelude: str = "", tmp_dir: str | None = None, python: 
     cmd = [python, "app.py"] if as_script else [python, "-c", code]
     log_path = os.path.join(tmp_dir or tempfile.mkdtemp(), f"app-{port}.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False",
-                                     "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port), **env})
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={
+                **os.environ,
+                "GRADIO_ANALYTICS_ENABLED": "False",
+                "GRADIO_SERVER_NAME": "127.0.0.1",
+                "GRADIO_SERVER_PORT": str(port),
+                **env,
+            },
+        )
     return proc, f"http://127.0.0.1:{port}/", log_path
 
 
@@ -177,16 +188,18 @@ class Gates:
 
     def prelude(self) -> str:
         """Python run in the app's process before `import app`: both gates put in place."""
-        return (f"import os, time, uuid, blink\n_GATES = {self.folder!r}\n"
-                "def _gated(name, fn):\n"
-                "    def gated(*args, **kwargs):\n"
-                "        open(os.path.join(_GATES, f'{name}-{uuid.uuid4().hex}.arrived'), 'w').close()\n"
-                "        while not os.path.exists(os.path.join(_GATES, name + '.open')):\n"
-                "            time.sleep(0.01)\n"
-                "        return fn(*args, **kwargs)\n"
-                "    return gated\n"
-                "blink.Deployment.submit_many = _gated('admit', blink.Deployment.submit_many)\n"
-                "blink.run_jobs = _gated('forward', blink.run_jobs)\n")
+        return (
+            f"import os, time, uuid, blink\n_GATES = {self.folder!r}\n"
+            "def _gated(name, fn):\n"
+            "    def gated(*args, **kwargs):\n"
+            "        open(os.path.join(_GATES, f'{name}-{uuid.uuid4().hex}.arrived'), 'w').close()\n"
+            "        while not os.path.exists(os.path.join(_GATES, name + '.open')):\n"
+            "            time.sleep(0.01)\n"
+            "        return fn(*args, **kwargs)\n"
+            "    return gated\n"
+            "blink.Deployment.submit_many = _gated('admit', blink.Deployment.submit_many)\n"
+            "blink.run_jobs = _gated('forward', blink.run_jobs)\n"
+        )
 
     def open(self, name: str) -> None:
         """Let everything held at gate `name` through, and whatever comes later."""
@@ -229,8 +242,14 @@ def crowded_app(tmp_path_factory, crowd_gates):
     """A second app on the stand-in with a tiny Gradio queue (4 running, 2 waiting), a one-request Batcher (one
     running, one waiting) and `crowd_gates` in front of admission and the model, launched in its own process with
     HF_TOKEN set; yields (url, log path)."""
-    env = {"BLINK_QUEUE_SIZE": "2", "BLINK_CONCURRENCY": "4", "BLINK_BATCH_WINDOW_MS": "0",
-           "BLINK_BATCH_MAX_REQUESTS": "1", "BLINK_BATCH_MAX_QUEUED": "1",
-           "HF_TOKEN": SECRET, "HUGGING_FACE_HUB_TOKEN": SECRET}
+    env = {
+        "BLINK_QUEUE_SIZE": "2",
+        "BLINK_CONCURRENCY": "4",
+        "BLINK_BATCH_WINDOW_MS": "0",
+        "BLINK_BATCH_MAX_REQUESTS": "1",
+        "BLINK_BATCH_MAX_QUEUED": "1",
+        "HF_TOKEN": SECRET,
+        "HUGGING_FACE_HUB_TOKEN": SECRET,
+    }
     with app_process(env, crowd_gates.prelude(), str(tmp_path_factory.mktemp("crowded"))) as served_app:
         yield served_app

@@ -13,8 +13,13 @@ from PIL import Image
 def gradient(width: int, height: int, shift: int = 0) -> Image.Image:
     """A deterministic RGB gradient, different for each shift."""
     img = Image.new("RGB", (width, height))
-    img.putdata([((x * 3 + shift) % 256, (y * 4 + 2 * shift) % 256, (x * y + shift) % 256)
-                 for y in range(height) for x in range(width)])
+    img.putdata(
+        [
+            ((x * 3 + shift) % 256, (y * 4 + 2 * shift) % 256, (x * y + shift) % 256)
+            for y in range(height)
+            for x in range(width)
+        ]
+    )
     return img
 
 

@@ -73,8 +73,9 @@ def test_recording_covers_every_preset_and_names_its_maker(launched):
     assert rec.model == app.DEPLOYMENT.default_model
     assert rec.hardware and rec.recorded_at
     assert app.DEPLOYMENT.recording().header() == rec.header()
-    text_presets = [ex for ex in app.PRESETS.values()
-                    if not app.DEPLOYMENT.request(ex["state"], ex["questions"]).holds_images()]
+    text_presets = [
+        ex for ex in app.PRESETS.values() if not app.DEPLOYMENT.request(ex["state"], ex["questions"]).holds_images()
+    ]
     assert len(text_presets) >= 6
     for ex in text_presets:  # an image preset needs a vision model: the text-only stand-in cannot record it
         assert blink.request_key(ex["state"], ex["questions"]) in rec.requests, ex["name"]
@@ -107,8 +108,9 @@ def test_recording_is_not_used_for_another_model(launched, tmp_path):
 def test_preset_comes_from_the_recording(launched, client):
     app, _ = launched
     ex = preset(app, TICKET)
-    got = client.predict(app.state_text(ex["state"]), app.questions_text(ex["questions"]), 1.0, "", "saved",
-                         api_name="/decide")
+    got = client.predict(
+        app.state_text(ex["state"]), app.questions_text(ex["questions"]), 1.0, "", "saved", api_name="/decide"
+    )
     assert got["meta"]["engine"] == "replay"
     assert got["meta"]["recorded_on"] == recording(app).hardware
     assert got["answers"] == json.loads(json.dumps(recorded_answers(app, ex["state"], ex["questions"])))
@@ -123,8 +125,9 @@ def test_feature_preset_comes_from_the_recording_with_label_mass(launched, clien
     ex = preset(app, INCIDENT)
     qs = ex["questions"]
     entry = recording(app).requests[blink.request_key(ex["state"], qs)]
-    assert {qkey: len(v) for qkey, v in entry["lse"].items()} == {qkey: len(blink.parse_question(qkey, q).rows)
-                                                                    for qkey, q in qs.items()}
+    assert {qkey: len(v) for qkey, v in entry["lse"].items()} == {
+        qkey: len(blink.parse_question(qkey, q).rows) for qkey, q in qs.items()
+    }
     got = client.predict(app.state_text(ex["state"]), app.questions_text(qs), 1.0, "", "saved", api_name="/decide")
     assert got["meta"]["engine"] == "replay"
     assert (got["meta"]["temperature"], got["meta"]["temperature_source"]) == (1.0, "request")
@@ -139,8 +142,9 @@ def test_feature_preset_comes_from_the_recording_with_label_mass(launched, clien
     assert_distribution(severity, 4)
     for qkey in ("refunds_owed", "root_cause_clear"):
         answer, rule = got["answers"][qkey], qs[qkey]["abstain"]
-        short = (answer["label_mass"] < rule.get("min_label_mass", 0)
-                 or answer["confidence"] < rule.get("min_confidence", 0))
+        short = answer["label_mass"] < rule.get("min_label_mass", 0) or answer["confidence"] < rule.get(
+            "min_confidence", 0
+        )
         assert answer["abstained"] is short and (answer["noul"] is None) is short and ("reason" in answer) is short
 
 
@@ -186,9 +190,11 @@ def test_edited_request_runs_live(launched, client):
 def test_abstained_answers_keep_their_distribution(launched, client):
     """Thresholds out of reach abstain every type (no pick, a reason, the distribution kept); a zero one never."""
     app, _ = launched
-    qs = {"urgent": {"type": "noul", "instructions": "Is this urgent?", "abstain": {"min_label_mass": 1.0}},
-          "size": {"type": "score", "criteria": ["small", "medium", "large"], "abstain": {"min_confidence": 1.0}},
-          "team": {"type": "choice", "criteria": ["billing", "access"], "abstain": {"min_confidence": 0.0}}}
+    qs = {
+        "urgent": {"type": "noul", "instructions": "Is this urgent?", "abstain": {"min_label_mass": 1.0}},
+        "size": {"type": "score", "criteria": ["small", "medium", "large"], "abstain": {"min_confidence": 1.0}},
+        "team": {"type": "choice", "criteria": ["billing", "access"], "abstain": {"min_confidence": 0.0}},
+    }
     state = "Card charged twice, please refund."
     got = client.predict(state, qs, api_name="/decide")["answers"]
     urgent, size, team = got["urgent"], got["size"], got["team"]
@@ -206,9 +212,15 @@ def test_abstained_answers_keep_their_distribution(launched, client):
 def test_multi_and_permute_answers(launched, client):
     """A multi question gives independent p(yes) per option; a permuted one averages its rotations."""
     app, _ = launched
-    qs = {"issues": {"type": "choice", "multi": True, "instructions": "Which problems does the customer report?",
-                     "criteria": ["double charge", "cannot log in", "slow delivery"]},
-          "team": {"type": "choice", "permute": 2, "criteria": ["billing", "access", "shipping"]}}
+    qs = {
+        "issues": {
+            "type": "choice",
+            "multi": True,
+            "instructions": "Which problems does the customer report?",
+            "criteria": ["double charge", "cannot log in", "slow delivery"],
+        },
+        "team": {"type": "choice", "permute": 2, "criteria": ["billing", "access", "shipping"]},
+    }
     state = "I was charged twice and now my login fails."
     got = client.predict(state, qs, api_name="/decide")["answers"]
     issues, team = got["issues"], got["team"]
@@ -218,8 +230,9 @@ def test_multi_and_permute_answers(launched, client):
     assert issues["confidence"] == pytest.approx(min(abs(2 * v - 1) for v in p.values()))
     # the two rotations (shifts 0 and 1 of 3 options) asked as plain choices: the permuted answer is their average
     options = qs["team"]["criteria"]
-    rotated = app.DEPLOYMENT.decide(state, {f"r{s}": {"type": "choice", "criteria": options[s:] + options[:s]}
-                                            for s in (0, 1)})["answers"]
+    rotated = app.DEPLOYMENT.decide(
+        state, {f"r{s}": {"type": "choice", "criteria": options[s:] + options[:s]} for s in (0, 1)}
+    )["answers"]
     dists = [rotated[f"r{s}"]["probabilities"] for s in (0, 1)]
     assert team["rotations"] == 2 and team["rotation_choices"] == [max(d, key=d.get) for d in dists]
     assert team["probabilities"] == pytest.approx({k: (dists[0][k] + dists[1][k]) / 2 for k in options}, abs=1e-5)
@@ -234,8 +247,10 @@ def test_multi_and_permute_answers(launched, client):
 def test_concurrent_requests_share_forward_passes(launched, client):
     """The queue lets several /decide calls run at once, so the Batcher packs them into the same forwards."""
     questions = {"urgent": {"type": "noul", "instructions": "Is this message urgent?"}}
-    jobs = [client.submit(f"Message {i}: the server room is flooding, please come now.", questions,
-                          api_name="/decide") for i in range(6)]
+    jobs = [
+        client.submit(f"Message {i}: the server room is flooding, please come now.", questions, api_name="/decide")
+        for i in range(6)
+    ]
     results = [job.result(timeout=120) for job in jobs]
     assert all(r["meta"]["engine"] == "torch" for r in results)
     assert max(r["meta"]["batched_requests"] for r in results) > 1
@@ -244,11 +259,15 @@ def test_concurrent_requests_share_forward_passes(launched, client):
 
 
 def test_batch_endpoint_answers_each_request_in_place(launched, client):
-    questions = {"spam": {"type": "noul", "instructions": "Is this message spam?"},
-                 "lang": {"type": "choice", "criteria": ["English", "French", "German"]}}
-    requests = [{"state": "WIN A FREE CRUISE!!! Click now", "questions": questions},
-                {"state": "Bonjour, je voudrais réserver une table.", "questions": {"bad": {"type": "maybe"}}},
-                {"state": {"from": "boss", "text": "Meeting moved to 3pm"}, "questions": json.dumps(questions)}]
+    questions = {
+        "spam": {"type": "noul", "instructions": "Is this message spam?"},
+        "lang": {"type": "choice", "criteria": ["English", "French", "German"]},
+    }
+    requests = [
+        {"state": "WIN A FREE CRUISE!!! Click now", "questions": questions},
+        {"state": "Bonjour, je voudrais réserver une table.", "questions": {"bad": {"type": "maybe"}}},
+        {"state": {"from": "boss", "text": "Meeting moved to 3pm"}, "questions": json.dumps(questions)},
+    ]
     got = client.predict(requests, 1.0, "", api_name="/decide_batch")
     assert len(got) == 3
     assert got[1]["loc"] == ["body", "requests", 1, "questions", "bad", "type"]
@@ -296,8 +315,11 @@ BAD_DECIDE = [
     (("x", {"q": {"type": ["noul"]}}), "type must be one of choice, noul, score", "questions.q.type"),
     (("x", {"q": {"type": {"noul": 1}}}), "type must be one of choice, noul, score", "questions.q.type"),
     (("x", {"q": {"type": "choice"}}), "a choice needs criteria", "questions.q.criteria"),
-    (("x", {"q": {"type": "choice", "criteria": [str(i) for i in range(256)]}}), "256 options; supported 1-255",
-     "questions.q.criteria"),
+    (
+        ("x", {"q": {"type": "choice", "criteria": [str(i) for i in range(256)]}}),
+        "256 options; supported 1-255",
+        "questions.q.criteria",
+    ),
     (("x", {"q": {"type": "choice", "criteria": ["a", "a"]}}), "duplicate option keys", "questions.q.criteria"),
     (("x", {"q": {"type": "score", "criteria": ["only one"]}}), "2 to 10 levels", "questions.q.criteria"),
     (("x", {"q": {"type": "noul", "criteria": "yes"}}), "noul criteria must be an object", "questions.q.criteria"),
@@ -334,8 +356,11 @@ def test_bad_batch_call_is_a_clear_error(client, args, message):
 
 def test_bad_batch_items_are_reported_in_place(client):
     got = client.predict([{"state": "x"}, {"state": "", "questions": OK_Q}, "nope"], api_name="/decide_batch")
-    assert [g["loc"] for g in got] == [["body", "requests", 0], ["body", "requests", 1, "state"],
-                                       ["body", "requests", 2]]
+    assert [g["loc"] for g in got] == [
+        ["body", "requests", 0],
+        ["body", "requests", 1, "state"],
+        ["body", "requests", 2],
+    ]
     assert "state and questions" in got[0]["error"] and "state is empty" in got[1]["error"]
 
 
@@ -362,8 +387,9 @@ def test_mock_numbers_are_labelled_fabricated(launched, client):
 def test_replay_only_host_explains_a_miss(launched, client):
     app, _ = launched
     ex = preset(app, TICKET)
-    with serving(app, blink.ReplayEngine(app.SETTINGS.replay_path, model_id=app.DEPLOYMENT.default_model,
-                                         settings=app.SETTINGS)):
+    with serving(
+        app, blink.ReplayEngine(app.SETTINGS.replay_path, model_id=app.DEPLOYMENT.default_model, settings=app.SETTINGS)
+    ):
         hit = client.predict(ex["state"], ex["questions"], api_name="/decide")
         with pytest.raises(AppError, match="only has saved runs for the built-in examples"):
             client.predict("an edited ticket", ex["questions"], api_name="/decide")
@@ -384,19 +410,23 @@ def test_form_adds_each_type_of_question(launched):
     text = app.build_question(text, "urgent", "noul", "Is it urgent?", "yes: blocked today")
     text = app.build_question(text, "size", "score", "How big?", "small\nmedium\nlarge")
     got = json.loads(text)
-    assert got == {"team": {"type": "choice", "instructions": "Which team?",
-                            "criteria": {"billing": "money", "access": "logins"}},
-                   "urgent": {"type": "noul", "instructions": "Is it urgent?", "criteria": {"true": "blocked today"}},
-                   "size": {"type": "score", "instructions": "How big?", "criteria": ["small", "medium", "large"]}}
+    assert got == {
+        "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "money", "access": "logins"}},
+        "urgent": {"type": "noul", "instructions": "Is it urgent?", "criteria": {"true": "blocked today"}},
+        "size": {"type": "score", "instructions": "How big?", "criteria": ["small", "medium", "large"]},
+    }
 
 
-@pytest.mark.parametrize("args,message", [
-    (("{}", "", "noul", "", ""), "give the new question a name"),
-    (('{"a": {"type": "noul"}}', "a", "noul", "", ""), "already exists"),
-    (("{oops", "b", "noul", "", ""), "fix the questions JSON first"),
-    (("", "b", "choice", "", "only"), "at least two options"),
-    (("", "b", "score", "", "one"), "2 to 10 levels"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("{}", "", "noul", "", ""), "give the new question a name"),
+        (('{"a": {"type": "noul"}}', "a", "noul", "", ""), "already exists"),
+        (("{oops", "b", "noul", "", ""), "fix the questions JSON first"),
+        (("", "b", "choice", "", "only"), "at least two options"),
+        (("", "b", "score", "", "one"), "2 to 10 levels"),
+    ],
+)
 def test_form_refuses_mistakes(launched, args, message):
     import gradio as gr
 
@@ -413,8 +443,13 @@ def test_form_writes_the_opt_in_fields_only_when_set(launched):
     text = app.build_question(text, "plain", "choice", "", "a\nb")
     text = app.build_question(text, "zeros", "choice", "", "a\nb", 0, False, 0, 0.0)  # what the page sends when unset
     got = json.loads(text)
-    assert got["tags"] == {"type": "choice", "instructions": "Which apply?", "criteria": ["late", "damaged"],
-                           "multi": True, "abstain": {"min_confidence": 0.2}}
+    assert got["tags"] == {
+        "type": "choice",
+        "instructions": "Which apply?",
+        "criteria": ["late", "damaged"],
+        "multi": True,
+        "abstain": {"min_confidence": 0.2},
+    }
     assert got["team"]["permute"] == 3 and isinstance(got["team"]["permute"], int)
     assert got["team"]["abstain"] == {"min_label_mass": 0.5} and "multi" not in got["team"]
     assert got["urgent"]["abstain"] == {"min_label_mass": 0.25, "min_confidence": 0.5}
@@ -422,13 +457,16 @@ def test_form_writes_the_opt_in_fields_only_when_set(launched):
     blink.parse_questions(got)
 
 
-@pytest.mark.parametrize("extras,message", [
-    (("noul", 2, False, None, None), "permute applies to choice questions only"),
-    (("choice", 2, True, None, None), "multi and permute cannot be combined"),
-    (("choice", 4, False, None, None), "from 1 to its 3 options"),
-    (("choice", None, False, 1.5, None), "abstain.min_label_mass must be a number from 0 to 1"),
-    (("score", None, True, None, None), "multi applies to choice questions only"),
-])
+@pytest.mark.parametrize(
+    "extras,message",
+    [
+        (("noul", 2, False, None, None), "permute applies to choice questions only"),
+        (("choice", 2, True, None, None), "multi and permute cannot be combined"),
+        (("choice", 4, False, None, None), "from 1 to its 3 options"),
+        (("choice", None, False, 1.5, None), "abstain.min_label_mass must be a number from 0 to 1"),
+        (("score", None, True, None, None), "multi applies to choice questions only"),
+    ],
+)
 def test_form_refuses_bad_opt_in_fields(launched, extras, message):
     import gradio as gr
 
@@ -450,19 +488,26 @@ def test_rendering_shows_every_option(launched):
     app, _ = launched
     q = blink.parse_request("x", {"pick": {"type": "choice", "criteria": [f"label {i}" for i in range(40)]}})
     probs = [1.0 / 40] * 40
-    result = {"answers": blink.assemble(q, {"pick": blink.Readout([[math.log(p) for p in probs]], [None])},
-                                        {"pick": 1.0})}
+    result = {
+        "answers": blink.assemble(q, {"pick": blink.Readout([[math.log(p) for p in probs]], [None])}, {"pick": 1.0})
+    }
     html = app.render_answers(q, result)
     assert html.count('class="bk-row') == 40
     hostile = blink.parse_request("x", {"<script>": {"type": "noul"}})
-    assert "<script" not in app.render_answers(hostile, {"answers": blink.assemble(
-        hostile, {"<script>": blink.Readout([[0.0, 0.0]], [None])}, {"<script>": 1.0})})
+    assert "<script" not in app.render_answers(
+        hostile,
+        {"answers": blink.assemble(hostile, {"<script>": blink.Readout([[0.0, 0.0]], [None])}, {"<script>": 1.0})},
+    )
 
 
 MOCK_QS = {
     "tags": {"type": "choice", "multi": True, "criteria": ["late", "damaged", "wrong item"]},
-    "tags_unsure": {"type": "choice", "multi": True, "criteria": ["late", "damaged"],
-                    "abstain": {"min_confidence": 1.0}},
+    "tags_unsure": {
+        "type": "choice",
+        "multi": True,
+        "criteria": ["late", "damaged"],
+        "abstain": {"min_confidence": 1.0},
+    },
     "intent": {"type": "choice", "permute": 3, "criteria": ["refund", "exchange", "complaint"]},
     "upset": {"type": "noul", "abstain": {"min_label_mass": 1.0}},
     "stars": {"type": "score", "criteria": ["1", "2", "3", "4", "5"], "abstain": {"min_confidence": 1.0}},
@@ -489,7 +534,7 @@ def test_rendering_of_multi_abstained_and_permuted_answers(launched):
     assert cards["tags"].count('aria-checked="true"') == len(answers["tags"]["choices"])
     assert cards["tags_unsure"].count('aria-checked="true"') == 0 and "no pick" in cards["tags_unsure"]
     intent = answers["intent"]
-    assert f'order sensitivity <b>{intent["order_sensitivity"]:.2f}</b> · 3 rotation(s)' in cards["intent"]
+    assert f"order sensitivity <b>{intent['order_sensitivity']:.2f}</b> · 3 rotation(s)" in cards["intent"]
     assert re.findall(r'class="bk-rot">(\w+)<', cards["intent"]) == intent["rotation_choices"]
     assert 'role="meter"' in cards["upset"] and "leans" not in cards["upset"]
     assert "bk-scale-marker" not in cards["stars"] and cards["stars"].count('class="bk-row') == 5
@@ -503,8 +548,9 @@ def test_on_label_badge_warns_below_half_and_says_when_unknown(launched):
     def badge(mass):
         lse = None if mass is None else blink.logsumexp(row) - math.log(mass)
         answers = blink.assemble(q, {"q": blink.Readout([row], [lse])}, {"q": 1.0})
-        return re.search(r'<span class="(bk-badge bk-mass[^"]*)"[^>]*>([^<]*)<', app.render_answers(q, {
-            "answers": answers})).groups()
+        return re.search(
+            r'<span class="(bk-badge bk-mass[^"]*)"[^>]*>([^<]*)<', app.render_answers(q, {"answers": answers})
+        ).groups()
 
     assert badge(0.3) == ("bk-badge bk-mass bk-mass-low", "on-label 30.0%")
     assert badge(0.8) == ("bk-badge bk-mass", "on-label 80.0%")
@@ -515,11 +561,18 @@ def test_meta_line_names_the_temperature_source(launched, tmp_path):
     app, _ = launched
     model = app.DEPLOYMENT.default_model
     path = tmp_path / "calibration.json"
-    path.write_text(json.dumps({"format": blink.CALIBRATION_FORMAT,
-                                "models": {model: {"temperatures": {"choice:3-4": 2.0}}}}))
+    path.write_text(
+        json.dumps({"format": blink.CALIBRATION_FORMAT, "models": {model: {"temperatures": {"choice:3-4": 2.0}}}})
+    )
     settings = dataclasses.replace(app.SETTINGS, calibration_path=str(path))
-    qs = {"intent": MOCK_QS["intent"], "upset": {"type": "noul"}, "tags": MOCK_QS["tags"], "more": {"type": "noul"},
-          "again": {"type": "noul"}, "last": {"type": "noul"}}
+    qs = {
+        "intent": MOCK_QS["intent"],
+        "upset": {"type": "noul"},
+        "tags": MOCK_QS["tags"],
+        "more": {"type": "noul"},
+        "again": {"type": "noul"},
+        "last": {"type": "noul"},
+    }
     dep = blink.Deployment.serving(blink.MockEngine(model, settings), settings)
     mixed = dep.decide("x", qs)["meta"]
     asked = dep.decide("x", qs, temperature=0.5)["meta"]
@@ -543,16 +596,25 @@ def test_spaces_comes_before_torch_and_weights_load_at_start():
     import sys
 
     # after start() no engine may be built any more: engine() must hand back the one start() built
-    probe = ("import sys, app, blink; m = list(sys.modules); at_import = len(blink._LIVE)\n"
-             "app.built_demo()\n"
-             "def late(*args, **kwargs):\n    raise AssertionError('the engine was not built at start')\n"
-             "blink.TorchEngine.__init__ = late\n"
-             "live = app.DEPLOYMENT.engine().live\n"
-             "print(m.index('spaces') < m.index('torch'), at_import, isinstance(live, blink.TorchEngine), "
-             "type(live.model).__name__)")
+    probe = (
+        "import sys, app, blink; m = list(sys.modules); at_import = len(blink._LIVE)\n"
+        "app.built_demo()\n"
+        "def late(*args, **kwargs):\n    raise AssertionError('the engine was not built at start')\n"
+        "blink.TorchEngine.__init__ = late\n"
+        "live = app.DEPLOYMENT.engine().live\n"
+        "print(m.index('spaces') < m.index('torch'), at_import, isinstance(live, blink.TorchEngine), "
+        "type(live.model).__name__)"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=300,
-                         check=False, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-4:] == ["True", "0", "True", "LlamaForCausalLM"]
 

@@ -34,15 +34,25 @@ def test_a_deployment_that_cannot_serve_refuses_to_start(tmp_path):
     default = blink.Settings.from_env(env).default_model  # the model app.py serves with no BLINK_MODEL set
     cases = [  # (environment, what the one line must say)
         ({"BLINK_ENGINE": "replay", "BLINK_REPLAY": str(corrupt)}, f"recording {corrupt} cannot be read"),
-        ({"BLINK_ENGINE": "replay", "BLINK_REPLAY": str(foreign)},
-         f"recording {foreign} was made by someone/else, not by the served model {default}"),
+        (
+            {"BLINK_ENGINE": "replay", "BLINK_REPLAY": str(foreign)},
+            f"recording {foreign} was made by someone/else, not by the served model {default}",
+        ),
         ({"BLINK_REPLAY": str(malformed)}, f"recording {malformed} has a malformed entry {key!r}"),
         ({"BLINK_ENGINE": "torch", "BLINK_MODEL": labels}, "verified single-token labels; A..Z must all verify"),
     ]
     for pair in (cases[:2], cases[2:]):  # two at a time, one per core, each start with its own deadline
-        procs = [subprocess.Popen([sys.executable, "app.py"], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True,
-                                  env={**env, "GRADIO_ANALYTICS_ENABLED": "False", **extra}) for extra, _ in pair]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "app.py"],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**env, "GRADIO_ANALYTICS_ENABLED": "False", **extra},
+            )
+            for extra, _ in pair
+        ]
         for proc, (extra, message) in zip(procs, pair):
             assert_refuses(proc, extra, message, extra.get("BLINK_MODEL", default))
 
@@ -67,8 +77,9 @@ def test_a_foreign_recording_is_not_served_and_says_so(launched, tmp_path, caplo
     """The app's deployment, given a recording another model made, has none (its presets run live) and logs why."""
     app, _ = launched
     other = tmp_path / "replay.json"
-    other.write_text(json.dumps({**json.loads(pathlib.Path(app.SETTINGS.replay_path).read_text()),
-                                 "model": "someone/else"}))
+    other.write_text(
+        json.dumps({**json.loads(pathlib.Path(app.SETTINGS.replay_path).read_text()), "model": "someone/else"})
+    )
     dep = blink.Deployment(dataclasses.replace(app.SETTINGS, replay_path=str(other)))
     with caplog.at_level(logging.WARNING, logger="blink"):
         assert dep.recording() is None
@@ -101,6 +112,8 @@ def test_a_dead_batching_worker_is_a_clear_error_and_the_next_caller_is_served(l
     assert "the model failed on this request (RuntimeError)" in err.value.message
     got = client.submit("The server room is flooding.", question, api_name="/decide").result(timeout=120)
     want = app.DEPLOYMENT.decide("The server room is flooding.", question)  # the same request, in process
-    assert got["meta"]["engine"] == "torch" and abs(got["answers"]["urgent"]["noul"] - want["answers"]["urgent"][
-        "noul"]) < 1e-5
+    assert (
+        got["meta"]["engine"] == "torch"
+        and abs(got["answers"]["urgent"]["noul"] - want["answers"]["urgent"]["noul"]) < 1e-5
+    )
     assert batcher.restarts == restarts + 1 and batcher.alive()

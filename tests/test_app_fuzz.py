@@ -35,42 +35,104 @@ PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADh
 
 # JSON the client can send: finite numbers, text without lone surrogates (hypothesis's default alphabet).
 TEXT = st.one_of(st.text(max_size=40), TRICKY)
-NUMBER = st.one_of(st.integers(-10**6, 10**6), st.floats(allow_nan=False, allow_infinity=False))
-JSON = st.recursive(st.one_of(st.none(), st.booleans(), NUMBER, TEXT),
-                    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)),
-                    max_leaves=10)
+NUMBER = st.one_of(st.integers(-(10**6), 10**6), st.floats(allow_nan=False, allow_infinity=False))
+JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), NUMBER, TEXT),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)),
+    max_leaves=10,
+)
 DATA_URIS = [
-    "data:image/png;base64,", "data:image/png;base64,!!!not base64", f"data:image/png;base64,{PNG_1PX}",
-    f"data:image/jpeg;base64,{PNG_1PX}", "data:image/gif;base64,R0lGODlhAQABAAAAACw=",
-    "data:image/png;charset=utf-8;base64,AAAA", "DATA:IMAGE/PNG ;BASE64,AAAA", "data:text/html;base64,PHNjcmlwdD4=",
-    "data:image/png;base64," + "A" * 200_001, "data:image/png,plain", "data:image/"]
+    "data:image/png;base64,",
+    "data:image/png;base64,!!!not base64",
+    f"data:image/png;base64,{PNG_1PX}",
+    f"data:image/jpeg;base64,{PNG_1PX}",
+    "data:image/gif;base64,R0lGODlhAQABAAAAACw=",
+    "data:image/png;charset=utf-8;base64,AAAA",
+    "DATA:IMAGE/PNG ;BASE64,AAAA",
+    "data:text/html;base64,PHNjcmlwdD4=",
+    "data:image/png;base64," + "A" * 200_001,
+    "data:image/png,plain",
+    "data:image/",
+]
 DATA_URI = st.sampled_from(DATA_URIS)
 DEEP_TEXT = st.sampled_from(["[" * 5000, "{" * 3000, '{"a": ' * 2000 + "1" + "}" * 2000, "[" * 63 + "]" * 63])
 STATE = st.one_of(
-    TEXT, st.text(min_size=1000, max_size=3000), JSON, JSON.map(json.dumps), DATA_URI, DEEP_TEXT,
+    TEXT,
+    st.text(min_size=1000, max_size=3000),
+    JSON,
+    JSON.map(json.dumps),
+    DATA_URI,
+    DEEP_TEXT,
     st.builds(lambda uri, note: f"{note} {uri} {note}", DATA_URI, TEXT),
     st.builds(lambda uri, note: {"chart": uri, "note": note}, DATA_URI, TEXT),
-    st.sampled_from([None, 5, True, "", "   ", "x" * 100_000]))
+    st.sampled_from([None, 5, True, "", "   ", "x" * 100_000]),
+)
 N_OPTIONS = st.sampled_from([0, 1, 2, 255, 256, 300])
-CRITERIA = st.one_of(JSON, st.lists(TEXT, max_size=12), st.dictionaries(TEXT, st.one_of(TEXT, st.none()), max_size=8),
-                     N_OPTIONS.map(lambda n: [f"o{i}" for i in range(n)]))
+CRITERIA = st.one_of(
+    JSON,
+    st.lists(TEXT, max_size=12),
+    st.dictionaries(TEXT, st.one_of(TEXT, st.none()), max_size=8),
+    N_OPTIONS.map(lambda n: [f"o{i}" for i in range(n)]),
+)
 PLAUSIBLE = plausible(TEXT, JSON, levels=(1, 11))  # 1 and 11 score levels are refused
-QUESTION = st.one_of(PLAUSIBLE, PLAUSIBLE, JSON, st.fixed_dictionaries(
-    {"type": st.sampled_from(["choice", "noul", "score", "rank", None, 3])},
-    optional={"criteria": CRITERIA, "instructions": st.one_of(TEXT, JSON)}))
+QUESTION = st.one_of(
+    PLAUSIBLE,
+    PLAUSIBLE,
+    JSON,
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["choice", "noul", "score", "rank", None, 3])},
+        optional={"criteria": CRITERIA, "instructions": st.one_of(TEXT, JSON)},
+    ),
+)
 NAME = st.one_of(st.text(min_size=1, max_size=20), TRICKY)
 PLAUSIBLE_QUESTIONS = st.dictionaries(NAME, PLAUSIBLE, min_size=1, max_size=4)
 QUESTIONS_OBJECT = st.one_of(
-    PLAUSIBLE_QUESTIONS, st.dictionaries(NAME, QUESTION, min_size=1, max_size=4),
-    JSON, st.sampled_from([511, 512, 513]).map(lambda n: {f"q{i}": {"type": "noul"} for i in range(n)}))
+    PLAUSIBLE_QUESTIONS,
+    st.dictionaries(NAME, QUESTION, min_size=1, max_size=4),
+    JSON,
+    st.sampled_from([511, 512, 513]).map(lambda n: {f"q{i}": {"type": "noul"} for i in range(n)}),
+)
 QUESTIONS = st.one_of(
-    PLAUSIBLE_QUESTIONS, PLAUSIBLE_QUESTIONS.map(json.dumps), QUESTIONS_OBJECT, QUESTIONS_OBJECT.map(json.dumps),
+    PLAUSIBLE_QUESTIONS,
+    PLAUSIBLE_QUESTIONS.map(json.dumps),
+    QUESTIONS_OBJECT,
+    QUESTIONS_OBJECT.map(json.dumps),
     QUESTIONS_OBJECT.map(lambda q: json.dumps(q)[:-1]),
-    st.text(max_size=60), DEEP_TEXT, st.sampled_from(['{"q": {"type": "noul", "n": ' + "1" * 5000 + "}}", "", "null"]))
+    st.text(max_size=60),
+    DEEP_TEXT,
+    st.sampled_from(['{"q": {"type": "noul", "n": ' + "1" * 5000 + "}}", "", "null"]),
+)
 TEMPERATURE = st.one_of(
-    st.floats(0.05, 5.0), NUMBER, st.integers(-3, 3),
-    st.sampled_from([0, -0.0, -1.5, 5e-324, 1e-310, 1.7976931348623157e308, 10**400, "nan", "inf", "-inf", "1e999",
-                     "0.7", "abc", "", None, True, False, [], {}, [1.0]]))
+    st.floats(0.05, 5.0),
+    NUMBER,
+    st.integers(-3, 3),
+    st.sampled_from(
+        [
+            0,
+            -0.0,
+            -1.5,
+            5e-324,
+            1e-310,
+            1.7976931348623157e308,
+            10**400,
+            "nan",
+            "inf",
+            "-inf",
+            "1e999",
+            "0.7",
+            "abc",
+            "",
+            None,
+            True,
+            False,
+            [],
+            {},
+            [1.0],
+        ]
+    ),
+)
+
+
 def mostly(plain: st.SearchStrategy, odd: st.SearchStrategy) -> st.SearchStrategy:
     """Plain inputs most of the time and odd ones sometimes, so that a case often turns on one bad field (hypothesis
     draws a one_of's first and last branches most often)."""
@@ -79,16 +141,31 @@ def mostly(plain: st.SearchStrategy, odd: st.SearchStrategy) -> st.SearchStrateg
 
 MODEL = mostly(st.just(""), st.one_of(st.sampled_from([None, "nobody/nothing", SERVED, 3, ["x"]]), TEXT))
 PREFER = mostly(st.just("live"), st.sampled_from(["saved", "LIVE", "", None, 1, ["live"]]))
-IMAGES = mostly(st.none(), st.one_of(st.just([]), st.lists(DATA_URI, min_size=1, max_size=3), JSON,
-                                     st.lists(TEXT, min_size=1, max_size=2),
-                                     st.just([f"data:image/png;base64,{PNG_1PX}"] * 9)))
+IMAGES = mostly(
+    st.none(),
+    st.one_of(
+        st.just([]),
+        st.lists(DATA_URI, min_size=1, max_size=3),
+        JSON,
+        st.lists(TEXT, min_size=1, max_size=2),
+        st.just([f"data:image/png;base64,{PNG_1PX}"] * 9),
+    ),
+)
 PLAIN_TEMPERATURE = mostly(st.floats(0.05, 5.0), TEMPERATURE)
 BATCH = st.one_of(
-    st.lists(st.one_of(st.fixed_dictionaries({"state": STATE, "questions": QUESTIONS}),
-                       st.fixed_dictionaries({"state": st.text(max_size=30), "questions": PLAUSIBLE.map(
-                           lambda q: {"q": q})}), JSON), max_size=6),
-    JSON, st.text(max_size=40), DEEP_TEXT,
-    st.sampled_from([65, 64]).map(lambda n: [{"state": f"s{i}", "questions": Q} for i in range(n)]))
+    st.lists(
+        st.one_of(
+            st.fixed_dictionaries({"state": STATE, "questions": QUESTIONS}),
+            st.fixed_dictionaries({"state": st.text(max_size=30), "questions": PLAUSIBLE.map(lambda q: {"q": q})}),
+            JSON,
+        ),
+        max_size=6,
+    ),
+    JSON,
+    st.text(max_size=40),
+    DEEP_TEXT,
+    st.sampled_from([65, 64]).map(lambda n: [{"state": f"s{i}", "questions": Q} for i in range(n)]),
+)
 
 
 def check_refusal(exc: AppError) -> str:
@@ -162,27 +239,34 @@ def run_decide(app, client, counts: Counter, args: tuple) -> None:
 
 def report(endpoint: str, engine: str, counts: Counter) -> None:
     """Print how many cases ran and how they ended; both endings must have happened."""
-    print(f"\n{endpoint} on the {engine} engine: {counts['answered'] + counts['refused']} cases, "
-          f"{counts['answered']} answered, {counts['refused']} refused with the field named"
-          + (f" ({counts['items']} batch items)" if counts["items"] else "") + " · refused on: "
-          + ", ".join(f"{k[6:]} {v}" for k, v in sorted(counts.items()) if k.startswith("field ")))
+    print(
+        f"\n{endpoint} on the {engine} engine: {counts['answered'] + counts['refused']} cases, "
+        f"{counts['answered']} answered, {counts['refused']} refused with the field named"
+        + (f" ({counts['items']} batch items)" if counts["items"] else "")
+        + " · refused on: "
+        + ", ".join(f"{k[6:]} {v}" for k, v in sorted(counts.items()) if k.startswith("field "))
+    )
     assert counts["answered"] and counts["refused"]
 
 
 def case_of(state="x", questions=None, temperature=1.0, images=None):
     """An explicit /decide case, the other inputs plain."""
-    return example(state=state, questions=Q if questions is None else questions, temperature=temperature, model="",
-                   prefer="live", images=images)
+    return example(
+        state=state,
+        questions=Q if questions is None else questions,
+        temperature=temperature,
+        model="",
+        prefer="live",
+        images=images,
+    )
 
 
 def test_decide_api_on_arbitrary_input(mock_app):
     app, client = mock_app
     counts: Counter = Counter()
 
-    @settings(max_examples=80, deadline=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    @given(state=STATE, questions=QUESTIONS, temperature=PLAIN_TEMPERATURE, model=MODEL, prefer=PREFER,
-           images=IMAGES)
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(state=STATE, questions=QUESTIONS, temperature=PLAIN_TEMPERATURE, model=MODEL, prefer=PREFER, images=IMAGES)
     @case_of(state="x" * (app.SETTINGS.max_request_chars + 1))
     @case_of(questions={f"q{i}": {"type": "noul"} for i in range(513)})
     @case_of(questions={"q": {"type": "choice", "criteria": [f"o{i}" for i in range(256)]}})
@@ -210,11 +294,13 @@ LIVE_QUESTIONS = st.one_of(LIVE_PLAUSIBLE, LIVE_PLAUSIBLE.map(json.dumps), st.te
 def test_decide_api_on_the_live_model(launched, client):
     counts: Counter = Counter()
 
-    @settings(max_examples=6, deadline=None,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(state=LIVE_STATE, questions=LIVE_QUESTIONS, temperature=PLAIN_TEMPERATURE)
-    @example(state="Order 17 arrived broken.", questions={"ok": {"type": "noul"}, "size": {
-        "type": "score", "criteria": ["small", "large"]}}, temperature=0.7)
+    @example(
+        state="Order 17 arrived broken.",
+        questions={"ok": {"type": "noul"}, "size": {"type": "score", "criteria": ["small", "large"]}},
+        temperature=0.7,
+    )
     @example(state="Order 17 arrived broken.", questions={"size": {"type": "score"}}, temperature=0.7)
     def case(state, questions, temperature):
         run_decide(launched[0], client, counts, (state, questions, temperature, "", "live", None))
@@ -227,11 +313,17 @@ def test_decide_batch_api_on_arbitrary_input(mock_app):
     app, client = mock_app
     counts: Counter = Counter()
 
-    @settings(max_examples=40, deadline=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(requests=BATCH, temperature=PLAIN_TEMPERATURE, model=MODEL)
-    @example(requests=[{"state": {"a": [[[[[[]]]]]] * 2}, "questions": Q}, {"state": "x", "questions": "[" * 5000},
-                       {"state": "ok", "questions": Q}], temperature=1.0, model="")
+    @example(
+        requests=[
+            {"state": {"a": [[[[[[]]]]]] * 2}, "questions": Q},
+            {"state": "x", "questions": "[" * 5000},
+            {"state": "ok", "questions": Q},
+        ],
+        temperature=1.0,
+        model="",
+    )
     @example(requests="[" * 5000, temperature=1.0, model="")
     def case(requests, temperature, model):
         try:
@@ -259,16 +351,19 @@ RAW = [
     (b'["x", {"q": {"type": "noul"}}, 1e999, "", "live", null]', "temperature must be a finite number above 0"),
     (b'["a\\ud800b", {"q": {"type": "noul"}}, 1.0, "", "live", null]', "state is not valid Unicode text"),
     (b'["x", {"q\\udfff": {"type": "noul"}}, 1.0, "", "live", null]', "questions has a non-text key"),
-    (b'["x", "{\\"q\\": {\\"type\\": \\"noul\\", \\"n\\": ' + b"1" * 5000 + b'}}", 1.0, "", "live", null]',
-     "questions cannot be read"),
+    (
+        b'["x", "{\\"q\\": {\\"type\\": \\"noul\\", \\"n\\": ' + b"1" * 5000 + b'}}", 1.0, "", "live", null]',
+        "questions cannot be read",
+    ),
 ]
 
 
 def raw_decide(url: str, data: bytes) -> tuple[int, dict | str]:
     """A hand-written `data` array POSTed to /gradio_api/call/decide: (HTTP status, the final event's payload)."""
     with httpx.Client(base_url=url, timeout=60) as http:
-        posted = http.post("gradio_api/call/decide", content=b'{"data": ' + data + b"}",
-                           headers={"content-type": "application/json"})
+        posted = http.post(
+            "gradio_api/call/decide", content=b'{"data": ' + data + b"}", headers={"content-type": "application/json"}
+        )
         if posted.status_code != 200:
             return posted.status_code, posted.text
         events = http.get(f"gradio_api/call/decide/{posted.json()['event_id']}").text
@@ -287,7 +382,9 @@ def test_malformed_bodies_are_4xx_and_files_are_never_read(mock_app, launched):
     url = launched[1]
     assert raw_decide(url, b'["x", ' + b"1" * 5000 + b"]")[0] == 400  # an integer Python will not convert
     assert raw_decide(url, b'["x", {"q": ')[0] in (400, 422)  # not JSON
-    smuggled = (b'[{"path": "/etc/passwd", "meta": {"_type": "gradio.FileData"}}, {"q": {"type": "noul"}}, 1.0, "", '
-                b'"live", null]')
+    smuggled = (
+        b'[{"path": "/etc/passwd", "meta": {"_type": "gradio.FileData"}}, {"q": {"type": "noul"}}, 1.0, "", '
+        b'"live", null]'
+    )
     status, payload = raw_decide(url, smuggled)  # Gradio only moves files it received as uploads
     assert status == 200 and "answers" not in payload and "root:" not in json.dumps(payload)

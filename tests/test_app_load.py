@@ -27,7 +27,8 @@ def test_32_callers_each_get_their_own_answer(launched, tiny_qwen):
     clients = [Client(url, verbose=False) for _ in range(N_CALLERS)]  # each caller its own connection and session
     with serving(app, tiny_qwen):
         results, errors, latencies = run_callers(
-            lambda i: clients[i].submit(*request(i), api_name="/decide").result(timeout=300), timeout_s=320)
+            lambda i: clients[i].submit(*request(i), api_name="/decide").result(timeout=300), timeout_s=320
+        )
         print(load_line("/decide under load", results, errors, latencies))
         assert not errors and len(results) == N_CALLERS
         assert all(r["meta"]["engine"] == "torch" for r in results.values())
@@ -56,8 +57,11 @@ def test_a_full_queue_says_busy_and_never_answers_wrongly(launched, crowded_app,
         crowd_gates.open("admit")
         # the admitted requests reach the Batcher while the model is held: one runs, one waits, the rest are busy
         busy = wait_until(lambda: crowd_gates.arrived("forward") >= 1 and refused(jobs, AppError) >= 1)
-    assert full and busy, (crowd_gates.arrived("admit"), crowd_gates.arrived("forward"),
-                           [job.status().code for job in jobs])
+    assert full and busy, (
+        crowd_gates.arrived("admit"),
+        crowd_gates.arrived("forward"),
+        [job.status().code for job in jobs],
+    )
     outcomes: dict = {"answer": [], "busy": [], "queue full": []}
     for i, job in enumerate(jobs):
         try:
@@ -69,8 +73,10 @@ def test_a_full_queue_says_busy_and_never_answers_wrongly(launched, crowded_app,
         except QueueError as exc:
             assert "try again" in str(exc).lower()
             outcomes["queue full"].append(i)
-    print(f"\nflood of {n}: {len(outcomes['answer'])} answered, {len(outcomes['busy'])} told busy by the Batcher, "
-          f"{len(outcomes['queue full'])} told the queue is full")
+    print(
+        f"\nflood of {n}: {len(outcomes['answer'])} answered, {len(outcomes['busy'])} told busy by the Batcher, "
+        f"{len(outcomes['queue full'])} told the queue is full"
+    )
     assert outcomes["answer"] and outcomes["busy"] and outcomes["queue full"]
     for i, got in outcomes["answer"]:
         assert_same_answers(got["answers"], answered_alone(app, i))

@@ -9,10 +9,15 @@ from conftest import wait_until
 
 import blink
 
-QS = {"pay": {"type": "noul", "instructions": "Has the customer paid?"},
-      "tone": {"type": "choice", "instructions": "Tone of the message?", "criteria": ["calm", "angry", "happy"]}}
-STATES = ["Paid in full on Monday, thanks!", "Still waiting for the refund. This is unacceptable.",
-          {"order": 17, "status": "unpaid", "note": "customer is delighted with the product"}]
+QS = {
+    "pay": {"type": "noul", "instructions": "Has the customer paid?"},
+    "tone": {"type": "choice", "instructions": "Tone of the message?", "criteria": ["calm", "angry", "happy"]},
+}
+STATES = [
+    "Paid in full on Monday, thanks!",
+    "Still waiting for the refund. This is unacceptable.",
+    {"order": 17, "status": "unpaid", "note": "customer is delighted with the product"},
+]
 
 
 def answers_alone(dep: blink.Deployment, state) -> dict:
@@ -22,8 +27,9 @@ def answers_alone(dep: blink.Deployment, state) -> dict:
 
 def close(a: dict, b: dict) -> bool:
     """Two answer maps agree to within float noise."""
-    return all(abs(x - y) < 1e-6 for q in a for x, y in zip(a[q]["probabilities"].values(),
-                                                              b[q]["probabilities"].values()))
+    return all(
+        abs(x - y) < 1e-6 for q in a for x, y in zip(a[q]["probabilities"].values(), b[q]["probabilities"].values())
+    )
 
 
 @pytest.fixture()

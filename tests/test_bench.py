@@ -9,9 +9,8 @@ import importlib.util
 import json
 import os
 import sys
-from types import SimpleNamespace
-
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -32,8 +31,11 @@ import throughput  # noqa: E402
 import workloads  # noqa: E402
 
 STATE = "Ticket #1: the customer's router stopped working after an update and they asked for a replacement."
-QUESTION = {"type": "choice", "instructions": "Which team should handle ticket #1?",
-            "criteria": ["billing", "shipping", "technical support", "account security"]}
+QUESTION = {
+    "type": "choice",
+    "instructions": "Which team should handle ticket #1?",
+    "criteria": ["billing", "shipping", "technical support", "account security"],
+}
 
 
 def test_encode_pair_splits_as_lm_evaluation_harness(tiny_qwen):
@@ -68,8 +70,10 @@ def test_unbatched_reads_the_same_label_logits_as_blink(tiny_qwen):
         assert by_hand.choices[qkey] == blink_run.choices[qkey]
 
 
-@pytest.mark.parametrize(("reply", "label"), [("B) shipping", "B"), ("The answer is C.", "C"),
-                                              ("I think D", "D"), ("no letter here", None), ("AB", None)])
+@pytest.mark.parametrize(
+    ("reply", "label"),
+    [("B) shipping", "B"), ("The answer is C.", "C"), ("I think D", "D"), ("no letter here", None), ("AB", None)],
+)
 def test_generated_reply_is_parsed_to_an_offered_label(reply, label):
     assert arms.parse_label(reply, ["A", "B", "C", "D"]) == label
 
@@ -105,13 +109,22 @@ def test_prefix_arm_shares_the_evidence_and_leaves_the_engine_as_it_was(tiny_qwe
 
 
 def test_system_one_form_is_what_transformers_accepts():
-    got = peers.system_one("s", {"c": {"type": "choice", "criteria": ["a", 2], "permute": 2},
-                                 "n": {"type": "noul", "instructions": "x?", "criteria": {"yes": "y", "no": None}},
-                                 "s": {"type": "score", "criteria": ["lo", "hi"], "abstain": {"min_confidence": 0.5}}})
-    assert got == {"state": "s", "questions": {
-        "c": {"type": "choice", "criteria": {"a": None, "2": None}},
-        "n": {"type": "noul", "instructions": "x?", "criteria": {"true": "y", "false": None}},
-        "s": {"type": "score", "criteria": ["lo", "hi"]}}}
+    got = peers.system_one(
+        "s",
+        {
+            "c": {"type": "choice", "criteria": ["a", 2], "permute": 2},
+            "n": {"type": "noul", "instructions": "x?", "criteria": {"yes": "y", "no": None}},
+            "s": {"type": "score", "criteria": ["lo", "hi"], "abstain": {"min_confidence": 0.5}},
+        },
+    )
+    assert got == {
+        "state": "s",
+        "questions": {
+            "c": {"type": "choice", "criteria": {"a": None, "2": None}},
+            "n": {"type": "noul", "instructions": "x?", "criteria": {"true": "y", "false": None}},
+            "s": {"type": "score", "criteria": ["lo", "hi"]},
+        },
+    }
     from transformers.decision import DecisionConfig
     from transformers.decision.template_utils import parse_questions
 
@@ -136,8 +149,7 @@ def test_decision_cases_time_both_sides_and_check_blink_against_unbatched(tiny_q
         handle.remove()
     assert len(forwards) == 3
     assert "<|mark|>" not in tiny_qwen.tok.get_vocab()  # blink's tokenizer is untouched
-    rows = peers.decision_cases(tiny_qwen, {"doc": 300, "questions": 3, "options": 4, "reps": 1},
-                                {"pipeline": pipe})
+    rows = peers.decision_cases(tiny_qwen, {"doc": 300, "questions": 3, "options": 4, "reps": 1}, {"pipeline": pipe})
     assert set(rows) == set(peers.CASES)
     for row in rows.values():
         assert row["vs_unbatched"]["differ"] == [] and row["vs_unbatched"]["max_prob_diff"] < 1e-4
@@ -145,19 +157,20 @@ def test_decision_cases_time_both_sides_and_check_blink_against_unbatched(tiny_q
         assert len(arms_["pipeline"]["wall_s"]) == len(arms_["blink"]["wall_s"]) == 1
         # the ratio is the pipeline's time over blink's, each the sum of its timed runs
         assert arms_["pipeline"]["total_wall_s"] == round(sum(arms_["pipeline"]["wall_s"]), 4)
-        assert row["vs_pipeline"]["wall"] == round(arms_["pipeline"]["total_wall_s"] / arms_["blink"]["total_wall_s"], 2)
+        assert row["vs_pipeline"]["wall"] == round(
+            arms_["pipeline"]["total_wall_s"] / arms_["blink"]["total_wall_s"], 2
+        )
     again = rows["again"]
     assert again["cached_tokens"] > 0 and again["prefill_tokens"] + again["cached_tokens"] == again["prompt_tokens"]
 
 
-def test_peers_load_the_checkpoint_as_a_user_does_and_a_same_dtype_pipeline_runs_blinks_model(tiny_qwen_dir,
-                                                                                              tiny_qwen):
+def test_peers_load_the_checkpoint_as_a_user_does_and_a_same_dtype_pipeline_runs_blinks_model(tiny_qwen_dir, tiny_qwen):
     # blink in bfloat16 (its default on a CPU that computes it natively): the peers get from_pretrained's default
     # load, the float32 checkpoint, and pipeline_bfloat16 runs on blink's own model
     bf16 = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="bfloat16"))
     assert arms.checkpoint_dtype(bf16) == torch.float32
     assert arms.user_model(bf16).dtype == torch.float32 and arms.user_model(bf16) is not bf16.model
-    (name, pipe), = peers.same_dtype_pipelines(bf16).items()
+    ((name, pipe),) = peers.same_dtype_pipelines(bf16).items()
     assert name == "pipeline_bfloat16" and pipe.model is bf16.model
     # in float32 there is no second pipeline; the peers share blink's model where blink runs torch's kernels too
     assert arms.user_model(tiny_qwen).dtype == torch.float32 and peers.same_dtype_pipelines(tiny_qwen) == {}
@@ -188,18 +201,27 @@ class FakeLlama:
 
 def fake_llama_cpp(model) -> SimpleNamespace:
     """The two names of llama_cpp the arm uses, over FakeLlama."""
-    return SimpleNamespace(Llama=lambda **kwargs: FakeLlama(model, **kwargs),
-                           llama_get_logits_ith=lambda ctx, i: ctypes.cast(ctx.buffer, ctypes.POINTER(ctypes.c_float)))
+    return SimpleNamespace(
+        Llama=lambda **kwargs: FakeLlama(model, **kwargs),
+        llama_get_logits_ith=lambda ctx, i: ctypes.cast(ctx.buffer, ctypes.POINTER(ctypes.c_float)),
+    )
 
 
 def test_llama_arms_read_blinks_prompt_ids_and_reuse_the_common_prefix(tiny_qwen):
-    state, questions = STATE, {"q": QUESTION, "r": {**QUESTION, "instructions": "Which team owns routers?"},
-                               "n": {"type": "noul", "instructions": "Is the router broken?"}}
+    state, questions = (
+        STATE,
+        {
+            "q": QUESTION,
+            "r": {**QUESTION, "instructions": "Which team owns routers?"},
+            "n": {"type": "noul", "instructions": "Is the router broken?"},
+        },
+    )
     body = peers.system_one(state, questions)
     want = blink.Deployment.serving(tiny_qwen).decide(state, questions)["answers"]
     prompts = tiny_qwen.render(blink.parse_request(state, body["questions"]))
-    plain, reuse = (llamacpp.LlamaArm(tiny_qwen, "model.gguf", 1, r, fake_llama_cpp(tiny_qwen.model))
-                    for r in (False, True))
+    plain, reuse = (
+        llamacpp.LlamaArm(tiny_qwen, "model.gguf", 1, r, fake_llama_cpp(tiny_qwen.model)) for r in (False, True)
+    )
     assert plain.llm.kwargs["n_threads"] == plain.llm.kwargs["n_threads_batch"] == 1
     for arm in (plain, reuse):
         got = arm(body)
@@ -214,8 +236,9 @@ def test_llama_arms_read_blinks_prompt_ids_and_reuse_the_common_prefix(tiny_qwen
     assert reuse.evaluated == plain.evaluated - shared and shared > 0
     before = reuse.evaluated
     reuse(body)  # the same prompts again: each runs after the one before it, the first after the last
-    assert reuse.evaluated - before == sum(len(b.ids) - llamacpp.common_prefix(a.ids, b.ids)
-                                           for a, b in zip([prompts[-1], *prompts], prompts))
+    assert reuse.evaluated - before == sum(
+        len(b.ids) - llamacpp.common_prefix(a.ids, b.ids) for a, b in zip([prompts[-1], *prompts], prompts)
+    )
 
 
 def real_llama_cpp():
@@ -234,8 +257,14 @@ def test_llama_arms_on_real_llama_cpp_answer_as_blink_does(standin):
     de-quantized from that file (float32 here), within Q4 rounding (0.038 apart, measured); its prefix reuse
     changes nothing but the work."""
     real_llama_cpp()
-    state, questions = STATE, {"q": QUESTION, "r": {**QUESTION, "instructions": "Which team owns routers?"},
-                               "n": {"type": "noul", "instructions": "Is the router broken?"}}
+    state, questions = (
+        STATE,
+        {
+            "q": QUESTION,
+            "r": {**QUESTION, "instructions": "Which team owns routers?"},
+            "n": {"type": "noul", "instructions": "Is the router broken?"},
+        },
+    )
     body = peers.system_one(state, questions)
     want = blink.Deployment.serving(standin).decide(state, questions)["answers"]
     pipes, skipped = llamacpp.pipes(standin, 1)
@@ -263,8 +292,9 @@ def test_llama_arms_say_why_they_cannot_run_here(tiny_qwen):
 
 
 def test_http_arm_drives_transformers_serve_and_says_why_a_side_is_missing(tiny_qwen, tmp_path):
-    rows = peers.http_rows(tiny_qwen, {"requests": 2, "doc": 40, "clients": [2], "per_level": 2}, 1, None,
-                           str(tmp_path))
+    rows = peers.http_rows(
+        tiny_qwen, {"requests": 2, "doc": 40, "clients": [2], "per_level": 2}, 1, None, str(tmp_path)
+    )
     serve = [r for r in rows if r["target"] == "transformers serve /v1/systemone"]
     assert serve and serve[-1]["completed"] == 2 and serve[-1]["errors"] == [] and serve[-1]["requests_per_s"] > 0
     own = [r for r in rows if r["target"] == "blink /v1/systemone"]
@@ -317,22 +347,28 @@ def test_clear_cut_set_puts_the_correct_option_at_every_position_alike():
         assert max(counts) - min(counts) <= 1, (n, counts)  # "always pick A" scores chance, not more
     yes_no = Counter(labels[q.key] for request, labels in items for q in request.questions if q.type == "noul")
     assert yes_no["yes"] == yes_no["no"] > 10
-    (document, labels), = models.labelled(models.INCIDENT, blink.Settings())
+    ((document, labels),) = models.labelled(models.INCIDENT, blink.Settings())
     assert len(labels) == len(document.questions) == 8
 
 
 def test_model_comparison_grades_what_decide_answers(standin, served):
     items = models.labelled(models.CLEARCUT, blink.Settings())
-    pair = next(i for i in items if len(i[0].questions[0].options) == 2 and i[0].questions[0].keys[0] != i[1][
-        i[0].questions[0].key])  # a two-option choice whose correct option is shown second
+    pair = next(
+        i
+        for i in items
+        if len(i[0].questions[0].options) == 2 and i[0].questions[0].keys[0] != i[1][i[0].questions[0].key]
+    )  # a two-option choice whose correct option is shown second
     few = [pair] + [next(i for i in items if i[0].questions[0].type == t) for t in ("noul", "score")]
     out = models.compare({"stand-in": standin}, few, few[1], few[1], (1, 1))["stand-in"]
     answers = out["quality"]["answers"]
     decided = served(standin).decide_many([[r.state, r.spec] for r, _ in few], temperature=1.0)
     for a, result in zip(answers, decided, strict=True):
         probs = result["answers"][a["key"]]["probabilities"]  # in request order: max() keeps the earlier on a tie
-        assert a["pick"] == max(probs, key=probs.get) and abs(a["label_mass"] - result["answers"][a["key"]][
-            "label_mass"]) < 1e-5 and a["p_correct"] == pytest.approx(probs[a["label"]], abs=1e-5)
+        assert (
+            a["pick"] == max(probs, key=probs.get)
+            and abs(a["label_mass"] - result["answers"][a["key"]]["label_mass"]) < 1e-5
+            and a["p_correct"] == pytest.approx(probs[a["label"]], abs=1e-5)
+        )
     written = out["quality"]["as_written"]
     assert written["correct"] == sum(a["pick"] == a["label"] for a in answers) and written["choice_first_correct"] == 0
     assert out["document"]["correct"] == (answers[1]["pick"] == answers[1]["label"])  # timed run, graded alike
@@ -358,16 +394,27 @@ def test_report_prints_every_results_file_with_its_own_tables():
             res = json.load(fh)
         kinds[os.path.basename(path)] = report.kind(res, path)
         assert report.report(res, path).count("\n|") >= 2, path  # a table with at least one row
-    assert {k: v for k, v in kinds.items() if k in ("batch.json", "drift.json", "models.json", "order.json",
-                                                    "full.json", "decision.json")} == {
-        "batch.json": "batch", "drift.json": "drift", "models.json": "models", "order.json": "order",
-        "full.json": "run", "decision.json": "run"}
+    assert {
+        k: v
+        for k, v in kinds.items()
+        if k in ("batch.json", "drift.json", "models.json", "order.json", "full.json", "decision.json")
+    } == {
+        "batch.json": "batch",
+        "drift.json": "drift",
+        "models.json": "models",
+        "order.json": "order",
+        "full.json": "run",
+        "decision.json": "run",
+    }
 
 
 def test_report_of_an_unknown_kind_prints_its_fields_as_tables():
-    res = {"command": "python bench/new_arm.py --requests 8", "hardware": "a GPU",
-           "rows": [{"backend": "vllm", "requests_per_s": 12.345678}, {"backend": "torch", "requests_per_s": 4.5}],
-           "arms": {"a": {"ms": 1}, "b": {"ms": 2}}}
+    res = {
+        "command": "python bench/new_arm.py --requests 8",
+        "hardware": "a GPU",
+        "rows": [{"backend": "vllm", "requests_per_s": 12.345678}, {"backend": "torch", "requests_per_s": 4.5}],
+        "arms": {"a": {"ms": 1}, "b": {"ms": 2}},
+    }
     out = report.report(res, "bench/results/new_arm.json")
     assert report.kind(res, "") == "new_arm"
     assert "- hardware: a GPU" in out and "| 0 | vllm | 12.35 |" in out and "| b | 2 |" in out
@@ -377,13 +424,21 @@ def test_the_bench_readme_tables_are_what_report_prints():
     """Every row of the tables bench/README.md quotes is printed by report.py from the committed results."""
     with open(BENCH_README, encoding="utf-8") as fh:
         readme = fh.read()
-    quoted = {"decision.json": None, "drift.json": None, "budget.json": None, "overhead.json": None,
-              "batch.json": None, "models.json": None, "gpu.json": None, "memory.json": None,
-              "full.json": "Time per request"}  # full: the grid's tables
+    quoted = {
+        "decision.json": None,
+        "drift.json": None,
+        "budget.json": None,
+        "overhead.json": None,
+        "batch.json": None,
+        "models.json": None,
+        "gpu.json": None,
+        "memory.json": None,
+        "full.json": "Time per request",
+    }  # full: the grid's tables
     for name, start in quoted.items():
         with open(os.path.join(RESULTS, name), encoding="utf-8") as fh:
             out = report.report(json.load(fh), name)
-        out = out[out.index(start):] if start else out
+        out = out[out.index(start) :] if start else out
         rows = [line for line in out.splitlines() if line.startswith("| ")]
         missing = [line for line in rows if line not in readme]
         assert rows and not missing, (name, missing[:3])

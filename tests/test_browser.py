@@ -15,22 +15,31 @@ import blink
 
 CHROMIUM = shutil.which("chromium")  # found as tools/setup.sh looks for it (`command -v chromium`)
 IN_CI = os.environ.get("CI", "").lower() == "true"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "artifacts")
 NEWS = "News topic (30 categories)"
 
 # Off CI a machine without chromium skips these tests; under CI=true a missing chromium fails them (in `page`).
-pytestmark = pytest.mark.skipif(CHROMIUM is None and not IN_CI,
-                                reason="needs chromium on PATH (bash tools/setup.sh --tests installs it)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None and not IN_CI, reason="needs chromium on PATH (bash tools/setup.sh --tests installs it)"
+)
 
 
 @pytest.fixture(scope="module")
 def page(launched):
     """A chromium page open on the launched app."""
     if CHROMIUM is None:
-        pytest.fail("CI=true but no chromium on PATH: the browser tests cannot run (bash tools/setup.sh --tests "
-                    "installs it)")
+        pytest.fail(
+            "CI=true but no chromium on PATH: the browser tests cannot run (bash tools/setup.sh --tests installs it)"
+        )
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
@@ -66,8 +75,10 @@ def test_preset_renders_from_the_recording_then_edit_runs_live(page, launched):
     expect(page.locator("#meta .bk-replay")).to_contain_text("no model call")
     assert page.locator("#evidence textarea").input_value().startswith("Grid operators in Texas")
 
-    page.locator("#evidence textarea").fill("The city council voted 7-2 on Monday to approve a new stadium for "
-                                            "the football club, funded partly by a hotel tax.")
+    page.locator("#evidence textarea").fill(
+        "The city council voted 7-2 on Monday to approve a new stadium for "
+        "the football club, funded partly by a hotel tax."
+    )
     page.locator("#decide").click()
     expect(page.locator("#meta .bk-live")).to_contain_text("the model ran on this input", timeout=90_000)
     expect(page.locator("#meta .bk-meta")).to_contain_text(app.DEPLOYMENT.default_model)
@@ -136,7 +147,8 @@ def test_feature_preset_shows_badges_checklist_rotations_and_abstention(page, la
     checklist = page.locator('#answers .bk-card[data-question="contributing_factors"] .bk-checklist')
     expect(checklist.locator('[role="checkbox"]')).to_have_count(6)
     ticked = checklist.locator('.bk-row:has([aria-checked="true"])').evaluate_all(
-        "rows => rows.map(r => r.dataset.option)")
+        "rows => rows.map(r => r.dataset.option)"
+    )
     assert ticked == answers["contributing_factors"]["choices"]
     widths = checklist.locator(".bk-fill").evaluate_all("els => els.map(e => parseFloat(e.style.width))")
     p_yes = answers["contributing_factors"]["probabilities"]
@@ -161,9 +173,15 @@ def test_form_adds_a_multi_question_with_a_threshold(page):
     page.locator("#q-min-conf input").fill("0.2")
     page.locator("#q-add").click()
     expect(editor).to_contain_text('"applies"')
-    assert json.loads(editor.inner_text()) == {"applies": {"type": "choice", "instructions": "",
-                                                           "criteria": ["late", "damaged", "wrong item"],
-                                                           "multi": True, "abstain": {"min_confidence": 0.2}}}
+    assert json.loads(editor.inner_text()) == {
+        "applies": {
+            "type": "choice",
+            "instructions": "",
+            "criteria": ["late", "damaged", "wrong item"],
+            "multi": True,
+            "abstain": {"min_confidence": 0.2},
+        }
+    }
     page.get_by_label("score").check()
     expect(page.locator("#q-permute")).to_be_hidden()
     expect(page.locator("#q-multi")).to_be_hidden()

@@ -23,16 +23,23 @@ from hypothesis import strategies as st
 import blink
 from adapters import bulk
 
-QUESTIONS = {"team": {"type": "choice", "instructions": "Which team should handle this ticket?",
-                      "criteria": ["billing", "technical", "account"]},
-             "urgent": {"type": "noul", "instructions": "Is the customer blocked right now?"}}
+QUESTIONS = {
+    "team": {
+        "type": "choice",
+        "instructions": "Which team should handle this ticket?",
+        "criteria": ["billing", "technical", "account"],
+    },
+    "urgent": {"type": "noul", "instructions": "Is the customer blocked right now?"},
+}
 # Bad lines, each with where blink's refusal must point (the `loc` of its {"id", "error", "loc"} record).
 BAD_LINES = [
     (b"{not json", ["body"]),
     (b"[1, 2]", ["body"]),
     (json.dumps({"state": "no questions here"}).encode(), ["body", "questions"]),
-    (json.dumps({"state": "x", "questions": {"q": {"type": "score", "criteria": [1]}}}).encode(),
-     ["body", "questions", "q", "criteria"]),
+    (
+        json.dumps({"state": "x", "questions": {"q": {"type": "score", "criteria": [1]}}}).encode(),
+        ["body", "questions", "q", "criteria"],
+    ),
     (json.dumps({"questions": QUESTIONS}).encode(), ["body", "state"]),
     (json.dumps({"id": 1.5, "state": "x", "questions": QUESTIONS}).encode(), ["body", "id"]),
     (json.dumps({"state": "x", "questions": QUESTIONS, "images": "not a list"}).encode(), ["body", "images"]),
@@ -56,8 +63,10 @@ def make_dataset(path, n: int, questions: dict = QUESTIONS, bad_every: int = 11)
             lines.append(raw)
             expected.append({"id": number, "loc": loc})
             continue
-        row = {"state": f"Ticket {i}: the card was charged twice and the app crashes at login ({i % 5} times).",
-               "questions": questions}
+        row = {
+            "state": f"Ticket {i}: the card was charged twice and the app crashes at login ({i % 5} times).",
+            "questions": questions,
+        }
         if i % 3 == 0:
             row["id"] = f"t{i}"
         lines.append(json.dumps(row).encode())
@@ -74,12 +83,16 @@ def records(path) -> list[dict]:
 
 def untimed(recs: list[dict]) -> list[dict]:
     """Records without the timings that differ from run to run."""
-    return [{**r, "meta": {k: v for k, v in r["meta"].items() if k not in TIMING}} if "meta" in r else r
-            for r in recs]
+    return [{**r, "meta": {k: v for k, v in r["meta"].items() if k not in TIMING}} if "meta" in r else r for r in recs]
 
 
-def check_against(recs: list[dict], expected: list[dict], served: blink.Deployment | None = None,
-                  tolerance: float = 0.0, every: int = 1) -> None:
+def check_against(
+    recs: list[dict],
+    expected: list[dict],
+    served: blink.Deployment | None = None,
+    tolerance: float = 0.0,
+    every: int = 1,
+) -> None:
     """Every expected row once, in order; refusals where expected, with their loc; answers (of every `every`-th row)
     equal to the same request decided alone (within `tolerance`) when `served` is given."""
     assert [r["id"] for r in recs] == [e["id"] for e in expected]
@@ -152,8 +165,9 @@ class Dies(blink.MockEngine):
         return super().run(jobs)
 
 
-@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("CUDA out of memory")],
-                         ids=["interrupted", "engine failed"])
+@pytest.mark.parametrize(
+    "error", [KeyboardInterrupt(), RuntimeError("CUDA out of memory")], ids=["interrupted", "engine failed"]
+)
 def test_a_run_that_stops_keeps_whole_chunks_and_resumes(big, mock_dep, tmp_path, error):
     in_path, _, full, _ = big
     out = tmp_path / "out.jsonl"
@@ -192,8 +206,10 @@ def test_input_that_cannot_run_is_refused_before_anything_is_written(tmp_path, m
     assert not out.exists()
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(row) + "\n")
-    for kwargs, message in (({"model": "org/other"}, "unknown model 'org/other'"),
-                            ({"temperature": -1.0}, "temperature must be a finite number above 0")):
+    for kwargs, message in (
+        ({"model": "org/other"}, "unknown model 'org/other'"),
+        ({"temperature": -1.0}, "temperature must be a finite number above 0"),
+    ):
         with pytest.raises(blink.BlinkError, match=message):
             bulk.batch(str(good), str(out), mock_dep, **kwargs)
         assert not out.exists()
@@ -223,21 +239,37 @@ def test_a_model_that_cannot_load_stops_the_run_by_name(tmp_path):
     assert (tmp_path / "out.jsonl").read_bytes() == b""
 
 
-@pytest.mark.parametrize(("content", "locs"), [
-    (b"", []),
-    (b"\n  \n\r\n", []),
-    (b"not json at all\n", [["body"]]),
-    (b'[{"state": "x", "questions": {"q": {"type": "noul"}}}]\n', [["body"]]),
-    (b'{"state": "x"}\n', [["body", "questions"]]),
-    (b'{"state": "x", "questions": null}\n', [["body", "questions"]]),
-    (bytes(range(11, 256)) + b"\n\x00\x00\x00\n", [["body"], ["body"]]),
-    (b'{"state": "x", "questions": {"q": {"type": "noul"}}}', [None]),  # no newline at the end of the file
-    (b'\xef\xbb\xbf{"state": "x", "questions": {"q": {"type": "noul"}}}\r\n', [None]),  # BOM, CRLF
-    (b'{"state": "x", "questions": {"q": {"type": "noul"}}, "id": "\\ud800"}\n', [["body", "id"]]),
-    (b'{"state": ' + b"[" * 5000 + b"]" * 5000 + b', "questions": {"q": {"type": "noul"}}}\n', [["body"]]),
-    (b'{"state": ' + b"9" * 5000 + b', "questions": {"q": {"type": "noul"}}}\n', [["body"]]),
-], ids=["empty", "blank lines", "not JSON", "a list", "no questions", "null questions", "binary", "no final newline",
-        "BOM and CRLF", "lone surrogate id", "too deep", "huge integer"])
+@pytest.mark.parametrize(
+    ("content", "locs"),
+    [
+        (b"", []),
+        (b"\n  \n\r\n", []),
+        (b"not json at all\n", [["body"]]),
+        (b'[{"state": "x", "questions": {"q": {"type": "noul"}}}]\n', [["body"]]),
+        (b'{"state": "x"}\n', [["body", "questions"]]),
+        (b'{"state": "x", "questions": null}\n', [["body", "questions"]]),
+        (bytes(range(11, 256)) + b"\n\x00\x00\x00\n", [["body"], ["body"]]),
+        (b'{"state": "x", "questions": {"q": {"type": "noul"}}}', [None]),  # no newline at the end of the file
+        (b'\xef\xbb\xbf{"state": "x", "questions": {"q": {"type": "noul"}}}\r\n', [None]),  # BOM, CRLF
+        (b'{"state": "x", "questions": {"q": {"type": "noul"}}, "id": "\\ud800"}\n', [["body", "id"]]),
+        (b'{"state": ' + b"[" * 5000 + b"]" * 5000 + b', "questions": {"q": {"type": "noul"}}}\n', [["body"]]),
+        (b'{"state": ' + b"9" * 5000 + b', "questions": {"q": {"type": "noul"}}}\n', [["body"]]),
+    ],
+    ids=[
+        "empty",
+        "blank lines",
+        "not JSON",
+        "a list",
+        "no questions",
+        "null questions",
+        "binary",
+        "no final newline",
+        "BOM and CRLF",
+        "lone surrogate id",
+        "too deep",
+        "huge integer",
+    ],
+)
 def test_malformed_files_give_one_record_per_line(tmp_path, mock_dep, content, locs):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_bytes(content)
@@ -247,14 +279,20 @@ def test_malformed_files_give_one_record_per_line(tmp_path, mock_dep, content, l
     assert stats.errors == sum(loc is not None for loc in locs)
 
 
-VALID = st.fixed_dictionaries({"state": st.text(max_size=30), "questions": st.just({"q": {"type": "noul"}})},
-                              optional={"images": st.just([])})
-JSON_VALUES = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=10)),
-                           lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                   st.dictionaries(st.text(max_size=8), inner, max_size=3)),
-                           max_leaves=8)
-LINE = st.one_of(VALID.map(json.dumps).map(str.encode), JSON_VALUES.map(json.dumps).map(str.encode),
-                 st.binary(max_size=30), st.text(max_size=30).map(lambda s: s.encode("utf-8", "surrogatepass")))
+VALID = st.fixed_dictionaries(
+    {"state": st.text(max_size=30), "questions": st.just({"q": {"type": "noul"}})}, optional={"images": st.just([])}
+)
+JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=10)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=8,
+)
+LINE = st.one_of(
+    VALID.map(json.dumps).map(str.encode),
+    JSON_VALUES.map(json.dumps).map(str.encode),
+    st.binary(max_size=30),
+    st.text(max_size=30).map(lambda s: s.encode("utf-8", "surrogatepass")),
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -279,8 +317,9 @@ def test_fuzzed_files_never_stop_the_run(mock_dep, lines):
 def test_parquet_gives_what_the_same_json_lines_give(tmp_path, mock_dep):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    rows = [{"id": f"p{i}", "state": f"Ticket {i}: refund please", "questions": json.dumps(QUESTIONS)}
-            for i in range(40)]
+    rows = [
+        {"id": f"p{i}", "state": f"Ticket {i}: refund please", "questions": json.dumps(QUESTIONS)} for i in range(40)
+    ]
     rows[7]["questions"] = "{broken"
     rows[9]["id"] = None  # known by its row number
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
@@ -295,14 +334,17 @@ def test_parquet_gives_what_the_same_json_lines_give(tmp_path, mock_dep):
     stats = bulk.batch(str(tmp_path / "in.parquet"), str(tmp_path / "pq.jsonl"), mock_dep)
     from_parquet = records(tmp_path / "pq.jsonl")
     as_lines = [{**r, "questions": json.loads(r["questions"])} if r["questions"] != "{broken" else r for r in rows]
-    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({k: v for k, v in r.items() if v is not None})
-                                                 for r in as_lines) + "\n")
+    (tmp_path / "in.jsonl").write_text(
+        "\n".join(json.dumps({k: v for k, v in r.items() if v is not None}) for r in as_lines) + "\n"
+    )
     bulk.batch(str(tmp_path / "in.jsonl"), str(tmp_path / "jl.jsonl"), mock_dep)
     from_lines = records(tmp_path / "jl.jsonl")
     assert stats.rows == 40 and stats.errors == 1 and from_parquet[9]["id"] == 10
-    assert from_parquet[7] == {"id": "p7", "loc": ["body", "questions"],
-                               "error": "questions is not valid JSON: Expecting property name enclosed in double "
-                                        "quotes at line 1, column 2"}
+    assert from_parquet[7] == {
+        "id": "p7",
+        "loc": ["body", "questions"],
+        "error": "questions is not valid JSON: Expecting property name enclosed in double quotes at line 1, column 2",
+    }
     assert [r.get("answers") for r in from_parquet] == [r.get("answers") for r in from_lines]
     (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(blink.BlinkError, match="cannot be read as Parquet"):
@@ -332,8 +374,7 @@ def test_a_worker_takes_its_own_hardware_defaults_and_keeps_what_was_set(mock_de
     zero = replace(zero, zero_gpu=True, prefix_cache_mb=None, derived=())
     assert zero.prefix_cache_mb == 0 and zero.on_hardware(gpu=True).prefix_cache_mb == 1024
     assert cpu.on_hardware(gpu=False) == cpu  # the same hardware: the same settings
-    worker = bulk.RayWorker(replace(mock_dep.settings, zero_gpu=True, prefix_cache_mb=None, derived=()),
-                             None, None)
+    worker = bulk.RayWorker(replace(mock_dep.settings, zero_gpu=True, prefix_cache_mb=None, derived=()), None, None)
     assert worker.served.settings.prefix_cache_mb == 1024 and not worker.served.settings.zero_gpu  # no GPU here
 
 
@@ -347,8 +388,13 @@ def test_ray_workers_take_a_gpu_each_and_leave_a_cpu_free():
 
 def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """python blink.py ARGS, as a user runs it."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, "blink.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "blink.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_cli_shows_progress_and_a_summary_and_quiet_shows_nothing(big, tmp_path):
@@ -364,8 +410,10 @@ def test_cli_shows_progress_and_a_summary_and_quiet_shows_nothing(big, tmp_path)
     out.unlink()
     quiet = cli("batch", str(in_path), "--out", str(out), "--quiet", env={"BLINK_MOCK": "1"})
     assert quiet.returncode == 0 and quiet.stdout == quiet.stderr == "" and len(records(out)) == 300
-    for args, message in ((("--temperature", "0"), "error: temperature must be a finite number above 0"),
-                          (("--model", "org/nope"), "error: unknown model 'org/nope'")):
+    for args, message in (
+        (("--temperature", "0"), "error: temperature must be a finite number above 0"),
+        (("--model", "org/nope"), "error: unknown model 'org/nope'"),
+    ):
         refused = cli("batch", str(in_path), "--out", str(tmp_path / "new.jsonl"), *args, env={"BLINK_MOCK": "1"})
         assert refused.returncode == 2 and refused.stderr.startswith(message) and "Traceback" not in refused.stderr
     missing = cli("batch", str(in_path), env={"BLINK_MOCK": "1"})
@@ -387,11 +435,15 @@ def standin_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("standin")
     expected = make_dataset(folder / "in.jsonl", 40, SMALL, bad_every=10)
     out = folder / "out.jsonl"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "blink.py"), "batch", str(folder / "in.jsonl"),
-                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **CHUNK_ENV},
-                            # Ctrl-C as at a terminal, even when this test runs where SIGINT is ignored (a background job)
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "blink.py"), "batch", str(folder / "in.jsonl"), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **CHUNK_ENV},
+        # Ctrl-C as at a terminal, even when this test runs where SIGINT is ignored (a background job)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 240
     while not (out.exists() and out.stat().st_size) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -405,8 +457,9 @@ def standin_run(tmp_path_factory):
 def test_ctrl_c_keeps_whole_chunks_and_the_same_command_resumes(standin_run, standin, served):
     _, expected, stopped, kept, resumed, out = standin_run
     assert stopped.returncode == 130, stopped.stderr
-    assert stopped.stderr.splitlines()[-1] == (f"interrupted: {len(kept)} rows of this run are in {out}; run the "
-                                               "same command again to resume")
+    assert stopped.stderr.splitlines()[-1] == (
+        f"interrupted: {len(kept)} rows of this run are in {out}; run the same command again to resume"
+    )
     assert kept and len(kept) % 8 == 0 and len(kept) < 40  # whole chunks only
     assert resumed.returncode == 0, resumed.stderr
     summary = resumed.stderr.splitlines()[-1]
@@ -430,9 +483,23 @@ def ray_cluster():
     join = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0"}
     env = {**os.environ, **join, "RAY_memory_monitor_refresh_ms": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     log = open(os.path.join(temp, "start.log"), "w")
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-                             "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={temp}",
-                             "--disable-usage-stats"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    head = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -455,8 +522,18 @@ def ray_cluster():
 
 def ray_cli(in_path, out, cluster: dict, extra_env: dict) -> subprocess.CompletedProcess:
     """python blink.py batch IN --out OUT --ray 2 joining the test's cluster."""
-    return cli("batch", str(in_path), "--out", str(out), "--ray", "2", "--ray-address", cluster["RAY_ADDRESS_FOR_TEST"],
-               env={**cluster, **extra_env}, timeout=400)
+    return cli(
+        "batch",
+        str(in_path),
+        "--out",
+        str(out),
+        "--ray",
+        "2",
+        "--ray-address",
+        cluster["RAY_ADDRESS_FOR_TEST"],
+        env={**cluster, **extra_env},
+        timeout=400,
+    )
 
 
 def test_ray_gives_the_serial_answers_on_the_standin(standin_run, ray_cluster, tmp_path):

@@ -9,10 +9,11 @@ import os
 from dataclasses import replace
 
 import pytest
+from test_features import DEFAULTS, INTENT, ROOT, STATE, TAGS, UPSET, parse
 
 import blink
 from adapters import calibrate
-from test_features import DEFAULTS, INTENT, ROOT, STATE, TAGS, UPSET, parse
+
 
 def test_nll_ece_and_the_fitted_temperature_by_hand():
     obs = [([math.log(3.0), 0.0], 0), ([0.0, math.log(3.0)], 0)]  # p(correct) = 3/4, then 1/4
@@ -26,20 +27,26 @@ def test_nll_ece_and_the_fitted_temperature_by_hand():
     assert calibrate.ece(gap, fitted) == pytest.approx(0.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("q, group", [
-    (INTENT, "choice:3-4"), (UPSET, "noul:2"), (TAGS, "noul:2"),
-    ({"type": "score", "criteria": list("abcde")}, "score:5-8"),
-    ({"type": "choice", "criteria": [str(i) for i in range(17)]}, "choice:17-255"),
-    ({"type": "choice", "criteria": ["only"]}, "choice:1"),
-])
+@pytest.mark.parametrize(
+    "q, group",
+    [
+        (INTENT, "choice:3-4"),
+        (UPSET, "noul:2"),
+        (TAGS, "noul:2"),
+        ({"type": "score", "criteria": list("abcde")}, "score:5-8"),
+        ({"type": "choice", "criteria": [str(i) for i in range(17)]}, "choice:17-255"),
+        ({"type": "choice", "criteria": ["only"]}, "choice:1"),
+    ],
+)
 def test_calibration_groups(q, group):
     assert parse(q).group == group
 
 
 def write_calibration(path, model_id: str, temperatures: dict) -> None:
     """A calibration file in the layout `blink.py calibrate` writes."""
-    path.write_text(json.dumps({"format": blink.CALIBRATION_FORMAT,
-                                "models": {model_id: {"temperatures": temperatures}}}))
+    path.write_text(
+        json.dumps({"format": blink.CALIBRATION_FORMAT, "models": {model_id: {"temperatures": temperatures}}})
+    )
 
 
 def test_temperature_comes_from_request_calibration_or_default(tmp_path, served):
@@ -56,7 +63,8 @@ def test_temperature_comes_from_request_calibration_or_default(tmp_path, served)
     assert out["meta"]["temperature_source"] == {"intent": f"calibration:{path}", "upset": "default"}
     raw = dep.engine().forward(dep.request(STATE, qs)).readouts
     assert out["answers"]["intent"]["probabilities"]["refund"] == pytest.approx(
-        blink.softmax(raw["intent"].logits[0], 2.0)[0])
+        blink.softmax(raw["intent"].logits[0], 2.0)[0]
+    )
     write_calibration(path, "org/mock", {"choice:3-4": 2.0, "noul:2": 2.0})
     assert dep.decide(STATE, qs)["meta"]["temperature"] == 2.0
     asked = dep.decide(STATE, qs, temperature=0.5)["meta"]

@@ -15,8 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """python blink.py ARGS, as a user runs it."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, "blink.py"), *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "blink.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_cli_decides_from_a_file_and_inline_json(tmp_path, standin, served):
@@ -56,8 +61,11 @@ def test_cli_on_off_variables_take_exactly_the_documented_words():
 def test_record_writes_a_stamped_recording_that_replays(tmp_path, monkeypatch):
     examples = tmp_path / "examples"
     examples.mkdir()
-    example = {"name": "t", "state": "The parcel arrived crushed.",
-               "questions": {"ok": {"type": "noul", "instructions": "Did the parcel arrive intact?"}}}
+    example = {
+        "name": "t",
+        "state": "The parcel arrived crushed.",
+        "questions": {"ok": {"type": "noul", "instructions": "Did the parcel arrive intact?"}},
+    }
     (examples / "t.json").write_text(json.dumps(example))
     out = tmp_path / "replay.json"
     monkeypatch.setattr(blink, "EXAMPLES_DIR", str(examples))  # a module constant, not a setting: no other way in

@@ -10,15 +10,20 @@ import pytest
 
 import blink
 
-QS = {"spam": {"type": "noul", "instructions": "Is this spam?"},
-      "topic": {"type": "choice", "instructions": "Topic?", "criteria": ["sales", "support", "other"]}}
+QS = {
+    "spam": {"type": "noul", "instructions": "Is this spam?"},
+    "topic": {"type": "choice", "instructions": "Topic?", "criteria": ["sales", "support", "other"]},
+}
 
 
 def write_recording(path, model: str, state, questions: dict, logits: dict) -> None:
     """A recording file in the layout `blink.py record` writes."""
-    data = {"model": model, "revision": None, "hardware": "test bench CPU",
-            "requests": {blink.request_key(state, questions): {"logits": logits, "input_tokens": 42,
-                                                               "latency_ms": 12.5}}}
+    data = {
+        "model": model,
+        "revision": None,
+        "hardware": "test bench CPU",
+        "requests": {blink.request_key(state, questions): {"logits": logits, "input_tokens": 42, "latency_ms": 12.5}},
+    }
     path.write_text(json.dumps(data))
 
 
@@ -28,18 +33,21 @@ def kind_of(model: str, path, engine: str = "", gpu: bool = False) -> str:
     return blink.Deployment(settings).engine_kind()
 
 
-@pytest.mark.parametrize("env, cuda, recorded, model, kind", [
-    ("mock", False, False, "m", "mock"),
-    ("replay", True, True, "m", "replay"),
-    ("torch", False, True, "m", "torch"),
-    ("hybrid", False, False, "m", "hybrid"),
-    ("", True, True, "m", "hybrid"),
-    ("", True, False, "m", "torch"),
-    ("", False, True, "m", "replay"),
-    ("", False, False, "m", "torch"),
-    ("", False, True, blink.STANDIN_MODEL, "hybrid"),  # the stand-in runs live on a CPU
-    ("", False, False, blink.STANDIN_MODEL, "torch"),
-])
+@pytest.mark.parametrize(
+    "env, cuda, recorded, model, kind",
+    [
+        ("mock", False, False, "m", "mock"),
+        ("replay", True, True, "m", "replay"),
+        ("torch", False, True, "m", "torch"),
+        ("hybrid", False, False, "m", "hybrid"),
+        ("", True, True, "m", "hybrid"),
+        ("", True, False, "m", "torch"),
+        ("", False, True, "m", "replay"),
+        ("", False, False, "m", "torch"),
+        ("", False, True, blink.STANDIN_MODEL, "hybrid"),  # the stand-in runs live on a CPU
+        ("", False, False, blink.STANDIN_MODEL, "torch"),
+    ],
+)
 def test_engine_kind_rules(tmp_path, env, cuda, recorded, model, kind):
     path = tmp_path / "replay.json"
     if recorded:
@@ -67,8 +75,11 @@ def test_default_model_is_production_on_a_space_or_gpu():
     assert blink.Settings.from_env({}, gpu=True).default_model == "thegovind/blink-4b"
     assert blink.Settings.from_env({"SPACE_ID": "someone/blink"}, gpu=False).default_model == "thegovind/blink-4b"
     assert blink.Settings().default_model == blink.STANDIN_MODEL  # defaults: a machine without a GPU
-    assert blink.Settings(gpu=True).default_model == blink.Settings(on_space=True).default_model == (
-        blink.PRODUCTION_MODEL)
+    assert (
+        blink.Settings(gpu=True).default_model
+        == blink.Settings(on_space=True).default_model
+        == (blink.PRODUCTION_MODEL)
+    )
 
 
 def test_model_specs_parse_blink_models():
@@ -80,8 +91,9 @@ def test_model_specs_parse_blink_models():
 
 def test_replay_paths_per_model():
     settings = blink.Settings(models=(("org/first", None),))
-    assert settings.replay_path_for("org/first") == blink.Settings().replay_path == os.path.join(blink.HERE,
-                                                                                               "replay.json")
+    assert (
+        settings.replay_path_for("org/first") == blink.Settings().replay_path == os.path.join(blink.HERE, "replay.json")
+    )
     assert settings.replay_path_for("org/second").endswith("replay-second.json")
 
 
@@ -110,7 +122,8 @@ def test_mock_is_deterministic_and_labelled_fabricated(served):
     raised = {k: math.log(p) + (2.0 if k == "other" else 0.0) for k, p in plain.items()}
     total = sum(math.exp(v) for v in raised.values())
     assert shaped["answers"]["topic"]["probabilities"] == pytest.approx(
-        {k: math.exp(v) / total for k, v in raised.items()}, abs=1e-9)
+        {k: math.exp(v) / total for k, v in raised.items()}, abs=1e-9
+    )
     assert shaped["answers"]["spam"] == a["answers"]["spam"]  # a bias for one question leaves the others alone
 
 

@@ -51,8 +51,15 @@ def test_prepare_inputs_gives_blinks_token_ids(name, request, exported):
     engine = request.getfixturevalue(name)
     config = DecisionConfig.from_pretrained(exported(engine))
     tok = copy.deepcopy(engine.tok)  # prepare_inputs adds its sentinel tokens to the tokenizer it is given
-    seen = {"prompts": 0, "noul one-sided": 0, "structured": 0, "generic": 0, "over 26 options": 0, "json state": 0,
-            "score": 0}
+    seen = {
+        "prompts": 0,
+        "noul one-sided": 0,
+        "structured": 0,
+        "generic": 0,
+        "over 26 options": 0,
+        "json state": 0,
+        "score": 0,
+    }
     for req in gen.requests(MODELS[name], seed=12):
         seen["json state"] += not isinstance(req["state"], str)
         for inputs, question, prompt in theirs_and_ours(engine, config, tok, req):
@@ -70,7 +77,7 @@ def test_prepare_inputs_gives_blinks_token_ids(name, request, exported):
             seen["over 26 options"] += len(question.options) > 26
     assert seen["prompts"] >= 400 and min(seen.values()) >= 5, seen
     think = engine.tok("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
-    assert (prompt.ids[-len(think):] == think) == (name == "tiny_qwen")  # Qwen's empty think block, not ChatML's
+    assert (prompt.ids[-len(think) :] == think) == (name == "tiny_qwen")  # Qwen's empty think block, not ChatML's
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -79,8 +86,7 @@ def test_every_key_kind_and_all_255_labels_render_the_same(name, request, export
     engine = blink.PromptEngine(loaded.model_id, None, DEFAULTS)  # the tokenizer alone: no context-length cap
     folder = exported(loaded)
     config, tok = DecisionConfig.from_pretrained(folder), copy.deepcopy(engine.tok)
-    keys = {"type": "choice", "instructions": "Which?",
-            "criteria": {k: "d" for k in gen.GENERIC_KEYS + gen.NAMED_KEYS}}
+    keys = {"type": "choice", "instructions": "Which?", "criteria": {k: "d" for k in gen.GENERIC_KEYS + gen.NAMED_KEYS}}
     widest = {"type": "choice", "criteria": {f"k{i}": None for i in range(len(engine.labels))}}
     req = {"state": "x", "questions": {"keys": keys, "widest": widest}}
     pairs = theirs_and_ours(engine, config, tok, req)
@@ -157,8 +163,12 @@ def test_pipeline_answers_with_blinks_probabilities(name, request, exported, ser
     if name == "standin":
         decide = pipeline("decision", model=repo, device="cpu")  # the repository's two files are picked up
     else:  # pipeline("decision", model=<a Qwen3.5 repo id>) loads transformers' JEV decision head instead
-        decide = pipeline("decision", model=AutoModelForCausalLM.from_pretrained(repo),
-                          tokenizer=AutoTokenizer.from_pretrained(repo), device="cpu")
+        decide = pipeline(
+            "decision",
+            model=AutoModelForCausalLM.from_pretrained(repo),
+            tokenizer=AutoTokenizer.from_pretrained(repo),
+            device="cpu",
+        )
     assert decide.model.dtype == engine.model.dtype == blink.torch_dtype(DEFAULTS)  # float32
     dep, worst, compared = served(engine), 0.0, 0
     for req in gen.requests(8, seed=3, max_options=12):
@@ -223,10 +233,15 @@ def test_per_question_features_do_not_travel(extra):
         parse_questions({"q": q}, DecisionConfig())
 
 
-@pytest.mark.parametrize("q", [{"type": "choice", "criteria": ["a", "b"]},
-                               {"type": "noul", "criteria": {"yes": "x"}},
-                               {"type": "score", "criteria": ["low", None]},
-                               {"type": "choice", "criteria": {"a": 1, "b": True}}])
+@pytest.mark.parametrize(
+    "q",
+    [
+        {"type": "choice", "criteria": ["a", "b"]},
+        {"type": "noul", "criteria": {"yes": "x"}},
+        {"type": "score", "criteria": ["low", None]},
+        {"type": "choice", "criteria": {"a": 1, "b": True}},
+    ],
+)
 def test_request_shapes_that_do_not_travel(q):
     blink.parse_questions({"q": q})
     with pytest.raises(ValueError):

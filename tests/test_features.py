@@ -16,10 +16,17 @@ from adapters import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATE = "The kettle arrived with a cracked lid and the customer asks for their money back."
-INTENT = {"type": "choice", "instructions": "What does the customer want?",
-          "criteria": {"refund": "their money back", "replacement": "a new item", "advice": "usage advice"}}
-TAGS = {"type": "choice", "instructions": "Which problems are reported?",
-        "criteria": {"damaged": "the item is damaged", "late": "the delivery was late"}, "multi": True}
+INTENT = {
+    "type": "choice",
+    "instructions": "What does the customer want?",
+    "criteria": {"refund": "their money back", "replacement": "a new item", "advice": "usage advice"},
+}
+TAGS = {
+    "type": "choice",
+    "instructions": "Which problems are reported?",
+    "criteria": {"damaged": "the item is damaged", "late": "the delivery was late"},
+    "multi": True,
+}
 UPSET = {"type": "noul", "instructions": "Is the customer upset?"}
 DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
 
@@ -51,8 +58,9 @@ def mass_of(p_labels: list[float], other: float) -> tuple[list[float], float]:
 def test_label_mass_is_the_share_of_the_whole_vocabulary_on_the_labels():
     logits, lse = mass_of([0.2, 0.1], 0.7)
     assert blink.label_mass(logits, lse) == pytest.approx(0.3)
-    assert blink.label_mass([2.0, 0.0], math.log(math.e ** 2 + 1 + 3 * math.e)) == pytest.approx(
-        (math.e ** 2 + 1) / (math.e ** 2 + 1 + 3 * math.e))
+    assert blink.label_mass([2.0, 0.0], math.log(math.e**2 + 1 + 3 * math.e)) == pytest.approx(
+        (math.e**2 + 1) / (math.e**2 + 1 + 3 * math.e)
+    )
     assert blink.label_mass(logits, None) is None
     both = blink.Readout([logits, mass_of([0.5, 0.4], 0.1)[0]], [lse, mass_of([0.5, 0.4], 0.1)[1]])
     assert blink.readout_mass(both) == pytest.approx((0.3 + 0.9) / 2)
@@ -80,8 +88,12 @@ def test_rotations_are_evenly_spaced_and_lettered_in_shown_order():
     assert plain.rows == (blink.PromptRow("", plain.options),)
     assert [(o.key, o.text) for o in plain.options] == [("a", "a"), ("b", "b"), ("c", "c"), ("d", "d")]
     message = json.loads(blink.user_message("s", rows[1], ["A", "B", "C", "D"]))
-    assert [(o["letter"], o["description"]) for o in message["options"]] == [("A", "c"), ("B", "d"), ("C", "a"),
-                                                                             ("D", "b")]
+    assert [(o["letter"], o["description"]) for o in message["options"]] == [
+        ("A", "c"),
+        ("B", "d"),
+        ("C", "a"),
+        ("D", "b"),
+    ]
 
 
 def test_position_bias_averages_out_and_is_measured():
@@ -110,18 +122,46 @@ def test_multi_reads_an_independent_yes_per_option():
     assert row.criterion == "Which problems are reported?\nDoes this option apply: late: the delivery was late"
 
 
-@pytest.mark.parametrize("q, rows, lse, fields, reason", [
-    ({**INTENT, "abstain": {"min_label_mass": 0.5}}, [[math.log(0.2), math.log(0.05), math.log(0.05)]],
-     [0.0], {"choice": None}, "label mass 0.3000 is below min_label_mass 0.5"),
-    ({**INTENT, "abstain": {"min_confidence": 0.6}}, [[math.log(0.5), math.log(0.3), math.log(0.2)]],
-     [0.0], {"choice": None}, "confidence 0.2500 is below min_confidence 0.6"),
-    ({**UPSET, "abstain": {"min_confidence": 0.3}}, [[math.log(0.6), math.log(0.4)]],
-     [0.0], {"noul": None}, "confidence 0.2000 is below min_confidence 0.3"),
-    ({"type": "score", "criteria": ["lo", "hi"], "abstain": {"min_label_mass": 0.1}}, [[0.0, 0.0]],
-     [None], {"score": None, "choice": None}, "label mass is unknown"),
-    ({**TAGS, "abstain": {"min_confidence": 0.5}}, [[math.log(0.9), math.log(0.1)], [math.log(0.6), math.log(0.4)]],
-     [0.0, 0.0], {"choices": None}, "confidence 0.2000 is below min_confidence 0.5"),
-])
+@pytest.mark.parametrize(
+    "q, rows, lse, fields, reason",
+    [
+        (
+            {**INTENT, "abstain": {"min_label_mass": 0.5}},
+            [[math.log(0.2), math.log(0.05), math.log(0.05)]],
+            [0.0],
+            {"choice": None},
+            "label mass 0.3000 is below min_label_mass 0.5",
+        ),
+        (
+            {**INTENT, "abstain": {"min_confidence": 0.6}},
+            [[math.log(0.5), math.log(0.3), math.log(0.2)]],
+            [0.0],
+            {"choice": None},
+            "confidence 0.2500 is below min_confidence 0.6",
+        ),
+        (
+            {**UPSET, "abstain": {"min_confidence": 0.3}},
+            [[math.log(0.6), math.log(0.4)]],
+            [0.0],
+            {"noul": None},
+            "confidence 0.2000 is below min_confidence 0.3",
+        ),
+        (
+            {"type": "score", "criteria": ["lo", "hi"], "abstain": {"min_label_mass": 0.1}},
+            [[0.0, 0.0]],
+            [None],
+            {"score": None, "choice": None},
+            "label mass is unknown",
+        ),
+        (
+            {**TAGS, "abstain": {"min_confidence": 0.5}},
+            [[math.log(0.9), math.log(0.1)], [math.log(0.6), math.log(0.4)]],
+            [0.0, 0.0],
+            {"choices": None},
+            "confidence 0.2000 is below min_confidence 0.5",
+        ),
+    ],
+)
 def test_abstention_replaces_the_pick_with_the_reason(q, rows, lse, fields, reason):
     out = blink.answer_question(parse(q), blink.Readout(rows, lse), 1.0)
     assert out["abstained"] is True and reason in out["reason"]
@@ -138,19 +178,22 @@ def test_an_answer_that_meets_its_thresholds_says_so_and_plain_ones_are_unchange
     assert list(plain) == ["type", "choice", "probabilities", "confidence", "label_mass"]
 
 
-@pytest.mark.parametrize("extra, loc, message", [
-    ({"permute": 0}, ["permute"], "permute must be a whole number of rotations from 1 to its 3 options"),
-    ({"permute": 4}, ["permute"], "from 1 to its 3 options (got 4)"),
-    ({"permute": True}, ["permute"], "permute must be a whole number"),
-    ({"permute": 2.0}, ["permute"], "permute must be a whole number"),
-    ({"multi": "yes"}, ["multi"], "multi must be true or false"),
-    ({"multi": True, "permute": 2}, ["multi"], "multi and permute cannot be combined"),
-    ({"abstain": 0.5}, ["abstain"], "abstain must be an object"),
-    ({"abstain": {}}, ["abstain"], "abstain must be an object"),
-    ({"abstain": {"min_mass": 0.5}}, ["abstain", "min_mass"], "abstain.min_mass is not a threshold"),
-    ({"abstain": {"min_confidence": 1.5}}, ["abstain", "min_confidence"], "must be a number from 0 to 1"),
-    ({"abstain": {"min_label_mass": "high"}}, ["abstain", "min_label_mass"], "must be a number from 0 to 1"),
-])
+@pytest.mark.parametrize(
+    "extra, loc, message",
+    [
+        ({"permute": 0}, ["permute"], "permute must be a whole number of rotations from 1 to its 3 options"),
+        ({"permute": 4}, ["permute"], "from 1 to its 3 options (got 4)"),
+        ({"permute": True}, ["permute"], "permute must be a whole number"),
+        ({"permute": 2.0}, ["permute"], "permute must be a whole number"),
+        ({"multi": "yes"}, ["multi"], "multi must be true or false"),
+        ({"multi": True, "permute": 2}, ["multi"], "multi and permute cannot be combined"),
+        ({"abstain": 0.5}, ["abstain"], "abstain must be an object"),
+        ({"abstain": {}}, ["abstain"], "abstain must be an object"),
+        ({"abstain": {"min_mass": 0.5}}, ["abstain", "min_mass"], "abstain.min_mass is not a threshold"),
+        ({"abstain": {"min_confidence": 1.5}}, ["abstain", "min_confidence"], "must be a number from 0 to 1"),
+        ({"abstain": {"min_label_mass": "high"}}, ["abstain", "min_label_mass"], "must be a number from 0 to 1"),
+    ],
+)
 def test_every_new_field_is_validated_with_its_location(extra, loc, message):
     with pytest.raises(blink.BlinkError) as caught:
         blink.parse_questions({"intent": {**INTENT, **extra}})
@@ -190,21 +233,32 @@ def test_mock_fabricates_a_label_mass_and_says_so(served):
     (forward,) = mock.run([mock.prepare(blink.parse_request(STATE, qs))])
     for key, answer in out["answers"].items():
         readout = forward.readouts[key]
-        shares = [math.exp(math.log(sum(math.exp(v) for v in row)) - lse)
-                  for row, lse in zip(readout.logits, readout.lse)]
+        shares = [
+            math.exp(math.log(sum(math.exp(v) for v in row)) - lse) for row, lse in zip(readout.logits, readout.lse)
+        ]
         assert len(shares) == (3 if key == "intent" else len(TAGS["criteria"]))
         assert answer["label_mass"] == pytest.approx(sum(shares) / len(shares), abs=1e-12)
     cooler = served(mock).decide(STATE, qs, temperature=0.5)  # the model's own distribution: no temperature in it
     assert {k: a["label_mass"] for k, a in cooler["answers"].items()} == pytest.approx(
-        {k: a["label_mass"] for k, a in out["answers"].items()}, abs=1e-12)
+        {k: a["label_mass"] for k, a in out["answers"].items()}, abs=1e-12
+    )
     assert out["answers"]["intent"]["rotations"] == 3 and set(out["answers"]["tags"]["probabilities"]) == {
-        "damaged", "late"}
+        "damaged",
+        "late",
+    }
 
 
 def recording(path, model: str, state, questions: dict, entry: dict) -> None:
     """A recording file holding one request."""
-    path.write_text(json.dumps({"model": model, "hardware": "test CPU", "requests": {
-        blink.request_key(state, questions): {**entry, "input_tokens": 40, "latency_ms": 5.0}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "model": model,
+                "hardware": "test CPU",
+                "requests": {blink.request_key(state, questions): {**entry, "input_tokens": 40, "latency_ms": 5.0}},
+            }
+        )
+    )
 
 
 def test_old_recordings_give_no_label_mass_and_new_ones_replay_every_prompt(tmp_path, served):
@@ -233,10 +287,14 @@ LIVE_QS = {
     "intent": {**INTENT, "permute": 3},
     "tags": TAGS,
     # the multi question's two prompts, asked as plain noul questions: they must read exactly the same
-    "as_noul_damaged": {"type": "noul",
-                        "instructions": blink.multi_criterion(TAGS["instructions"], "damaged: the item is damaged")},
-    "as_noul_late": {"type": "noul",
-                     "instructions": blink.multi_criterion(TAGS["instructions"], "late: the delivery was late")},
+    "as_noul_damaged": {
+        "type": "noul",
+        "instructions": blink.multi_criterion(TAGS["instructions"], "damaged: the item is damaged"),
+    },
+    "as_noul_late": {
+        "type": "noul",
+        "instructions": blink.multi_criterion(TAGS["instructions"], "late: the delivery was late"),
+    },
     "upset": UPSET,
 }
 
@@ -257,8 +315,13 @@ def live(standin):
         result = standin.forward(request)
     finally:
         blink._forward = forward
-    return {"raw": result.readouts, "n_tokens": result.input_tokens, "calls": calls, "request": request,
-            "prompts": standin.render(request)}
+    return {
+        "raw": result.readouts,
+        "n_tokens": result.input_tokens,
+        "calls": calls,
+        "request": request,
+        "prompts": standin.render(request),
+    }
 
 
 def test_every_prompt_runs_in_the_same_forward(live):
@@ -327,19 +390,28 @@ def test_a_recording_replays_every_prompt_and_the_label_mass(live, tmp_path, ser
 
 def test_rotating_the_options_flips_the_plain_choice_but_not_the_robust_one(standin, served):
     dep = served(standin)
-    q = {"type": "choice", "instructions": "Which department should handle this ticket?",
-         "criteria": {"billing": "payments and invoices", "shipping": "deliveries and parcels",
-                      "tech": "software and login problems"}}
-    requests = [(STATE, {"q": rot(q, s)}) for s in range(3)] + [(STATE, {"q": {**rot(q, s), "permute": 3}})
-                                                                for s in range(3)]
+    q = {
+        "type": "choice",
+        "instructions": "Which department should handle this ticket?",
+        "criteria": {
+            "billing": "payments and invoices",
+            "shipping": "deliveries and parcels",
+            "tech": "software and login problems",
+        },
+    }
+    requests = [(STATE, {"q": rot(q, s)}) for s in range(3)] + [
+        (STATE, {"q": {**rot(q, s), "permute": 3}}) for s in range(3)
+    ]
     results = dep.decide_many(requests)
     plain = [r["answers"]["q"] for r in results[:3]]
     robust = [r["answers"]["q"] for r in results[3:]]
     plain_flips = len({a["choice"] for a in plain}) > 1
     robust_flips = len({a["choice"] for a in robust}) > 1
-    print(f"stand-in, 3 rotations: plain picks {[a['choice'] for a in plain]} (flips: {plain_flips}); "
-          f"robust picks {[a['choice'] for a in robust]} (flips: {robust_flips}); "
-          f"order sensitivity {robust[0]['order_sensitivity']:.3f}")
+    print(
+        f"stand-in, 3 rotations: plain picks {[a['choice'] for a in plain]} (flips: {plain_flips}); "
+        f"robust picks {[a['choice'] for a in robust]} (flips: {robust_flips}); "
+        f"order sensitivity {robust[0]['order_sensitivity']:.3f}"
+    )
     assert not robust_flips
     for a in robust:  # all three rotations averaged, whatever order the request listed them in
         assert a["probabilities"] == pytest.approx(robust[0]["probabilities"], abs=1e-6)

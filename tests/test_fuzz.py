@@ -16,12 +16,33 @@ import blink
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
 # Text that stresses rendering: expands on lowercasing (İ, ß), combining marks, RTL, astral, NUL, data-URI lookalikes.
-TRICKY = st.sampled_from(["İstanbul", "Straße", "ﬁ", "e\u0301", "مرحبا", "😀", "\x00", "", " ", "\r\n",
-                          "data:image/png;base64,", "DATA:IMAGE/PNG ;BASE64,AAAA", "{", "[1,", "A", "ZZ"])
+TRICKY = st.sampled_from(
+    [
+        "İstanbul",
+        "Straße",
+        "ﬁ",
+        "e\u0301",
+        "مرحبا",
+        "😀",
+        "\x00",
+        "",
+        " ",
+        "\r\n",
+        "data:image/png;base64,",
+        "DATA:IMAGE/PNG ;BASE64,AAAA",
+        "{",
+        "[1,",
+        "A",
+        "ZZ",
+    ]
+)
 TEXT = st.one_of(st.text(max_size=40), TRICKY)
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True), TEXT)
-JSONISH = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                        st.dictionaries(TEXT, inner, max_size=4)), max_leaves=12)
+JSONISH = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(TEXT, inner, max_size=4)),
+    max_leaves=12,
+)
 CRITERIA = st.one_of(
     JSONISH,
     st.lists(TEXT, min_size=0, max_size=12),
@@ -33,21 +54,42 @@ CRITERIA = st.one_of(
 def plausible(text: st.SearchStrategy, json_values: st.SearchStrategy, levels: tuple[int, int] = (2, 10)):
     """Questions that look right (choice, noul, score), with tricky text in every field; `levels` bounds a score's."""
     return st.one_of(
-        st.fixed_dictionaries({"type": st.just("choice"), "criteria": st.one_of(
-            st.lists(text, min_size=1, max_size=8, unique=True), st.dictionaries(text, text, min_size=1, max_size=6))},
-            optional={"instructions": text}),
-        st.fixed_dictionaries({"type": st.just("noul")}, optional={"instructions": text, "criteria": st.one_of(
-            st.none(), st.fixed_dictionaries({}, optional={"true": text, "no": json_values}))}),
-        st.fixed_dictionaries({"type": st.just("score"), "criteria": st.lists(
-            st.one_of(text, st.none()), min_size=levels[0], max_size=levels[1])}, optional={"instructions": text}),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("choice"),
+                "criteria": st.one_of(
+                    st.lists(text, min_size=1, max_size=8, unique=True),
+                    st.dictionaries(text, text, min_size=1, max_size=6),
+                ),
+            },
+            optional={"instructions": text},
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("noul")},
+            optional={
+                "instructions": text,
+                "criteria": st.one_of(st.none(), st.fixed_dictionaries({}, optional={"true": text, "no": json_values})),
+            },
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("score"),
+                "criteria": st.lists(st.one_of(text, st.none()), min_size=levels[0], max_size=levels[1]),
+            },
+            optional={"instructions": text},
+        ),
     )
 
 
 PLAUSIBLE = plausible(TEXT, JSONISH)
 QUESTION = st.one_of(
-    PLAUSIBLE, PLAUSIBLE, JSONISH,
-    st.fixed_dictionaries({"type": st.sampled_from(["choice", "noul", "score", "rank", None, 3])},
-                          optional={"criteria": CRITERIA, "instructions": st.one_of(TEXT, JSONISH)}),
+    PLAUSIBLE,
+    PLAUSIBLE,
+    JSONISH,
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["choice", "noul", "score", "rank", None, 3])},
+        optional={"criteria": CRITERIA, "instructions": st.one_of(TEXT, JSONISH)},
+    ),
 )
 NAME = st.one_of(st.text(min_size=1, max_size=20), TRICKY)
 QUESTIONS = st.one_of(
@@ -56,9 +98,14 @@ QUESTIONS = st.one_of(
     JSONISH,
     st.integers(510, 515).map(lambda n: {f"q{i}": {"type": "noul"} for i in range(n)}),  # 513 among them
 )
-TEMPERATURE = st.one_of(st.none(), st.floats(0.05, 5.0), st.floats(allow_nan=True, allow_infinity=True),
-                        st.integers(-2, 3), TEXT,
-                        st.sampled_from([5e-324, 1e-310, 1.7e308, 10**400, True, "inf", "1e-320"]))  # edges
+TEMPERATURE = st.one_of(
+    st.none(),
+    st.floats(0.05, 5.0),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-2, 3),
+    TEXT,
+    st.sampled_from([5e-324, 1e-310, 1.7e308, 10**400, True, "inf", "1e-320"]),
+)  # edges
 STATE = st.one_of(JSONISH, TEXT, st.text(min_size=1000, max_size=3000))
 
 
@@ -107,8 +154,9 @@ def test_decide_many_on_arbitrary_input(mock_served, requests):
             check_answer(res, req[1])
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(state=STATE, questions=QUESTIONS)
 def test_real_tokenizer_renders_or_refuses(standin, state, questions):
     try:
@@ -122,7 +170,9 @@ def test_real_tokenizer_renders_or_refuses(standin, state, questions):
 
 
 CLI_CASES = [
-    ("x", "[]"), ("x", '{"q": {"type": "choice", "criteria": []}}'), ("x", "{" * 5000),
+    ("x", "[]"),
+    ("x", '{"q": {"type": "choice", "criteria": []}}'),
+    ("x", "{" * 5000),
     ("İ" * 50, '{"q": {"type": "score", "criteria": ' + json.dumps(list(range(11))) + "}}"),
     ("{}", json.dumps({f"q{i}": {"type": "noul"} for i in range(513)})),
     ("x", '{"q": {"type": "noul"}}'),
@@ -131,15 +181,41 @@ CLI_CASES = [
 
 def test_cli_never_prints_a_traceback(tmp_path):
     for state, questions in CLI_CASES:
-        done = subprocess.run([sys.executable, os.path.join(ROOT, "blink.py"), "--state", state, "--questions",
-                               questions, "--temperature", "0.7"], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "BLINK_MOCK": "1"})
+        done = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "blink.py"),
+                "--state",
+                state,
+                "--questions",
+                questions,
+                "--temperature",
+                "0.7",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "BLINK_MOCK": "1"},
+        )
         assert "Traceback" not in done.stderr, done.stderr
         if done.returncode == 0:
             check_answer(json.loads(done.stdout), json.loads(questions))
         else:
             assert done.returncode == 2 and done.stderr.startswith("error: ")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "blink.py"), "--state", "x", "--questions",
-                           '{"q": {"type": "noul"}}', "--temperature", "nan"], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "BLINK_MOCK": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "blink.py"),
+            "--state",
+            "x",
+            "--questions",
+            '{"q": {"type": "noul"}}',
+            "--temperature",
+            "nan",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "BLINK_MOCK": "1"},
+    )
     assert done.returncode == 2 and "temperature must be a finite number above 0" in done.stderr

@@ -9,31 +9,45 @@ from dataclasses import replace
 
 import pytest
 import torch
+from image_samples import png_uri
 
 import blink
-from image_samples import png_uri
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-DOC = ("Invoice 2211 from Norrland Timber AB: 40 pallets of pine boards, 18,400 EUR, due 30 days after delivery. "
-       "Delivered 3 March; paid 29 April after two reminders. The buyer disputes 4 damaged pallets. ")
+DOC = (
+    "Invoice 2211 from Norrland Timber AB: 40 pallets of pine boards, 18,400 EUR, due 30 days after delivery. "
+    "Delivered 3 March; paid 29 April after two reminders. The buyer disputes 4 damaged pallets. "
+)
 LONG_DOC = DOC * 24  # over BLINK_PREFIX_MIN_TOKENS: its questions share the encoded evidence
 QUESTIONS = {
     "late": {"type": "noul", "instructions": "Was the invoice paid after its due date?"},
-    "currency": {"type": "choice", "instructions": "Which currency is the invoice in?",
-                 "criteria": ["EUR", "USD", "SEK", "GBP"]},
-    "dispute": {"type": "score", "instructions": "How serious is the dispute?",
-                "criteria": ["no dispute", "minor", "part of the order", "whole order"]},
-    "many": {"type": "choice", "instructions": "Pick the letter that starts the supplier's name.",
-             "criteria": list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")},
+    "currency": {
+        "type": "choice",
+        "instructions": "Which currency is the invoice in?",
+        "criteria": ["EUR", "USD", "SEK", "GBP"],
+    },
+    "dispute": {
+        "type": "score",
+        "instructions": "How serious is the dispute?",
+        "criteria": ["no dispute", "minor", "part of the order", "whole order"],
+    },
+    "many": {
+        "type": "choice",
+        "instructions": "Pick the letter that starts the supplier's name.",
+        "criteria": list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+    },
 }
 CPU = blink.Settings(dtype="float32", gpu=False)
 
 
 def gap(got: dict, ref: dict) -> float:
     """The largest probability difference between two decide() results over every question and label."""
-    return max(abs(p - ref["answers"][k]["probabilities"][label])
-               for k, a in got["answers"].items() for label, p in a["probabilities"].items())
+    return max(
+        abs(p - ref["answers"][k]["probabilities"][label])
+        for k, a in got["answers"].items()
+        for label, p in a["probabilities"].items()
+    )
 
 
 def picks(result: dict) -> dict:
@@ -87,8 +101,10 @@ def test_the_gpu_default_bfloat16_drifts_as_the_cpus_does(text_folder, cpu_ref):
         got, ref = gpu.decide(doc, QUESTIONS), cpu_ref.decide(doc, QUESTIONS)
         bound = 2 * gap(cpu_bf16.decide(doc, QUESTIONS), ref) + 0.01
         assert got["meta"]["dtype"] == "bfloat16"
-        print(f"bfloat16 cuda vs float32 cpu ({len(doc)} chars): largest probability gap {gap(got, ref):.3f}, "
-              f"bound {bound:.3f}")
+        print(
+            f"bfloat16 cuda vs float32 cpu ({len(doc)} chars): largest probability gap {gap(got, ref):.3f}, "
+            f"bound {bound:.3f}"
+        )
         assert gap(got, ref) < bound
         for k, pick in picks(got).items():
             p = sorted(ref["answers"][k]["probabilities"].values(), reverse=True)
@@ -131,8 +147,9 @@ def test_images_on_the_gpu_answer_as_on_the_cpu(tmp_path, text_folder):
     qs = {"color": {"type": "choice", "instructions": "Main color of [image 1]?", "criteria": ["red", "blue"]}}
     image = png_uri(Image.new("RGB", (96, 64), (230, 20, 20)))
     ref = blink.Deployment.serving(blink.TorchEngine(folder, settings=CPU, vision=True))
-    gpu = blink.Deployment.serving(blink.TorchEngine(folder, settings=replace(blink.Settings.from_env({}),
-                                                                              dtype="float32"), vision=True))
+    gpu = blink.Deployment.serving(
+        blink.TorchEngine(folder, settings=replace(blink.Settings.from_env({}), dtype="float32"), vision=True)
+    )
     got, want = gpu.decide("see the image", qs, images=[image]), ref.decide("see the image", qs, images=[image])
     assert got["meta"]["visual_tokens"] == want["meta"]["visual_tokens"] > 0
     assert gap(got, want) < 1e-4

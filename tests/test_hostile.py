@@ -14,15 +14,20 @@ import time
 
 import httpx
 import pytest
+from conftest import DEFAULTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blink
-from conftest import DEFAULTS
 
 BASE = {
-    "pick": {"type": "choice", "instructions": "Which fruit is named?", "criteria": {"a": "apple", "b": "banana"},
-             "permute": 2, "abstain": {"min_label_mass": 0.1, "min_confidence": 0.1}},
+    "pick": {
+        "type": "choice",
+        "instructions": "Which fruit is named?",
+        "criteria": {"a": "apple", "b": "banana"},
+        "permute": 2,
+        "abstain": {"min_label_mass": 0.1, "min_confidence": 0.1},
+    },
     "tags": {"type": "choice", "instructions": "Which apply?", "criteria": ["red", "round", "sweet"], "multi": True},
     "late": {"type": "noul", "instructions": "Was it late?", "criteria": {"true": "it was late", "false": "on time"}},
     "rate": {"type": "score", "instructions": "How bad?", "criteria": ["fine", "bad", "awful"]},
@@ -33,20 +38,49 @@ DEEP_DICT: dict = {}
 for _ in range(100):
     DEEP_LIST, DEEP_DICT = [DEEP_LIST], {"k": DEEP_DICT}
 HOSTILE = {
-    "null": None, "true": True, "zero": 0, "negative": -1, "2**70": 2**70, "4001 digits": 10**4001,
-    "nan": math.nan, "inf": math.inf, "-inf": -math.inf, "empty": "", "blank": "   ", "huge": "word " * 40_000,
-    "surrogate": "\ud800", "inner surrogate": "a\udfffb", "control": "\x00\x01\x1f\x7f", "letter": "A",
-    "empty list": [], "mixed list": [1, "a", None, 2.5], "empty object": {}, "object": {"k": "v"},
-    "list of type": ["noul"], "object of type": {"type": "noul"}, "deep list": DEEP_LIST, "deep object": DEEP_DICT,
+    "null": None,
+    "true": True,
+    "zero": 0,
+    "negative": -1,
+    "2**70": 2**70,
+    "4001 digits": 10**4001,
+    "nan": math.nan,
+    "inf": math.inf,
+    "-inf": -math.inf,
+    "empty": "",
+    "blank": "   ",
+    "huge": "word " * 40_000,
+    "surrogate": "\ud800",
+    "inner surrogate": "a\udfffb",
+    "control": "\x00\x01\x1f\x7f",
+    "letter": "A",
+    "empty list": [],
+    "mixed list": [1, "a", None, 2.5],
+    "empty object": {},
+    "object": {"k": "v"},
+    "list of type": ["noul"],
+    "object of type": {"type": "noul"},
+    "deep list": DEEP_LIST,
+    "deep object": DEEP_DICT,
 }
 # every field of every question type, abstain's keys (a known one and an unknown one), and the state
 FIELDS = [
     *((qkey, (name,)) for qkey in BASE for name in ("type", "instructions", "criteria", "abstain")),
-    ("pick", ("criteria", "a")), ("pick", ("permute",)), ("pick", ("multi",)),
-    ("pick", ("abstain", "min_label_mass")), ("pick", ("abstain", "min_confidence")), ("pick", ("abstain", "other")),
-    ("tags", ("multi",)), ("tags", ("permute",)), ("tags", ("criteria", 0)),
-    ("late", ("criteria", "true")), ("late", ("criteria", "false")), ("rate", ("criteria", 1)),
-    ("state", ()), ("state", ("ticket",)), ("questions", ()),
+    ("pick", ("criteria", "a")),
+    ("pick", ("permute",)),
+    ("pick", ("multi",)),
+    ("pick", ("abstain", "min_label_mass")),
+    ("pick", ("abstain", "min_confidence")),
+    ("pick", ("abstain", "other")),
+    ("tags", ("multi",)),
+    ("tags", ("permute",)),
+    ("tags", ("criteria", 0)),
+    ("late", ("criteria", "true")),
+    ("late", ("criteria", "false")),
+    ("rate", ("criteria", 1)),
+    ("state", ()),
+    ("state", ("ticket",)),
+    ("questions", ()),
 ]
 
 
@@ -97,7 +131,7 @@ def test_every_field_with_every_hostile_value_answers_or_refuses_with_a_location
     for target, path, name in CASES:
         state, questions = hostile_request(target, path, HOSTILE[name])
 
-        def call():
+        def call(state=state, questions=questions):
             result = mock_deployment.decide(state, questions)
             assert set(result["answers"]) == set(questions)
 
@@ -122,15 +156,22 @@ def test_the_real_tokenizer_renders_or_refuses_every_case(standin):
         except blink.BlinkError as exc:
             assert located(exc), exc
             continue
-        answered_or_located(lambda: standin.prepare(request))
+        answered_or_located(lambda: standin.prepare(request))  # noqa: B023 (called at once)
 
 
 JSON_LEAVES = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(10**4100), max_value=10**4100),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=30),
-    st.sampled_from(["\ud800", "\udfff", "", "choice", "noul", "score", "\x00"]))
-JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=12)
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**4100), max_value=10**4100),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=30),
+    st.sampled_from(["\ud800", "\udfff", "", "choice", "noul", "score", "\x00"]),
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -163,8 +204,9 @@ REFUSE_WITHIN_S_AT_LEAST = 15
 def post_decide(url: str, body_text: str, timeout: float = 120) -> tuple[str, str]:
     """POST a raw /decide body through Gradio's HTTP API: ('queued', event id) once the server holds it, or its
     HTTP status and text when it is refused at the door."""
-    r = httpx.post(url + "gradio_api/call/decide", content=body_text, headers={"content-type": "application/json"},
-                   timeout=timeout)
+    r = httpx.post(
+        url + "gradio_api/call/decide", content=body_text, headers={"content-type": "application/json"}, timeout=timeout
+    )
     return ("queued", r.json()["event_id"]) if r.status_code == 200 else (str(r.status_code), r.text)
 
 
@@ -236,9 +278,11 @@ def test_hostile_bodies_are_refused_quickly_while_a_normal_request_is_answered(l
 
 def test_a_hostile_item_in_a_batch_is_refused_in_its_place(launched, client):
     app, _ = launched
-    requests = [{"state": "Paid on time.", "questions": QS},
-                {"state": '{"n": ' + "9" * 5000 + "}", "questions": QS},
-                {"state": "x", "questions": {"q": {"type": {"type": "noul"}}}}]
+    requests = [
+        {"state": "Paid on time.", "questions": QS},
+        {"state": '{"n": ' + "9" * 5000 + "}", "questions": QS},
+        {"state": "x", "questions": {"q": {"type": {"type": "noul"}}}},
+    ]
     out = client.predict(requests, 1.0, "", api_name="/decide_batch")
     want = app.DEPLOYMENT.decide("Paid on time.", QS)["answers"]["late"]["noul"]  # the good item, in process
     assert abs(out[0]["answers"]["late"]["noul"] - want) < 1e-5

@@ -51,16 +51,24 @@ def test_markers_are_unique_per_request():
 def test_header_case_is_free_but_parameters_and_whitespace_are_refused():
     upper = "DATA:IMAGE/PNG;BASE64," + PAYLOAD
     assert blink.extract_images(upper, limits=SMALL).state == "[image 1]"
-    for header in ("data:image/png;charset=utf-8;base64,", "data:image/png ;base64,", "data:image/png; base64,",
-                   "data:image/png;name=a.png;base64,"):
+    for header in (
+        "data:image/png;charset=utf-8;base64,",
+        "data:image/png ;base64,",
+        "data:image/png; base64,",
+        "data:image/png;name=a.png;base64,",
+    ):
         assert refusal({"x": header + PAYLOAD}) == (
-            "image data URI parameters or whitespace are not supported", ["body", "state", "x"])
+            "image data URI parameters or whitespace are not supported",
+            ["body", "state", "x"],
+        )
 
 
 def test_other_image_types_are_refused():
     for mime in ("gif", "svg+xml", "bmp", "jpg"):
         assert refusal([f"data:image/{mime};base64," + PAYLOAD]) == (
-            "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data", ["body", "state", 0])
+            "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data",
+            ["body", "state", 0],
+        )
 
 
 def test_text_mentioning_data_uris_is_plain_text():
@@ -105,19 +113,27 @@ def test_locations_point_into_the_request_body():
     bad = {"a": [URI, {"b": "data:image/png;base64,AAA"}]}
     assert refusal(bad) == ("image 2 has invalid base64 data", ["body", "state", "a", 1, "b"])
     assert refusal("text", [URI, "data:image/png;base64,!"]) == (
-        "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data", ["body", "images", 1])
+        "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data",
+        ["body", "images", 1],
+    )
 
 
 def test_images_list_errors_name_their_entry():
     assert refusal("x", "not a list") == ("images must be a list of data URIs", ["body", "images"])
     assert refusal("x", [URI, 7]) == ("image 2 must be a data URI", ["body", "images", 1])
     assert refusal("x", ["hello"]) == (
-        "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data", ["body", "images", 0])
+        "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data",
+        ["body", "images", 0],
+    )
     assert refusal("x", ["see " + URI]) == (
-        "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data", ["body", "images", 0])
+        "image must be a data:image/png, image/jpeg, or image/webp URI with base64 data",
+        ["body", "images", 0],
+    )
     assert refusal("x", [URI + " trailing"])[1] == ["body", "images", 0]
     assert refusal("x", ["data:image/png;x=1;base64," + PAYLOAD]) == (
-        "image data URI parameters or whitespace are not supported", ["body", "images", 0])
+        "image data URI parameters or whitespace are not supported",
+        ["body", "images", 0],
+    )
 
 
 def test_images_list_markers_follow_the_state():
@@ -159,16 +175,27 @@ def env_limits(env: dict) -> blink.ImageLimits:
 def test_limits_come_from_the_environment_and_are_range_checked():
     with pytest.raises(blink.ImageError, match="at most 1 images per request"):
         blink.extract_images([URI, URI], limits=env_limits({"BLINK_MAX_IMAGES": "1"}))
-    bounds = {"BLINK_MAX_IMAGES": (1, 8), "BLINK_MAX_IMAGE_BYTES": (1024, 33554432),
-              "BLINK_MAX_IMAGE_PIXELS": (65536, 16777216), "BLINK_MAX_IMAGE_SOURCE_PIXELS": (65536, 64000000)}
-    fields = {"BLINK_MAX_IMAGES": "max_images", "BLINK_MAX_IMAGE_BYTES": "max_bytes",
-              "BLINK_MAX_IMAGE_PIXELS": "max_pixels", "BLINK_MAX_IMAGE_SOURCE_PIXELS": "max_source_pixels"}
+    bounds = {
+        "BLINK_MAX_IMAGES": (1, 8),
+        "BLINK_MAX_IMAGE_BYTES": (1024, 33554432),
+        "BLINK_MAX_IMAGE_PIXELS": (65536, 16777216),
+        "BLINK_MAX_IMAGE_SOURCE_PIXELS": (65536, 64000000),
+    }
+    fields = {
+        "BLINK_MAX_IMAGES": "max_images",
+        "BLINK_MAX_IMAGE_BYTES": "max_bytes",
+        "BLINK_MAX_IMAGE_PIXELS": "max_pixels",
+        "BLINK_MAX_IMAGE_SOURCE_PIXELS": "max_source_pixels",
+    }
     for name, (lo, hi) in bounds.items():
         for ok in (lo, hi):
             assert getattr(env_limits({name: str(ok)}), fields[name]) == ok
         for bad in (str(lo - 1), str(hi + 1), "many"):
-            with pytest.raises(blink.BlinkError, match=f"^{name} must be a whole number from {lo} to {hi} "
-                                                       rf"\(got '{bad}'\)$"):
+            with pytest.raises(
+                blink.BlinkError,
+                match=f"^{name} must be a whole number from {lo} to {hi} "
+                rf"\(got '{bad}'\)$",
+            ):
                 env_limits({name: bad})
     assert env_limits({}) == blink.ImageLimits() == blink.Settings().image_limits
 
@@ -188,7 +215,8 @@ def test_decoded_bytes_limit():
     assert refusal(big, limits=limits) == ("image 1 exceeds 1024 decoded bytes", ["body", "state"])
     # 1368 base64 characters pass the length pre-check but decode to 1026 bytes
     assert refusal("data:image/png;base64," + "A" * 1368, limits=limits)[0] == (
-        "image 1 must contain 1-1024 decoded bytes")
+        "image 1 must contain 1-1024 decoded bytes"
+    )
 
 
 def test_source_pixels_limit():
@@ -202,8 +230,7 @@ def test_decompression_bombs_are_refused_from_the_header():
     for width, height in ((9000, 9000), (100_000, 100_000)):  # under and over PIL's own bomb threshold
         raw = declared_png(width, height)
         assert len(raw) < 200
-        assert refusal({"scan": data_uri(raw)}) == (
-            "image 1 exceeds 20000000 source pixels", ["body", "state", "scan"])
+        assert refusal({"scan": data_uri(raw)}) == ("image 1 exceeds 20000000 source pixels", ["body", "state", "scan"])
 
 
 def test_undecodable_image_is_refused():
@@ -218,7 +245,9 @@ def test_undecodable_image_is_refused():
 
 def test_aspect_ratio_at_most_200_to_1():
     assert refusal({"strip": png_uri(gradient(402, 2))}) == (
-        "image 1: image aspect ratio must be at most 200:1", ["body", "state", "strip"])
+        "image 1: image aspect ratio must be at most 200:1",
+        ["body", "state", "strip"],
+    )
     assert blink.extract_images(png_uri(gradient(400, 2)), limits=SMALL).images[0].size[0] % 32 == 0
 
 
@@ -226,7 +255,8 @@ def test_resize_is_the_processors_policy():
     limits = blink.ImageLimits()
     for height, width in ((700, 1000), (64, 96), (3000, 4000), (20, 20), (1088, 1920), (33, 4000)):
         assert blink._image_size(height, width, limits) == smart_resize(
-            height, width, factor=32, min_pixels=limits.min_pixels, max_pixels=limits.max_pixels)
+            height, width, factor=32, min_pixels=limits.min_pixels, max_pixels=limits.max_pixels
+        )
     narrow = blink.ImageLimits(max_pixels=65536, min_pixels=65536, factor=32)
     with pytest.raises(blink.BlinkError, match="cannot fit between 65536 and 65536 pixels"):
         blink._image_size(32, 6400, narrow)
@@ -306,8 +336,13 @@ def test_command_line_images(tmp_path):
     env = {**os.environ, "BLINK_ENGINE": "mock", "BLINK_MODEL": "mock-model"}
 
     def main(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, os.path.join(ROOT, "blink.py"), "--state", "a photo", "--questions",
-                               json.dumps(Q), *args], env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, os.path.join(ROOT, "blink.py"), "--state", "a photo", "--questions", json.dumps(Q), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     refused = main("--image", str(path))
     assert refused.returncode == 2 and refused.stderr.strip() == "error: this model reads text only"

@@ -7,17 +7,18 @@ import threading
 import time
 from dataclasses import replace
 
-
 N_CALLERS = 32
 TOPICS = ["billing", "shipping", "returns", "login", "warranty", "pricing", "privacy", "other"]
 
 
 def request(i: int) -> tuple[str, dict]:
     """Caller i's own request: different evidence and different options."""
-    topics = TOPICS[i % 5:] + TOPICS[: i % 5]
+    topics = TOPICS[i % 5 :] + TOPICS[: i % 5]
     state = f"Ticket {i}: the customer writes about {TOPICS[i % len(TOPICS)]} and order {1000 + i}."
-    return state, {"topic": {"type": "choice", "instructions": "Which topic?", "criteria": topics[: 3 + i % 4]},
-                   "urgent": {"type": "noul", "instructions": f"Is ticket {i} urgent?"}}
+    return state, {
+        "topic": {"type": "choice", "instructions": "Which topic?", "criteria": topics[: 3 + i % 4]},
+        "urgent": {"type": "noul", "instructions": f"Is ticket {i} urgent?"},
+    }
 
 
 def run_callers(call, n: int = N_CALLERS, timeout_s: float = 300) -> tuple[dict, list, list]:
@@ -52,8 +53,10 @@ def percentile(sorted_values: list[float], q: float) -> float:
 def load_line(label: str, results: dict, errors: list, latencies: list) -> str:
     """Requests, errors, p50/p99 latency and the largest batch, as one printed line."""
     largest = max((r["meta"].get("batched_requests", 1) for r in results.values()), default=0)
-    return (f"\n{label}: {len(results) + len(errors)} requests, {len(errors)} errors, p50 "
-            f"{statistics.median(latencies):.2f}s, p99 {percentile(latencies, 0.99):.2f}s, largest batch {largest}")
+    return (
+        f"\n{label}: {len(results) + len(errors)} requests, {len(errors)} errors, p50 "
+        f"{statistics.median(latencies):.2f}s, p99 {percentile(latencies, 0.99):.2f}s, largest batch {largest}"
+    )
 
 
 def assert_same_answers(got: dict, want: dict, tolerance: float = 1e-6) -> None:
@@ -61,15 +64,18 @@ def assert_same_answers(got: dict, want: dict, tolerance: float = 1e-6) -> None:
     assert list(got) == list(want)
     for q in want:
         assert list(got[q]["probabilities"]) == list(want[q]["probabilities"])
-        assert max(abs(a - b) for a, b in zip(got[q]["probabilities"].values(),
-                                              want[q]["probabilities"].values())) < tolerance
+        assert (
+            max(abs(a - b) for a, b in zip(got[q]["probabilities"].values(), want[q]["probabilities"].values()))
+            < tolerance
+        )
 
 
 def test_concurrent_callers_through_the_batcher_get_their_own_answers(tiny_qwen, served):
     # the tiny Qwen3.5 (linear + full attention, as in production) keeps 32 alone-vs-batched runs quick; its fp32
     # batch-composition noise measured 1.8e-6, so answers must agree within 1e-5
-    dep = served(tiny_qwen, replace(tiny_qwen.settings, batch_window_ms=20, batch_max_requests=16,
-                                    batch_max_queued=N_CALLERS))
+    dep = served(
+        tiny_qwen, replace(tiny_qwen.settings, batch_window_ms=20, batch_max_requests=16, batch_max_queued=N_CALLERS)
+    )
     alone = [dep.decide(*request(i))["answers"] for i in range(N_CALLERS)]
     results, errors, latencies = run_callers(lambda i: dep.submit(dep.request(*request(i))), timeout_s=120)
     print(load_line("Batcher", results, errors, latencies))

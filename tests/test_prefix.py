@@ -14,26 +14,40 @@ import blink
 
 DOC = " ".join(
     f"Ticket {n}: the customer's {item} {problem}; they asked for {ask}, and the agent tagged it for {team}."
-    for n, (item, problem, ask, team) in enumerate([
-        ("router", "stopped working after an update", "a replacement", "technical support"),
-        ("invoice", "was charged twice", "a refund", "billing"),
-        ("parcel", "never arrived", "a callback", "shipping"),
-        ("password", "cannot be reset", "help", "account security"),
-        ("laptop", "arrived damaged", "a replacement", "returns"),
-        ("gift card", "shows the wrong price", "a refund", "billing"),
-    ], start=1))
+    for n, (item, problem, ask, team) in enumerate(
+        [
+            ("router", "stopped working after an update", "a replacement", "technical support"),
+            ("invoice", "was charged twice", "a refund", "billing"),
+            ("parcel", "never arrived", "a callback", "shipping"),
+            ("password", "cannot be reset", "help", "account security"),
+            ("laptop", "arrived damaged", "a replacement", "returns"),
+            ("gift card", "shows the wrong price", "a refund", "billing"),
+        ],
+        start=1,
+    )
+)
 QUESTIONS = {  # tails of different lengths and every question type
-    "team": {"type": "choice", "instructions": "Which team handles ticket 2?",
-             "criteria": ["billing", "shipping", "technical support", "account security"]},
+    "team": {
+        "type": "choice",
+        "instructions": "Which team handles ticket 2?",
+        "criteria": ["billing", "shipping", "technical support", "account security"],
+    },
     "refund": {"type": "noul", "instructions": "Does any customer ask for a refund?"},
-    "severity": {"type": "score", "instructions": "How severe is the worst ticket for the business, given that "
-                                                   "a customer was charged twice and a parcel went missing?",
-                 "criteria": ["trivial", "minor", "serious", "critical"]},
+    "severity": {
+        "type": "score",
+        "instructions": "How severe is the worst ticket for the business, given that "
+        "a customer was charged twice and a parcel went missing?",
+        "criteria": ["trivial", "minor", "serious", "critical"],
+    },
 }
 NEW_QUESTIONS = {  # the same evidence asked again, other questions (one starts with punctuation, one is a permute)
     "first": {"type": "noul", "instructions": "(Quick check) Is ticket 1 about a router?"},
-    "returns": {"type": "choice", "instructions": "Which team handles ticket 5?", "permute": 2,
-                "criteria": {"returns": "Sends items back", "billing": "Money", "shipping": "Parcels"}},
+    "returns": {
+        "type": "choice",
+        "instructions": "Which team handles ticket 5?",
+        "permute": 2,
+        "criteria": {"returns": "Sends items back", "billing": "Money", "shipping": "Parcels"},
+    },
 }
 OTHER_DOC = "Case log of the second shop. " + DOC.replace("Ticket", "Case")
 MIN_TOKENS = 64  # a short document keeps these tests fast; the threshold itself is tested below
@@ -111,8 +125,10 @@ def spy(monkeypatch) -> dict:
 def gap(a: dict, b: dict) -> float:
     """Largest difference between two readouts of the same questions: label logits and vocabulary log-sum-exp."""
     assert a.keys() == b.keys()
-    return rows_gap([(z, lse) for k in a for z, lse in zip(a[k].logits, a[k].lse)],
-                    [(z, lse) for k in b for z, lse in zip(b[k].logits, b[k].lse)])
+    return rows_gap(
+        [(z, lse) for k in a for z, lse in zip(a[k].logits, a[k].lse)],
+        [(z, lse) for k in b for z, lse in zip(b[k].logits, b[k].lse)],
+    )
 
 
 def rows_gap(a: list, b: list) -> float:
@@ -124,7 +140,8 @@ def rows_gap(a: list, b: list) -> float:
 def count_rows(eng: blink.TorchEngine, seen: dict):
     """Record the batch size of every backbone forward while the returned hook handle lives."""
     return eng.backbone().register_forward_pre_hook(
-        lambda module, args, kwargs: seen["rows"].append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+        lambda module, args, kwargs: seen["rows"].append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
 
 
 # Attention free of cost: continuing a kept prefix always pays, so a test can take that path on any model.
@@ -404,8 +421,11 @@ def test_copy_cache_copies_every_state(tiny_qwen):
                     assert getattr(large, name) == getattr(small, name)
                     assert getattr(large, name) is not getattr(small, name)  # the forward sets these flags too
         assert kinds == {"keys", "values", "conv_states", "recurrent_states"}
-    assert blink.cache_bytes(cache) == sum(t.numel() * t.element_size() for layer in cache.layers
-                                           for t in blink._state_tensors(layer)) > 0  # no views: the tensors' bytes
+    assert (
+        blink.cache_bytes(cache)
+        == sum(t.numel() * t.element_size() for layer in cache.layers for t in blink._state_tensors(layer))
+        > 0
+    )  # no views: the tensors' bytes
     sliced = blink._copy_cache(cache)
     sliced.layers[1].keys = cache.layers[1].keys[..., :1, :]  # a view keeps its whole base alive
     assert blink.cache_bytes(sliced) == blink.cache_bytes(cache)
@@ -439,8 +459,9 @@ def test_defaults_follow_the_hardware():
     assert blink.Settings(gpu=True, zero_gpu=True).prefix_cache_mb == 0  # a forked worker's memory never returns
     assert blink.Settings(dtype="float16").prefix_cache is False  # float16 is not measured: the plain path
     assert blink.Settings(dtype="bfloat16").prefix_cache is True and blink.Settings(dtype="float32").prefix_cache
-    env = blink.Settings.from_env({"BLINK_PREFIX_CACHE": "off", "BLINK_TOKEN_BUDGET": "512",
-                                   "BLINK_PREFIX_CACHE_MB": "0"}, gpu=False)
+    env = blink.Settings.from_env(
+        {"BLINK_PREFIX_CACHE": "off", "BLINK_TOKEN_BUDGET": "512", "BLINK_PREFIX_CACHE_MB": "0"}, gpu=False
+    )
     assert (env.prefix_cache, env.token_budget, env.prefix_cache_mb) == (False, 512, 0)
     with pytest.raises(blink.BlinkError, match="BLINK_PREFIX_CACHE_MB must be a whole number"):
         blink.Settings.from_env({"BLINK_PREFIX_CACHE_MB": "-1"}, gpu=False)

@@ -31,8 +31,11 @@ def setting_fields() -> dict:
 def variables_read() -> set[str]:
     """Every BLINK_* variable the code reads: the Settings fields' variables, the ones Settings.from_env reads
     itself, and any other quoted BLINK_ name in blink.py or app.py."""
-    return (set(setting_fields()) | set(SETTING.findall(inspect.getsource(blink.Settings.from_env)))
-            | set(SETTING.findall(source("blink.py") + source("app.py"))))
+    return (
+        set(setting_fields())
+        | set(SETTING.findall(inspect.getsource(blink.Settings.from_env)))
+        | set(SETTING.findall(source("blink.py") + source("app.py")))
+    )
 
 
 def section(title: str) -> str:
@@ -116,26 +119,45 @@ def test_every_setting_the_code_reads_is_documented():
 def test_limits_are_documented_with_the_defaults_of_the_code():
     numeric = {name: f for name, f in setting_fields().items() if f.metadata["kind"] in (int, float)}
     limits = {name: f for name, f in numeric.items() if any(f"`{name}`" in row for row in limits_rows())}
-    assert {"BLINK_MAX_INPUT_TOKENS", "BLINK_MAX_REQUEST_TOKENS", "BLINK_MAX_JSON_DEPTH", "BLINK_TOKEN_BUDGET",
-            "BLINK_QUEUE_SIZE", "BLINK_CONCURRENCY", "BLINK_BATCH_MAX_QUEUED", "BLINK_GPU_DURATION",
-            "BLINK_MAX_REQUEST_CHARS", "BLINK_BATCH_WINDOW_MS", "BLINK_BATCH_MAX_REQUESTS", "BLINK_MAX_IMAGES",
-            "BLINK_MAX_IMAGE_BYTES", "BLINK_MAX_IMAGE_PIXELS", "BLINK_MAX_IMAGE_SOURCE_PIXELS"} <= set(limits)
+    assert {
+        "BLINK_MAX_INPUT_TOKENS",
+        "BLINK_MAX_REQUEST_TOKENS",
+        "BLINK_MAX_JSON_DEPTH",
+        "BLINK_TOKEN_BUDGET",
+        "BLINK_QUEUE_SIZE",
+        "BLINK_CONCURRENCY",
+        "BLINK_BATCH_MAX_QUEUED",
+        "BLINK_GPU_DURATION",
+        "BLINK_MAX_REQUEST_CHARS",
+        "BLINK_BATCH_WINDOW_MS",
+        "BLINK_BATCH_MAX_REQUESTS",
+        "BLINK_MAX_IMAGES",
+        "BLINK_MAX_IMAGE_BYTES",
+        "BLINK_MAX_IMAGE_PIXELS",
+        "BLINK_MAX_IMAGE_SOURCE_PIXELS",
+    } <= set(limits)
     for name, f in limits.items():
         row = row_of(name)
         for default in defaults_by_hardware(f):
             assert shows(row, default), (name, default, row)
         if f.metadata["hi"] is not None and "–" in row:  # a row that states the allowed range states the code's
             assert shows(row, f.metadata["lo"]) and shows(row, f.metadata["hi"]), (name, f.metadata, row)
-    fixed = {"questions per request": blink.MAX_QUESTIONS, "options of a `choice`": blink.MAX_OPTIONS,
-             "prompts one request renders": blink.MAX_PROMPTS,
-             "requests in one `/decide_batch`": blink.MAX_BATCH_REQUESTS}
+    fixed = {
+        "questions per request": blink.MAX_QUESTIONS,
+        "options of a `choice`": blink.MAX_OPTIONS,
+        "prompts one request renders": blink.MAX_PROMPTS,
+        "requests in one `/decide_batch`": blink.MAX_BATCH_REQUESTS,
+    }
     for label, value in fixed.items():
         rows = [row for row in limits_rows() if row.startswith(f"| {label}")]
         assert len(rows) == 1 and shows(rows[0], value), (label, value, rows)
 
 
-HARDWARE = {"a CPU": blink.Settings(), "a GPU": blink.Settings(gpu=True),
-            "ZeroGPU": blink.Settings(gpu=True, zero_gpu=True)}
+HARDWARE = {
+    "a CPU": blink.Settings(),
+    "a GPU": blink.Settings(gpu=True),
+    "ZeroGPU": blink.Settings(gpu=True, zero_gpu=True),
+}
 
 
 def defaults_by_hardware(f) -> list:
@@ -227,30 +249,59 @@ def test_the_wire_examples_run_against_the_launched_app(launched, tmp_path):
         # each example printed the answers the served engine gives the same request in process
         ticket = "I was charged twice and cannot log in."
         curl = json.loads(outputs[0])["answers"]
-        want = app.DEPLOYMENT.decide({"message": ticket}, {
-            "spam": {"type": "noul", "instructions": "Is this spam?", "criteria": {"true": "advertising"}},
-            "queue": {"type": "choice", "criteria": {"billing": "payments", "access": None, "other": None}},
-            "urgency": {"type": "score", "criteria": ["can wait", "this week", "today"]}})["answers"]
+        want = app.DEPLOYMENT.decide(
+            {"message": ticket},
+            {
+                "spam": {"type": "noul", "instructions": "Is this spam?", "criteria": {"true": "advertising"}},
+                "queue": {"type": "choice", "criteria": {"billing": "payments", "access": None, "other": None}},
+                "urgency": {"type": "score", "criteria": ["can wait", "this week", "today"]},
+            },
+        )["answers"]
         assert (curl["spam"]["noul"], curl["queue"]["choice"]) == (want["spam"]["noul"], want["queue"]["choice"])
         assert abs(curl["urgency"]["score"] - want["urgency"]["score"]) < 1e-12
         model, noul, choice, score = outputs[1].split()[:4]  # typesafe-sdk: model, noul, choice, score, usage
-        want = app.DEPLOYMENT.decide({"message": ticket}, {
-            "spam": {"type": "noul", "instructions": "Is this spam?", "criteria": {"true": "unsolicited advertising"}},
-            "queue": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments",
-                                                                                   "access": None}},
-            "urgency": {"type": "score", "instructions": "How urgent?",
-                        "criteria": ["can wait", "this week", "today"]}})
-        assert model == want["meta"]["model"] and (float(noul), choice) == (want["answers"]["spam"]["noul"],
-                                                                           want["answers"]["queue"]["choice"])
+        want = app.DEPLOYMENT.decide(
+            {"message": ticket},
+            {
+                "spam": {
+                    "type": "noul",
+                    "instructions": "Is this spam?",
+                    "criteria": {"true": "unsolicited advertising"},
+                },
+                "queue": {
+                    "type": "choice",
+                    "instructions": "Which team?",
+                    "criteria": {"billing": "payments", "access": None},
+                },
+                "urgency": {
+                    "type": "score",
+                    "instructions": "How urgent?",
+                    "criteria": ["can wait", "this week", "today"],
+                },
+            },
+        )
+        assert model == want["meta"]["model"] and (float(noul), choice) == (
+            want["answers"]["spam"]["noul"],
+            want["answers"]["queue"]["choice"],
+        )
         assert abs(float(score) - want["answers"]["urgency"]["score"]) < 1e-12
-        want = app.DEPLOYMENT.decide(ticket, {  # openai: one line per answer, in question order
-            "spam": {"type": "noul", "instructions": "The message is spam."},
-            "queue": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments",
-                                                                                   "access": None}},
-            "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high"]}})
-        assert outputs[2].splitlines() == [f"spam predicate {want['answers']['spam']['noul']} None",
-                                           f"queue choice None {want['answers']['queue']['choice']}",
-                                           "urgency score None None"]
+        want = app.DEPLOYMENT.decide(
+            ticket,
+            {  # openai: one line per answer, in question order
+                "spam": {"type": "noul", "instructions": "The message is spam."},
+                "queue": {
+                    "type": "choice",
+                    "instructions": "Which team?",
+                    "criteria": {"billing": "payments", "access": None},
+                },
+                "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high"]},
+            },
+        )
+        assert outputs[2].splitlines() == [
+            f"spam predicate {want['answers']['spam']['noul']} None",
+            f"queue choice None {want['answers']['queue']['choice']}",
+            "urgency score None None",
+        ]
         tools, result = outputs[3].splitlines()  # MCP: the tools, then decide's result as JSON
         assert tools == "['decide', 'decide_batch', 'info']"
         want = app.DEPLOYMENT.decide("I was charged twice.", {"refund": {"type": "noul"}})

@@ -48,13 +48,18 @@ def test_hf_token_never_reaches_answers_logs_or_recordings(tmp_path):
     examples.mkdir()
     (examples / "a.json").write_text(json.dumps({"state": "hello", "questions": {"q": {"type": "noul"}}}))
     script = (
-        "import sys, json; sys.path.insert(0, %r); import blink; from adapters import record\n"
-        "blink.EXAMPLES_DIR = %r\n"
+        f"import sys, json; sys.path.insert(0, {ROOT!r}); import blink; from adapters import record\n"
+        f"blink.EXAMPLES_DIR = {str(examples)!r}\n"
         "print(json.dumps(blink.decide('hello', {'q': {'type': 'noul'}})))\n"
-        "record.record(blink.STANDIN_MODEL, %r)\n" % (ROOT, str(examples), str(tmp_path / "r.json"))
+        f"record.record(blink.STANDIN_MODEL, {str(tmp_path / 'r.json')!r})\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "HF_TOKEN": secret, "HUGGING_FACE_HUB_TOKEN": secret})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_TOKEN": secret, "HUGGING_FACE_HUB_TOKEN": secret},
+    )
     assert done.returncode == 0, done.stderr
     assert secret not in done.stdout and secret not in done.stderr
     assert secret not in (tmp_path / "r.json").read_text()
@@ -69,14 +74,17 @@ def test_hf_token_never_reaches_the_served_app(crowded_app):
 
     url, log_path = crowded_app
     client = Client(url, verbose=False)
-    seen = [json.dumps(client.predict(api_name="/info")),
-            json.dumps(client.predict("Is this urgent?", {"q": {"type": "noul"}}, api_name="/decide")),
-            json.dumps(client.predict([{"state": "x", "questions": {}}], api_name="/decide_batch"))]
+    seen = [
+        json.dumps(client.predict(api_name="/info")),
+        json.dumps(client.predict("Is this urgent?", {"q": {"type": "noul"}}, api_name="/decide")),
+        json.dumps(client.predict([{"state": "x", "questions": {}}], api_name="/decide_batch")),
+    ]
     with pytest.raises(AppError) as refused:
         client.predict("", {}, api_name="/decide")
     seen.append(refused.value.message)
-    seen += [httpx.get(url + path, timeout=30).text for path in ("", "config", "gradio_api/info",
-                                                                   "gradio_api/openapi.json")]
+    seen += [
+        httpx.get(url + path, timeout=30).text for path in ("", "config", "gradio_api/info", "gradio_api/openapi.json")
+    ]
     assert all(SECRET not in text for text in seen)
     with open(log_path, encoding="utf-8") as log:
         assert SECRET not in log.read()

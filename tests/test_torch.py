@@ -6,22 +6,36 @@ from dataclasses import replace
 
 import pytest
 import torch
-
-import blink
 from conftest import ROOT
 
-DOC = ("Invoice 2211 from Norrland Timber AB: 40 pallets of pine boards, 18,400 EUR, due 30 days after delivery. "
-       "Delivered 3 March; paid 29 April after two reminders. The buyer disputes 4 damaged pallets.")
+import blink
+
+DOC = (
+    "Invoice 2211 from Norrland Timber AB: 40 pallets of pine boards, 18,400 EUR, due 30 days after delivery. "
+    "Delivered 3 March; paid 29 April after two reminders. The buyer disputes 4 damaged pallets."
+)
 QUESTIONS = {
     "late": {"type": "noul", "instructions": "Was the invoice paid after its due date?"},
-    "currency": {"type": "choice", "instructions": "Which currency is the invoice in?",
-                 "criteria": ["EUR", "USD", "SEK", "GBP"]},
-    "dispute": {"type": "score", "instructions": "How serious is the dispute?",
-                "criteria": ["no dispute", "minor", "part of the order", "whole order"]},
-    "goods": {"type": "choice", "instructions": "What was sold?",
-              "criteria": {"timber": "wood or lumber", "steel": "metal products", "food": "groceries"}},
-    "many": {"type": "choice", "instructions": "Pick the letter of the alphabet that starts the supplier's name.",
-             "criteria": list("ABCDEFGHIJKLMNOPQRSTUVWXYZ")},
+    "currency": {
+        "type": "choice",
+        "instructions": "Which currency is the invoice in?",
+        "criteria": ["EUR", "USD", "SEK", "GBP"],
+    },
+    "dispute": {
+        "type": "score",
+        "instructions": "How serious is the dispute?",
+        "criteria": ["no dispute", "minor", "part of the order", "whole order"],
+    },
+    "goods": {
+        "type": "choice",
+        "instructions": "What was sold?",
+        "criteria": {"timber": "wood or lumber", "steel": "metal products", "food": "groceries"},
+    },
+    "many": {
+        "type": "choice",
+        "instructions": "Pick the letter of the alphabet that starts the supplier's name.",
+        "criteria": list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"),
+    },
 }
 
 SMALL = {k: QUESTIONS[k] for k in ("late", "currency", "dispute")}
@@ -67,7 +81,11 @@ def test_readouts_and_budgets_agree(readout, budget):
 
 def test_tiny_qwen35_fp32_packed_equals_alone(tiny_qwen):
     assert [t for t in tiny_qwen.model.config.layer_types] == [
-        "linear_attention", "full_attention", "linear_attention", "full_attention"]
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "full_attention",
+    ]
     assert max_gap(tiny_qwen, DOC, SMALL) < 1e-4
 
 
@@ -103,8 +121,13 @@ def test_threads_share_malloc_arenas_where_freed_memory_is_released(tiny_qwen_di
     import sys
 
     def arenas(release: str) -> tuple[int, int]:
-        done = subprocess.run([sys.executable, "-c", ARENAS, tiny_qwen_dir, release], capture_output=True, text=True,
-                              timeout=300, cwd=ROOT)
+        done = subprocess.run(
+            [sys.executable, "-c", ARENAS, tiny_qwen_dir, release],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
         assert done.returncode == 0, done.stderr
         before, after = done.stderr.split("threads started")
         return before.count("Arena "), after.count("Arena ")
@@ -129,8 +152,9 @@ def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir):
 
 def test_one_dtype_rule_for_every_backend_on_every_device():
     # bfloat16 on a GPU and on a CPU that computes it natively, float32 on any other CPU; BLINK_DTYPE overrides.
-    assert [blink.default_dtype(gpu, bf16) for gpu, bf16 in ((True, False), (True, True), (False, True),
-                                                             (False, False))] == ["bfloat16"] * 3 + ["float32"]
+    assert [
+        blink.default_dtype(gpu, bf16) for gpu, bf16 in ((True, False), (True, True), (False, True), (False, False))
+    ] == ["bfloat16"] * 3 + ["float32"]
     with open("/proc/cpuinfo", encoding="utf-8") as fh:
         flags = next(line for line in fh if line.startswith("flags")).split()
     assert blink.native_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)  # torch's probe, the kernel's flags
@@ -142,7 +166,8 @@ def test_one_dtype_rule_for_every_backend_on_every_device():
         settings = blink.Settings(cpu_bf16=cpu_bf16)
         assert blink.vllm_engine_args("m", None, settings)["dtype"] == settings.compute_dtype
         assert settings.on_hardware(gpu=False, cpu_bf16=not cpu_bf16).compute_dtype == blink.default_dtype(
-            False, not cpu_bf16)  # a worker on another CPU takes its own
+            False, not cpu_bf16
+        )  # a worker on another CPU takes its own
         assert replace(settings, dtype="float32").on_hardware(gpu=True).compute_dtype == "float32"  # set: kept
 
 
@@ -157,9 +182,11 @@ def test_the_default_dtype_answers_and_says_so(tiny_qwen_dir):
     assert got["meta"]["dtype"] == settings.compute_dtype and ref["meta"]["dtype"] == "float32"
     assert got["meta"]["backend"] == ref["meta"]["backend"] == "torch"
     assert ref["meta"]["cpu_matmul"] in ("onednn", "torch") and got["meta"]["cpu_matmul"] == (
-        "torch" if settings.compute_dtype != "float32" else ref["meta"]["cpu_matmul"])
+        "torch" if settings.compute_dtype != "float32" else ref["meta"]["cpu_matmul"]
+    )
     assert {k: a.get("choice", a.get("noul", 0) > 0.5) for k, a in got["answers"].items()} == {
-        k: a.get("choice", a.get("noul", 0) > 0.5) for k, a in ref["answers"].items()}
+        k: a.get("choice", a.get("noul", 0) > 0.5) for k, a in ref["answers"].items()
+    }
 
 
 def test_cpu_matmul_onednn_answers_as_torch_kernels_do(tiny_qwen_dir):
@@ -205,8 +232,13 @@ def test_cpu_matmul_leaves_other_dtypes_and_measures_under_auto(tiny_qwen_dir, m
         monkeypatch.setattr(blink, "kernel_verdict", lambda *shape, verdict=verdict: verdict)
         eng = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(cpu_matmul="auto"))
         assert eng.matmul == (kernel if torch.backends.mkldnn.is_available() else "torch")
-        assert eng.compute == {"backend": "torch", "dtype": "float32", "device": "cpu", "cpu_matmul": eng.matmul,
-                               "cpu_matmul_verdict": verdict if torch.backends.mkldnn.is_available() else None}
+        assert eng.compute == {
+            "backend": "torch",
+            "dtype": "float32",
+            "device": "cpu",
+            "cpu_matmul": eng.matmul,
+            "cpu_matmul_verdict": verdict if torch.backends.mkldnn.is_available() else None,
+        }
     assert blink.Settings.from_env({"BLINK_CPU_MATMUL": "torch"}).cpu_matmul == "torch"
     with pytest.raises(blink.BlinkError, match="BLINK_CPU_MATMUL"):
         blink.Settings.from_env({"BLINK_CPU_MATMUL": "mkl"})

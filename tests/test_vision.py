@@ -14,12 +14,15 @@ from transformers import AutoImageProcessor, AutoModelForCausalLM, AutoModelForI
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 import blink
-from adapters import record
 import graft_keys
+from adapters import record
 
 QS = {
-    "kind": {"type": "choice", "instructions": "What does the picture show?",
-             "criteria": {"cat": "a cat", "dog": "a dog", "car": "a car"}},
+    "kind": {
+        "type": "choice",
+        "instructions": "What does the picture show?",
+        "criteria": {"cat": "a cat", "dog": "a dog", "car": "a car"},
+    },
     "sharp": {"type": "score", "instructions": "How sharp is it?", "criteria": ["blurry", "fair", "sharp"]},
 }
 IMAGE = gradient(96, 64)
@@ -164,10 +167,18 @@ def test_graft_keys_map_every_text_weight_and_refuse_unknown_names(folders, nati
     mapped = [graft_keys.text_to_parent(k) for k in text_keys]
     assert all(k in target for k in mapped) and len(set(mapped)) == len(mapped)
     assert graft_keys.text_to_parent("model.layers.3.self_attn.q_proj.bias") == (
-        "model.language_model.layers.3.self_attn.q_proj.bias")
-    for name in ("mtp.fc.weight", "model.visual.blocks.0.attn.qkv.weight", "lm_head.bias",
-                 "model.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.01.mlp.up_proj.weight",
-                 "model.embed_tokens.weight.extra", "model.language_model.norm.weight", "norm.weight"):
+        "model.language_model.layers.3.self_attn.q_proj.bias"
+    )
+    for name in (
+        "mtp.fc.weight",
+        "model.visual.blocks.0.attn.qkv.weight",
+        "lm_head.bias",
+        "model.layers.0.mlp.experts.0.gate_proj.weight",
+        "model.layers.01.mlp.up_proj.weight",
+        "model.embed_tokens.weight.extra",
+        "model.language_model.norm.weight",
+        "norm.weight",
+    ):
         with pytest.raises(ValueError, match="graft_keys does not know the text weight"):
             graft_keys.text_to_parent(name)
 
@@ -256,12 +267,14 @@ def test_graft_refuses_special_token_and_label_mismatches(folders, tmp_path):
 def test_vision_sources_are_restricted(folders, tmp_path):
     assert blink.vision_source("blink-4b", "Qwen/Qwen3.5-4B@abc123") == ("Qwen/Qwen3.5-4B", "abc123")
     assert blink.vision_source("blink-4b", f"{folders['base']}@main") == (folders["base"], "main")
-    cases = {("other-model", "Qwen/Qwen3.5-4B@main"): "only supported for blink-4b and blink-27b",
-             ("blink-4b", "Qwen/Qwen3.5-4B"): "must be a repo@revision",
-             ("blink-4b", "Qwen/Qwen3.5-4B@"): "must be a repo@revision",
-             ("blink-4b", "Qwen/Qwen3.5-9B@main"): "for blink-4b must use Qwen/Qwen3.5-4B@revision",
-             ("blink-27b", "Qwen/Qwen3.5-4B@main"): "for blink-27b must use Qwen/Qwen3.8-27B@revision",
-             ("blink-4b", f"{tmp_path}@main"): "must use Qwen/Qwen3.5-4B@revision"}
+    cases = {
+        ("other-model", "Qwen/Qwen3.5-4B@main"): "only supported for blink-4b and blink-27b",
+        ("blink-4b", "Qwen/Qwen3.5-4B"): "must be a repo@revision",
+        ("blink-4b", "Qwen/Qwen3.5-4B@"): "must be a repo@revision",
+        ("blink-4b", "Qwen/Qwen3.5-9B@main"): "for blink-4b must use Qwen/Qwen3.5-4B@revision",
+        ("blink-27b", "Qwen/Qwen3.5-4B@main"): "for blink-27b must use Qwen/Qwen3.8-27B@revision",
+        ("blink-4b", f"{tmp_path}@main"): "must use Qwen/Qwen3.5-4B@revision",
+    }
     for (name, spec), message in cases.items():
         with pytest.raises(blink.BlinkError, match=message):
             blink.vision_source(name, spec)
@@ -312,8 +325,9 @@ def test_layout_inline_matches_the_reference_forward(native, native_inline):
     assert (native_inline.image_layout, native.image_layout) == ("inline", "first")
     state = {"before": "the photo:", "photo": URI, "after": "end"}
     got, _, _ = image_logits(native_inline, state)
-    want = reference_label_logits(native_inline,
-                                  Inline({"before": "the photo:", "photo": PLACEHOLDER, "after": "end"}), [IMAGE])
+    want = reference_label_logits(
+        native_inline, Inline({"before": "the photo:", "photo": PLACEHOLDER, "after": "end"}), [IMAGE]
+    )
     assert_close(got, want)
     first, _, _ = image_logits(native, state)
     assert max(abs(a - b) for a, b in zip(first["kind"], got["kind"])) > 1e-4
@@ -373,8 +387,9 @@ def test_text_requests_on_a_vision_engine_stay_text(served, text_engine, grafted
     image_logits(grafted, URI)  # an image request first: no state of it may reach the next text request
     result = dep.decide(state, QS)
     request = blink.parse_request(state, QS, settings=SETTINGS)
-    assert result["answers"] == blink.assemble(request, text_engine.forward(request).readouts,
-                                               {qkey: 1.0 for qkey in QS})
+    assert result["answers"] == blink.assemble(
+        request, text_engine.forward(request).readouts, {qkey: 1.0 for qkey in QS}
+    )
     assert "image_pixels" not in result["meta"]
 
 
@@ -393,9 +408,10 @@ def test_batched_image_requests_answer_like_decide(served, native):
     text_req, image_req = ("plain words", QS), ({"photo": URI}, QS)
     out = dep.decide_many([text_req, image_req, ("see the image", QS, [URI]), ("x", QS, ["bad"])])
     assert out[0]["answers"] == dep.decide(*text_req)["answers"]
-    assert_close({k: [v["probabilities"][o] for o in v["probabilities"]] for k, v in out[1]["answers"].items()},
-                 {k: [v["probabilities"][o] for o in v["probabilities"]]
-                  for k, v in dep.decide(*image_req)["answers"].items()})
+    assert_close(
+        {k: [v["probabilities"][o] for o in v["probabilities"]] for k, v in out[1]["answers"].items()},
+        {k: [v["probabilities"][o] for o in v["probabilities"]] for k, v in dep.decide(*image_req)["answers"].items()},
+    )
     assert out[2]["meta"]["visual_tokens"] == 6 and isinstance(out[3], blink.ImageError)
     res = dep.submit(dep.request("see the image", QS, images=[URI]), native.model_id)
     assert res["meta"]["image_pixels"] == 96 * 64
@@ -410,7 +426,8 @@ def test_reference_image_processor_reloads_from_the_folder(folders, native):
     proc = AutoImageProcessor.from_pretrained(folders["base"])
     tok = AutoTokenizer.from_pretrained(folders["base"])
     assert type(proc) is type(native.image_processor) and tok.convert_tokens_to_ids(blink.IMAGE_PAD) == (
-        native.image_token_id)
+        native.image_token_id
+    )
 
 
 def test_bundled_image_example_runs_on_a_vision_model_and_is_never_recorded(served, native, folders, tmp_path):

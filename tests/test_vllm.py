@@ -42,8 +42,10 @@ class SamplingParams:
 
     def __post_init__(self):
         if len(self.logprob_token_ids) > 128:
-            raise ValueError(f"Requested logprob_token_ids of length {len(self.logprob_token_ids)}, which is greater "
-                             "than max allowed: 128")
+            raise ValueError(
+                f"Requested logprob_token_ids of length {len(self.logprob_token_ids)}, which is greater "
+                "than max allowed: 128"
+            )
 
 
 class TransformersLLM:
@@ -52,8 +54,7 @@ class TransformersLLM:
 
     def __init__(self, model, max_model_len: int = 8192, logprobs_mode: str = "raw_logprobs", refuse=None):
         self.model = model
-        self.model_config = SimpleNamespace(max_model_len=max_model_len, logprobs_mode=logprobs_mode,
-                                            dtype=model.dtype)
+        self.model_config = SimpleNamespace(max_model_len=max_model_len, logprobs_mode=logprobs_mode, dtype=model.dtype)
         self.calls: list[tuple[list[dict], list[SamplingParams]]] = []
         self.refuse = refuse  # ids -> True to fail the whole call, as an engine error would
         self.computed: dict[tuple, torch.Tensor] = {}  # log-probs by prompt: a repeated prompt is computed once
@@ -68,8 +69,11 @@ class TransformersLLM:
             logprobs = self.logprobs(prompt["prompt_token_ids"])
             sampled = int(logprobs.argmax())
             position = {t: SimpleNamespace(logprob=float(logprobs[t])) for t in [sampled, *params.logprob_token_ids]}
-            outputs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=[sampled], logprobs=[position])],
-                                           num_cached_tokens=0))
+            outputs.append(
+                SimpleNamespace(
+                    outputs=[SimpleNamespace(token_ids=[sampled], logprobs=[position])], num_cached_tokens=0
+                )
+            )
         return outputs
 
     def logprobs(self, ids: list[int]) -> torch.Tensor:
@@ -82,8 +86,11 @@ class TransformersLLM:
 
     def sent(self) -> list[tuple[list[int], list[int]]]:
         """(prompt ids, label ids) of every request received, in order."""
-        return [(p["prompt_token_ids"], s.logprob_token_ids) for prompts, params in self.calls
-                for p, s in zip(prompts, params)]
+        return [
+            (p["prompt_token_ids"], s.logprob_token_ids)
+            for prompts, params in self.calls
+            for p, s in zip(prompts, params)
+        ]
 
 
 def vllm_engine(torch_engine: blink.TorchEngine, **llm) -> tuple[blink.VllmEngine, TransformersLLM]:
@@ -116,22 +123,33 @@ def assert_same_answers(ours: dict, theirs: dict, tol: float = 1e-4, carried: bo
                 assert value == b[field], (key, field)
 
 
-EXTRAS = {"state": "The invoice was paid twice; the customer wants one refund before Friday.",
-          "questions": {"rot": {"type": "choice", "criteria": {"refund": "Give money back", "wait": None, "ask": "More"},
-                                "permute": 3},
-                        "multi": {"type": "choice", "criteria": ["billing", "shipping", "tech"], "multi": True},
-                        "gate": {"type": "noul", "instructions": "Is it urgent?", "abstain": {"min_label_mass": 0.9}}}}
+EXTRAS = {
+    "state": "The invoice was paid twice; the customer wants one refund before Friday.",
+    "questions": {
+        "rot": {"type": "choice", "criteria": {"refund": "Give money back", "wait": None, "ask": "More"}, "permute": 3},
+        "multi": {"type": "choice", "criteria": ["billing", "shipping", "tech"], "multi": True},
+        "gate": {"type": "noul", "instructions": "Is it urgent?", "abstain": {"min_label_mass": 0.9}},
+    },
+}
 
-SMALL = {"state": "Charged twice for order 4417.", "questions": {
-    "tone": {"type": "choice", "criteria": {"calm": None, "angry": "Upset, demanding"}}, "spam": {"type": "noul"}}}
+SMALL = {
+    "state": "Charged twice for order 4417.",
+    "questions": {
+        "tone": {"type": "choice", "criteria": {"calm": None, "angry": "Upset, demanding"}},
+        "spam": {"type": "noul"},
+    },
+}
 
 
 @pytest.mark.parametrize("name", ["standin", "tiny_qwen"])
 def test_receives_blinks_ids_and_answers_as_the_torch_engine(name, request, served):
     engine = request.getfixturevalue(name)
     vllm, fake = vllm_engine(engine)
-    requests = gen.requests(2, seed=21, max_options=30) if name == "standin" else (
-        gen.requests(15, seed=21, max_options=30) + [EXTRAS])  # permute, multi and abstain run through vLLM too
+    requests = (
+        gen.requests(2, seed=21, max_options=30)
+        if name == "standin"
+        else (gen.requests(15, seed=21, max_options=30) + [EXTRAS])
+    )  # permute, multi and abstain run through vLLM too
     for req in requests:
         parsed = blink.parse_request(req["state"], req["questions"], settings=DEFAULTS)
         fake.calls.clear()
@@ -153,7 +171,9 @@ def test_more_than_128_options_go_in_runs_of_128_label_ids(tiny_qwen, served):
     prompt = tiny_qwen.render(blink.parse_request("refund", questions, settings=DEFAULTS))[0]
     sent = fake.sent()
     assert [len(ids) for _, ids in sent] == [128, 2, 2]
-    assert sent[0][0] == sent[1][0] == prompt.ids and sent[0][1] + sent[1][1] == prompt.cand == tiny_qwen.label_ids[:130]
+    assert (
+        sent[0][0] == sent[1][0] == prompt.ids and sent[0][1] + sent[1][1] == prompt.cand == tiny_qwen.label_ids[:130]
+    )
     assert_same_answers(served(tiny_qwen).decide("refund", questions)["answers"], theirs["answers"])
     # the fake mirrors vLLM's refusal; tests/test_vllm_real.py checks real vLLM refuses 129 ids the same way
     with pytest.raises(ValueError, match="greater than max allowed: 128"):  # what vLLM does with more ids
@@ -209,8 +229,13 @@ def test_concurrent_callers_through_the_batcher(tiny_qwen):
 def test_one_failing_request_does_not_sink_the_others(tiny_qwen, served):
     vllm, fake = vllm_engine(tiny_qwen, refuse=lambda ids: len(ids) > 300)
     long_state = " ".join(["refund"] * 400)
-    results = served(vllm).decide_many([["short", {"q": {"type": "noul"}}], [long_state, {"q": {"type": "noul"}}],
-                                        ["also short", {"q": {"type": "noul"}}]])
+    results = served(vllm).decide_many(
+        [
+            ["short", {"q": {"type": "noul"}}],
+            [long_state, {"q": {"type": "noul"}}],
+            ["also short", {"q": {"type": "noul"}}],
+        ]
+    )
     assert isinstance(results[1], RuntimeError) and "engine failed" in str(results[1])
     assert all(isinstance(r, dict) for r in results[::2])
     assert len(fake.calls) == 4  # packed, then each request alone
@@ -245,12 +270,15 @@ def test_an_engine_returning_logits_is_refused(tiny_qwen):
 
 
 def test_settings_read_the_backend_and_the_engine_arguments():
-    settings = blink.Settings.from_env({"BLINK_BACKEND": "VLLM", "BLINK_VLLM_ARGS": '{"tensor_parallel_size": 2}'},
-                                       gpu=False)
+    settings = blink.Settings.from_env(
+        {"BLINK_BACKEND": "VLLM", "BLINK_VLLM_ARGS": '{"tensor_parallel_size": 2}'}, gpu=False
+    )
     assert settings.backend == "vllm" and settings.vllm_user_args == {"tensor_parallel_size": 2}
     assert blink.Settings.from_env({}, gpu=False).backend == "torch"
-    for raw, message in (("{tensor_parallel_size: 2}", "BLINK_VLLM_ARGS is not valid JSON"),
-                         ("[2]", "BLINK_VLLM_ARGS must be a JSON object")):
+    for raw, message in (
+        ("{tensor_parallel_size: 2}", "BLINK_VLLM_ARGS is not valid JSON"),
+        ("[2]", "BLINK_VLLM_ARGS must be a JSON object"),
+    ):
         with pytest.raises(blink.BlinkError, match=message):
             blink.Settings.from_env({"BLINK_VLLM_ARGS": raw}, gpu=False)
     with pytest.raises(blink.BlinkError, match="BLINK_BACKEND must be one of torch, vllm"):
@@ -274,17 +302,28 @@ def fake_vllm(monkeypatch, standin):
 
 
 def test_the_deployment_builds_the_vllm_backend_from_its_settings(fake_vllm, standin):
-    settings = blink.Settings.from_env({"BLINK_BACKEND": "vllm", "BLINK_ENGINE": "torch",
-                                        "BLINK_VLLM_ARGS": '{"tensor_parallel_size": 2, "max_model_len": 4096}'},
-                                       gpu=False)
+    settings = blink.Settings.from_env(
+        {
+            "BLINK_BACKEND": "vllm",
+            "BLINK_ENGINE": "torch",
+            "BLINK_VLLM_ARGS": '{"tensor_parallel_size": 2, "max_model_len": 4096}',
+        },
+        gpu=False,
+    )
     dep = blink.Deployment(settings)
     engine = dep.engine()
     assert isinstance(engine, blink.VllmEngine)
     (args,) = fake_vllm.built
     # the one dtype rule (blink.default_dtype) for vLLM as for torch: bfloat16 on a CPU that computes it natively
-    assert args == {"model": standin.source, "revision": None, "logprobs_mode": "raw_logprobs",
-                    "dtype": settings.compute_dtype, "enable_prefix_caching": True, "tensor_parallel_size": 2,
-                    "max_model_len": 4096}
+    assert args == {
+        "model": standin.source,
+        "revision": None,
+        "logprobs_mode": "raw_logprobs",
+        "dtype": settings.compute_dtype,
+        "enable_prefix_caching": True,
+        "tensor_parallel_size": 2,
+        "max_model_len": 4096,
+    }
     assert settings.compute_dtype == blink.default_dtype(False, blink.native_bf16())
     state, questions = SMALL["state"], SMALL["questions"]
     theirs = dep.decide(state, questions)
@@ -316,7 +355,9 @@ def test_a_batch_ray_worker_answers_on_vllm_when_the_settings_say_so(fake_vllm, 
 
 
 def test_vllm_arguments_may_not_set_what_blink_sets(fake_vllm):
-    settings = dataclasses.replace(DEFAULTS, backend="vllm", engine="torch", vllm_args='{"logprobs_mode": "raw_logits"}')
+    settings = dataclasses.replace(
+        DEFAULTS, backend="vllm", engine="torch", vllm_args='{"logprobs_mode": "raw_logits"}'
+    )
     with pytest.raises(blink.BlinkError, match="BLINK_VLLM_ARGS may not set logprobs_mode"):
         blink.Deployment(settings).engine()
     assert fake_vllm.built == []
@@ -341,8 +382,9 @@ def test_the_page_and_api_answer_through_the_vllm_backend(launched, client, stan
     with serving(app, vllm):
         result = client.predict(SMALL["state"], SMALL["questions"], 1.0, "", api_name="/decide")
     assert result["meta"]["engine"] == "vllm" and len(fake.calls) == 1
-    assert_same_answers(blink.Deployment.serving(standin).decide(SMALL["state"], SMALL["questions"])["answers"],
-                        result["answers"])
+    assert_same_answers(
+        blink.Deployment.serving(standin).decide(SMALL["state"], SMALL["questions"])["answers"], result["answers"]
+    )
     assert "Live: the model ran" in app.render_meta(result["meta"])
 
 
@@ -350,17 +392,31 @@ def test_the_vllm_arm_compares_answers_and_skips_without_its_environment():
     noul = {"type": "noul", "noul": 0.7}
     choice = {"type": "choice", "choice": "a", "confidence": 0.2, "probabilities": {"a": 0.6, "b": 0.4}}
     reference = [{"n": noul, "c": choice}]
-    assert vllm_check.compare(reference, reference) == {"questions": 2, "max_abs_probability_gap": 0.0,
-                                                        "picks_differ": []}
+    assert vllm_check.compare(reference, reference) == {
+        "questions": 2,
+        "max_abs_probability_gap": 0.0,
+        "picks_differ": [],
+    }
     moved = [{"n": {**noul, "noul": 0.45}, "c": {**choice, "probabilities": {"a": 0.58, "b": 0.42}}}]
     row = vllm_check.compare(reference, moved)
     assert abs(row["max_abs_probability_gap"] - 0.25) < 1e-12
-    assert row["picks_differ"] == [{"request": 0, "question": "n", "reference": "yes", "arm": "no",
-                                    "reference_top_gap": 0.4}]
+    assert row["picks_differ"] == [
+        {"request": 0, "question": "n", "reference": "yes", "arm": "no", "reference_top_gap": 0.4}
+    ]
     if vllm_check.missing() is None:
         pytest.skip("the vLLM environment is here: python bench/vllm_check.py runs the arm (tests/test_vllm_real.py)")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "vllm_check.py"), "--out",
-                           os.path.join(ROOT, "bench", "results", "vllm-test.json")], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "vllm_check.py"),
+            "--out",
+            os.path.join(ROOT, "bench", "results", "vllm-test.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
     assert done.returncode == 0 and done.stdout.startswith("skipped: the vLLM arm needs the vLLM environment"), done
     assert not os.path.exists(os.path.join(ROOT, "bench", "results", "vllm-test.json"))

@@ -40,9 +40,14 @@ MAX_MODEL_LEN = 8192
 LONG_TOKENS = 3000  # the long document's length, in the stand-in's tokens
 # The vLLM side's environment: the vLLM backend in float32 on a small CPU KV cache, the engine not compiled (start in
 # 40-80 s on 2 cores rather than about 160 s).
-VLLM_ENV = {"BLINK_BACKEND": "vllm", "BLINK_DTYPE": "float32",
-            "BLINK_VLLM_ARGS": json.dumps({"enforce_eager": True, "max_model_len": MAX_MODEL_LEN}),
-            "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+VLLM_ENV = {
+    "BLINK_BACKEND": "vllm",
+    "BLINK_DTYPE": "float32",
+    "BLINK_VLLM_ARGS": json.dumps({"enforce_eager": True, "max_model_len": MAX_MODEL_LEN}),
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 ENGINE_START_S = 900  # three engines start side by side: 40-110 s each here alone with the machine loaded
 DRIVER_TIMEOUT_S = 1500  # the driver's engine start and every case (about 4 min measured here, loaded)
 
@@ -80,18 +85,33 @@ def build_cases(tok) -> list[dict]:
     fields; a choice of 200 options (two runs of label ids); a long document; decide_many; concurrent callers."""
     wide = {"type": "choice", "instructions": "Which code fits?", "criteria": {f"code {i}": None for i in range(200)}}
     doc = workloads.document(tok, LONG_TOKENS, seed=20)
-    long_qs = {"refund": {"type": "noul", "instructions": "Did any customer ask for a refund?"},
-               "severity": {"type": "score", "instructions": "How bad is the week?",
-                            "criteria": ["calm", "busy", "bad", "crisis"]},
-               "next": {"type": "choice", "criteria": {"wait": None, "call": "phone the customers back today",
-                                                       "escalate": {"to": "executives", "within_hours": 4}}}}
-    return [{"name": "types", "kind": "decide",
-             "requests": as_pairs(gen.requests(6, seed=21, max_options=30)) + [[EXTRAS["state"], EXTRAS["questions"]]]},
-            {"name": "wide", "kind": "decide",
-             "requests": [["ticket 4417: refund", {"w": wide, "n": {"type": "noul"}}]]},
-            {"name": "long", "kind": "decide", "requests": [[doc, long_qs]]},
-            {"name": "many", "kind": "decide_many", "requests": as_pairs(gen.requests(4, seed=5, max_options=10))},
-            {"name": "concurrent", "kind": "concurrent", "requests": as_pairs(gen.requests(6, seed=9, max_options=10))}]
+    long_qs = {
+        "refund": {"type": "noul", "instructions": "Did any customer ask for a refund?"},
+        "severity": {
+            "type": "score",
+            "instructions": "How bad is the week?",
+            "criteria": ["calm", "busy", "bad", "crisis"],
+        },
+        "next": {
+            "type": "choice",
+            "criteria": {
+                "wait": None,
+                "call": "phone the customers back today",
+                "escalate": {"to": "executives", "within_hours": 4},
+            },
+        },
+    }
+    return [
+        {
+            "name": "types",
+            "kind": "decide",
+            "requests": as_pairs(gen.requests(6, seed=21, max_options=30)) + [[EXTRAS["state"], EXTRAS["questions"]]],
+        },
+        {"name": "wide", "kind": "decide", "requests": [["ticket 4417: refund", {"w": wide, "n": {"type": "noul"}}]]},
+        {"name": "long", "kind": "decide", "requests": [[doc, long_qs]]},
+        {"name": "many", "kind": "decide_many", "requests": as_pairs(gen.requests(4, seed=5, max_options=10))},
+        {"name": "concurrent", "kind": "concurrent", "requests": as_pairs(gen.requests(6, seed=9, max_options=10))},
+    ]
 
 
 def torch_results(dep: blink.Deployment, case: dict) -> list[dict]:
@@ -114,17 +134,25 @@ def vllm_side(torch_fp32, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-real")
     cases = build_cases(torch_fp32.tok)
     (folder / "cases.json").write_text(json.dumps(cases, ensure_ascii=False), encoding="utf-8")
-    (folder / "in.jsonl").write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in BATCH_ROWS)
-                                     + "{not json\n", encoding="utf-8")
+    (folder / "in.jsonl").write_text(
+        "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in BATCH_ROWS) + "{not json\n", encoding="utf-8"
+    )
     started = {}
     try:
-        for name, cmd in (("driver", [python, "tests/vllm_driver.py", str(folder / "cases.json"),
-                                      str(folder / "answers.json")]),
-                          ("batch", [python, "blink.py", "batch", str(folder / "in.jsonl"), "--out",
-                                     str(folder / "out.jsonl"), "--quiet"])):
+        for name, cmd in (
+            ("driver", [python, "tests/vllm_driver.py", str(folder / "cases.json"), str(folder / "answers.json")]),
+            (
+                "batch",
+                [python, "blink.py", "batch", str(folder / "in.jsonl"), "--out", str(folder / "out.jsonl"), "--quiet"],
+            ),
+        ):
             with open(folder / f"{name}.log", "w") as log:
-                started[name] = (subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                                  start_new_session=True), folder)
+                started[name] = (
+                    subprocess.Popen(
+                        cmd, cwd=ROOT, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    ),
+                    folder,
+                )
         proc, url, log_path = start_app(child_env(), tmp_dir=str(folder), python=python, as_script=True)
         started["app"] = (proc, (url, log_path))
         yield {"cases": cases, "folder": folder, **started}
@@ -153,10 +181,14 @@ def answered(torch_fp32, vllm_side) -> dict:
     torch_s = time.monotonic() - t0
     finished(vllm_side["driver"][0], folder / "driver.log", DRIVER_TIMEOUT_S)
     theirs = json.loads((folder / "answers.json").read_text(encoding="utf-8"))
-    print(f"\nvLLM driver: done {time.monotonic() - t0:.0f} s after the torch side began (engine start "
-          f"{theirs['facts']['engine_start_s']} s, cases {theirs['facts']['cases_s']} s); torch side {torch_s:.0f} s")
-    return {"facts": theirs["facts"],
-            "cases": {c["name"]: (c, ours[c["name"]], theirs["results"][c["name"]]) for c in cases}}
+    print(
+        f"\nvLLM driver: done {time.monotonic() - t0:.0f} s after the torch side began (engine start "
+        f"{theirs['facts']['engine_start_s']} s, cases {theirs['facts']['cases_s']} s); torch side {torch_s:.0f} s"
+    )
+    return {
+        "facts": theirs["facts"],
+        "cases": {c["name"]: (c, ours[c["name"]], theirs["results"][c["name"]]) for c in cases},
+    }
 
 
 def test_vllm_itself_holds_what_blink_relies_on(answered):
@@ -187,8 +219,12 @@ def test_the_cases_cover_what_they_claim(answered):
     requests = answered["cases"]["types"][0]["requests"]
     questions = [q for _, qs in requests for q in qs.values()]
     assert {q["type"] for q in questions} == {"choice", "noul", "score"}
-    assert any(isinstance(d, (dict, list)) for q in questions if isinstance(q.get("criteria"), dict)
-               for d in q["criteria"].values())  # structured descriptions
+    assert any(
+        isinstance(d, (dict, list))
+        for q in questions
+        if isinstance(q.get("criteria"), dict)
+        for d in q["criteria"].values()
+    )  # structured descriptions
     assert any(not isinstance(state, str) for state, _ in requests)  # JSON evidence
     assert any(ord(c) > 127 for c in json.dumps(requests, ensure_ascii=False))  # unicode
     assert {"permute", "multi", "abstain"} <= {k for q in questions for k in q}  # blink's opt-in fields
@@ -239,8 +275,9 @@ def test_app_py_serves_system_one_on_vllm(torch_fp32, vllm_side):
     proc, (url, log_path) = vllm_side["app"]
     wait_up(proc, url, log_path, ENGINE_START_S)
     with httpx.Client(timeout=600) as http, concurrent.futures.ThreadPoolExecutor(len(APP_REQUESTS)) as pool:
-        replies = list(pool.map(lambda r: http.post(url + "v1/systemone", json={"model": "jev-latest", **r}),
-                                APP_REQUESTS))
+        replies = list(
+            pool.map(lambda r: http.post(url + "v1/systemone", json={"model": "jev-latest", **r}), APP_REQUESTS)
+        )
     dep = blink.Deployment.serving(torch_fp32)
     for request, reply in zip(APP_REQUESTS, replies):
         assert reply.status_code == 200, reply.text
@@ -259,9 +296,14 @@ def test_the_bench_arm_asks_blink_on_vllm_and_counts_its_servers_cpu(torch_fp32,
     proc, (url, log_path) = vllm_side["app"]
     wait_up(proc, url, log_path, ENGINE_START_S)
     state = "Order 4100: I was charged twice for the same order and want my money back."
-    questions = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-                 "team": {"type": "choice", "instructions": "Which team handles it?",
-                          "criteria": ["billing", "shipping", "technical support"]}}
+    questions = {
+        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+        "team": {
+            "type": "choice",
+            "instructions": "Which team handles it?",
+            "criteria": ["billing", "shipping", "technical support"],
+        },
+    }
     assert vllm_arm.missing() is None
     with httpx.Client(timeout=600) as http:
         pipe = vllm_arm.VllmPipe(url + "v1/systemone", blink.STANDIN_MODEL, proc.pid, http)
@@ -284,5 +326,6 @@ def test_blink_batch_runs_on_vllm(torch_fp32, vllm_side):
     dep = blink.Deployment.serving(torch_fp32)
     for row, record in zip(BATCH_ROWS, records):
         assert record["meta"]["engine"] == "vllm"
-        assert_same_answers(dep.decide(row["state"], row["questions"])["answers"], record["answers"], tol=TOLERANCE,
-                            carried=True)
+        assert_same_answers(
+            dep.decide(row["state"], row["questions"])["answers"], record["answers"], tol=TOLERANCE, carried=True
+        )

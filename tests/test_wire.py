@@ -19,19 +19,33 @@ import pytest
 from conftest import app_process, serving, wait_until
 from openai import OpenAI
 from PIL import Image as PILImage
-from typesafe_sdk import (Choice, Image, Noul, RetryPolicy, Score, TypeSafeAuthenticationError,
-                          TypeSafeBadRequestError, TypeSafeClient, TypeSafeNotFoundError,
-                          TypeSafeUnprocessableEntityError)
+from typesafe_sdk import (
+    Choice,
+    Image,
+    Noul,
+    RetryPolicy,
+    Score,
+    TypeSafeAuthenticationError,
+    TypeSafeBadRequestError,
+    TypeSafeClient,
+    TypeSafeNotFoundError,
+    TypeSafeUnprocessableEntityError,
+)
 
 import blink
 from adapters import wire
 
 KEY = "wire-test-key-7f3a9c"  # the guarded app's BLINK_API_KEY: it must never come back out
-TICKET = {"message": "I was charged twice for March and now nobody on the team can log in. Please fix this ASAP.",
-          "plan": "team", "seats": 12}
+TICKET = {
+    "message": "I was charged twice for March and now nobody on the team can log in. Please fix this ASAP.",
+    "plan": "team",
+    "seats": 12,
+}
 # Over 1 KiB as JSON: typesafe-sdk sends such a body zstd-compressed (with zstd available, as here)
-THREAD = {**TICKET, "history": [f"2026-03-{d:02d}: customer wrote again about the double charge and the lockout"
-                                for d in range(1, 15)]}
+THREAD = {
+    **TICKET,
+    "history": [f"2026-03-{d:02d}: customer wrote again about the double charge and the lockout" for d in range(1, 15)],
+}
 
 
 def png(rgb=(200, 30, 30), size=(96, 64)) -> bytes:
@@ -84,14 +98,24 @@ def mock_app(launched):
 # ------------------------------------------------------------------------------------------------------------------
 
 STRUCTURED = {
-    "blocked": Noul(instructions={"task": "Is the customer blocked right now?", "field": "`message`"},
-                    criteria={"true": "they cannot use the product at all"}),  # one-sided: only what counts as yes
+    "blocked": Noul(
+        instructions={"task": "Is the customer blocked right now?", "field": "`message`"},
+        criteria={"true": "they cannot use the product at all"},
+    ),  # one-sided: only what counts as yes
     "legit": Noul(criteria={"false": "spam or a test message"}),  # one-sided the other way, no instructions
-    "queue": Choice(instructions="Which team should take this ticket?",
-                    criteria={"billing": "payments, refunds, invoices", "access": {"covers": ["login", "SSO"]},
-                              "bug": ["crashes", "errors"], "other": None}),
-    "urgency": Score(instructions=["How urgent is this?", {"scale": "0 = can wait, 2 = now"}],
-                     criteria=["can wait", {"when": "this week"}, ["today", "now"]]),
+    "queue": Choice(
+        instructions="Which team should take this ticket?",
+        criteria={
+            "billing": "payments, refunds, invoices",
+            "access": {"covers": ["login", "SSO"]},
+            "bug": ["crashes", "errors"],
+            "other": None,
+        },
+    ),
+    "urgency": Score(
+        instructions=["How urgent is this?", {"scale": "0 = can wait, 2 = now"}],
+        criteria=["can wait", {"when": "this week"}, ["today", "now"]],
+    ),
 }
 
 
@@ -124,16 +148,22 @@ def test_every_question_type_through_typesafe_sdk_on_the_live_model(launched):
     assert close(urgency.confidence, score_confidence(levels))
     raw = r.raw_http_response.json()["answers"]
     assert all(0 < raw[k]["x_label_mass"] <= 1 for k in raw)  # blink's additions, under x_ names only
-    assert not any(k.startswith("x_") is False and k not in ("type", "noul", "choice", "confidence", "probabilities",
-                                                               "score", "legend") for a in raw.values() for k in a)
+    assert not any(
+        k.startswith("x_") is False
+        and k not in ("type", "noul", "choice", "confidence", "probabilities", "score", "legend")
+        for a in raw.values()
+        for k in a
+    )
 
 
 def test_255_options_and_unicode_ids(mock_app):
     """On the mock engine: 255 described options render to about 7,000 tokens, minutes on the stand-in here."""
     app, url = mock_app
     options = {f"opción {i} ✓": (f"descripción {i}" if i % 3 else None) for i in range(255)}
-    questions = {"分類 🙂": {"type": "choice", "instructions": "¿Cuál encaja?", "criteria": options},
-                 "ключ": {"type": "noul", "instructions": "Это срочно?"}}
+    questions = {
+        "分類 🙂": {"type": "choice", "instructions": "¿Cuál encaja?", "criteria": options},
+        "ключ": {"type": "noul", "instructions": "Это срочно?"},
+    }
     state = "Straße İstanbul — 付款两次"
     with systemone_client(url) as ts:
         r = ts.system_one(state=state, questions=questions, model=app.DEPLOYMENT.default_model)
@@ -150,11 +180,17 @@ def test_renaming_adding_and_reordering_questions_leaves_each_answer_unchanged(l
     a = {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments", "access": "logins"}}
     b = {"type": "score", "instructions": "How urgent?", "criteria": ["low", "medium", "high"]}
     c = {"type": "noul", "instructions": "Is the customer angry?"}
-    variants = {"base": {"a": a, "b": b}, "renamed": {"team ✓": a, "how urgent": b},
-                "added": {"a": a, "x": c, "b": b}, "reordered": {"b": b, "a": a}}
+    variants = {
+        "base": {"a": a, "b": b},
+        "renamed": {"team ✓": a, "how urgent": b},
+        "added": {"a": a, "x": c, "b": b},
+        "reordered": {"b": b, "a": a},
+    }
     with systemone_client(url, compression=False) as ts:
-        got = {name: ts.system_one(state=TICKET, questions=qs).raw_http_response.json()["answers"]
-               for name, qs in variants.items()}
+        got = {
+            name: ts.system_one(state=TICKET, questions=qs).raw_http_response.json()["answers"]
+            for name, qs in variants.items()
+        }
     for name, answers in got.items():
         team, urgency = ("team ✓", "how urgent") if name == "renamed" else ("a", "b")
         for mine, base in ((answers[team], got["base"]["a"]), (answers[urgency], got["base"]["b"])):
@@ -167,10 +203,12 @@ def test_renaming_adding_and_reordering_questions_leaves_each_answer_unchanged(l
 def test_multi_permute_and_abstain_keep_the_standard_fields(mock_app):
     app, url = mock_app
     options = {"billing": None, "access": None, "bug": None}
-    questions = {"apply": {"type": "choice", "criteria": options, "multi": True},  # blink's opt-in features, as
-                 "team": {"type": "choice", "criteria": options, "permute": 3},  # dict questions the SDK sends
-                 "sure": {"type": "noul", "instructions": "Sure?", "abstain": {"min_confidence": 1.0}},
-                 "level": {"type": "score", "criteria": ["low", "high"], "abstain": {"min_label_mass": 1.0}}}
+    questions = {
+        "apply": {"type": "choice", "criteria": options, "multi": True},  # blink's opt-in features, as
+        "team": {"type": "choice", "criteria": options, "permute": 3},  # dict questions the SDK sends
+        "sure": {"type": "noul", "instructions": "Sure?", "abstain": {"min_confidence": 1.0}},
+        "level": {"type": "score", "criteria": ["low", "high"], "abstain": {"min_label_mass": 1.0}},
+    }
     with systemone_client(url) as ts:
         r = ts.system_one(state=TICKET, questions=questions)
     assert set(r.answers) == set(questions)  # none dropped by the SDK: each parses as its standard type
@@ -224,24 +262,45 @@ def test_three_question_types_through_openai_decisions(launched):
     app, url = launched
     questions = [
         {"type": "predicate", "name": "blocked", "instructions": "The customer cannot use the product right now."},
-        {"type": "choice", "name": "queue", "instructions": "Which team should take this?",
-         "choices": [{"value": "billing", "description": "payments and refunds"}, {"value": "access"},
-                     {"value": True, "description": "any other team"}]},
-        {"type": "score", "instructions": [{"type": "input_text", "text": "How urgent is this?"}],
-         "levels": [{"label": "low", "description": "can wait"}, {"label": "medium"}, {"label": "high"}]},
+        {
+            "type": "choice",
+            "name": "queue",
+            "instructions": "Which team should take this?",
+            "choices": [
+                {"value": "billing", "description": "payments and refunds"},
+                {"value": "access"},
+                {"value": True, "description": "any other team"},
+            ],
+        },
+        {
+            "type": "score",
+            "instructions": [{"type": "input_text", "text": "How urgent is this?"}],
+            "levels": [{"label": "low", "description": "can wait"}, {"label": "medium"}, {"label": "high"}],
+        },
     ]
-    message = [{"role": "user", "content": [{"type": "input_text", "text": TICKET["message"]},
-                                            {"type": "input_json", "data": {"plan": "team", "seats": 12}}]}]
+    message = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": TICKET["message"]},
+                {"type": "input_json", "data": {"plan": "team", "seats": 12}},
+            ],
+        }
+    ]
     d = openai_client(url).decisions.create(model=app.DEPLOYMENT.default_model, input=message, questions=questions)
     assert d.model == app.DEPLOYMENT.default_model
     assert [a.type for a in d.answers] == ["predicate", "choice", "score"]
     assert [a.name for a in d.answers] == ["blocked", "queue", None]
     assert d.usage.output_tokens == 0 and d.usage.total_tokens == d.usage.input_tokens > 0
-    blink_questions = {"0": {"type": "noul", "instructions": questions[0]["instructions"]},
-                       "1": {"type": "choice", "instructions": questions[1]["instructions"],
-                             "criteria": {"billing": "payments and refunds", "access": None, "true": "any other team"}},
-                       "2": {"type": "score", "instructions": "How urgent is this?",
-                             "criteria": ["low: can wait", "medium", "high"]}}
+    blink_questions = {
+        "0": {"type": "noul", "instructions": questions[0]["instructions"]},
+        "1": {
+            "type": "choice",
+            "instructions": questions[1]["instructions"],
+            "criteria": {"billing": "payments and refunds", "access": None, "true": "any other team"},
+        },
+        "2": {"type": "score", "instructions": "How urgent is this?", "criteria": ["low: can wait", "medium", "high"]},
+    }
     state = [TICKET["message"], {"plan": "team", "seats": 12}]
     want = app.DEPLOYMENT.decide(state, blink_questions)["answers"]
     blocked, queue, urgency = d.answers
@@ -267,13 +326,18 @@ def test_decisions_errors_in_openai_shape(mock_app):
         client.decisions.create(model="gpt-6-luna", input="x", questions=[{"type": "predicate", "instructions": "?"}])
     assert caught.value.code == "model_not_found" and caught.value.param == "model"
     with pytest.raises(openai.BadRequestError) as caught:
-        client.decisions.create(model="jev-latest", input="x", questions=[
-            {"type": "choice", "instructions": "?", "choices": [{"value": "a"}, {"value": "a"}]}])
+        client.decisions.create(
+            model="jev-latest",
+            input="x",
+            questions=[{"type": "choice", "instructions": "?", "choices": [{"value": "a"}, {"value": "a"}]}],
+        )
     assert caught.value.param == "questions[0].choices[1].value" and "offered twice" in caught.value.message
     with pytest.raises(openai.BadRequestError) as caught:
-        client.decisions.create(model="jev-latest", input=[{"role": "user", "content": [
-            {"type": "input_image", "image_url": "https://example.com/cat.png"}]}],
-            questions=[{"type": "predicate", "instructions": "?"}])
+        client.decisions.create(
+            model="jev-latest",
+            input=[{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/cat.png"}]}],
+            questions=[{"type": "predicate", "instructions": "?"}],
+        )
     assert caught.value.code == "unsupported_image_url" and "data URL" in caught.value.message
 
 
@@ -289,22 +353,34 @@ def post(url: str, route: str, **kwargs) -> httpx.Response:
     return httpx.post(url.rstrip("/") + route, timeout=60, **kwargs)
 
 
-@pytest.mark.parametrize("body,loc,kind", [
-    ({"state": "x", "questions": {"q": {"type": "noul"}}}, ["body", "model"], "missing"),
-    ({**GOOD, "state": 5}, ["body", "state"], "type_error"),
-    ({**GOOD, "questions": {}}, ["body", "questions"], "too_short"),
-    ({**GOOD, "questions": {"q": {"type": "rank"}}}, ["body", "questions", "q", "type"], "union_tag_invalid"),
-    ({**GOOD, "questions": {"q": {"type": "choice"}}}, ["body", "questions", "q", "criteria"], "missing"),
-    ({**GOOD, "questions": {"q": {"type": "score", "criteria": ["a", None]}}},
-     ["body", "questions", "q", "criteria", 1], "type_error"),
-    ({**GOOD, "questions": {"q": {"type": "noul", "criteria": {"true": 3}}}},
-     ["body", "questions", "q", "criteria", "true"], "type_error"),
-    ({**GOOD, "questions": {"q": {"type": "choice", "criteria": {f"o{i}": None for i in range(256)}}}},
-     ["body", "questions", "q", "criteria"], "value_error"),
-    ({**GOOD, "state": "a\ud800b"}, ["body", "state"], "value_error"),
-    ({**GOOD, "assets": {}}, ["body", "assets"], "too_short"),
-    ([GOOD], ["body"], "type_error"),
-])
+@pytest.mark.parametrize(
+    "body,loc,kind",
+    [
+        ({"state": "x", "questions": {"q": {"type": "noul"}}}, ["body", "model"], "missing"),
+        ({**GOOD, "state": 5}, ["body", "state"], "type_error"),
+        ({**GOOD, "questions": {}}, ["body", "questions"], "too_short"),
+        ({**GOOD, "questions": {"q": {"type": "rank"}}}, ["body", "questions", "q", "type"], "union_tag_invalid"),
+        ({**GOOD, "questions": {"q": {"type": "choice"}}}, ["body", "questions", "q", "criteria"], "missing"),
+        (
+            {**GOOD, "questions": {"q": {"type": "score", "criteria": ["a", None]}}},
+            ["body", "questions", "q", "criteria", 1],
+            "type_error",
+        ),
+        (
+            {**GOOD, "questions": {"q": {"type": "noul", "criteria": {"true": 3}}}},
+            ["body", "questions", "q", "criteria", "true"],
+            "type_error",
+        ),
+        (
+            {**GOOD, "questions": {"q": {"type": "choice", "criteria": {f"o{i}": None for i in range(256)}}}},
+            ["body", "questions", "q", "criteria"],
+            "value_error",
+        ),
+        ({**GOOD, "state": "a\ud800b"}, ["body", "state"], "value_error"),
+        ({**GOOD, "assets": {}}, ["body", "assets"], "too_short"),
+        ([GOOD], ["body"], "type_error"),
+    ],
+)
 def test_validation_errors_are_422_with_the_field(mock_app, body, loc, kind):
     _, url = mock_app
     r = post(url, "/v1/systemone", content=json.dumps(body).encode(), headers={"content-type": "application/json"})
@@ -314,21 +390,32 @@ def test_validation_errors_are_422_with_the_field(mock_app, body, loc, kind):
     assert r.headers["x-typesafe-request-id"].startswith("req_")
 
 
-@pytest.mark.parametrize("content,headers,status,kind", [
-    (b'{"model": "jev-latest", "state": "x", "questions": {"q": {"type": "noul"}}', {}, 422, "json_invalid"),
-    (b'{"model": "jev-latest", "state": NaN, "questions": {"q": {"type": "noul"}}}', {}, 422, "json_invalid"),
-    (b"[" * 100_000, {}, 422, "json_invalid"),
-    (b'{"model": 1' + b"0" * 5000 + b"}", {}, 422, "json_invalid"),
-    (b"\xff\xfe{}", {}, 422, "json_invalid"),
-    (json.dumps(GOOD).encode(), {"content-type": "text/xml"}, 415, "unsupported_media_type"),
-    (json.dumps(GOOD).encode(), {"content-encoding": "gzip"}, 415, "unsupported_media_type"),
-    (b"\x28\xb5\x2f\xfd garbage", {"content-encoding": "zstd"}, 400, "invalid_request"),
-    (b"--x\r\nContent-Disposition: form-data; name=\"other\"\r\n\r\nhi\r\n--x--\r\n",
-     {"content-type": "multipart/form-data; boundary=x"}, 422, "missing"),
-    (json.dumps({**GOOD, "questions": {"q": {"type": "box", "instructions": "the logo"}}}).encode(), {}, 400,
-     "unsupported_question_type"),
-    (json.dumps({**GOOD, "model": "jev-9"}).encode(), {}, 404, "model_not_found"),
-])
+@pytest.mark.parametrize(
+    "content,headers,status,kind",
+    [
+        (b'{"model": "jev-latest", "state": "x", "questions": {"q": {"type": "noul"}}', {}, 422, "json_invalid"),
+        (b'{"model": "jev-latest", "state": NaN, "questions": {"q": {"type": "noul"}}}', {}, 422, "json_invalid"),
+        (b"[" * 100_000, {}, 422, "json_invalid"),
+        (b'{"model": 1' + b"0" * 5000 + b"}", {}, 422, "json_invalid"),
+        (b"\xff\xfe{}", {}, 422, "json_invalid"),
+        (json.dumps(GOOD).encode(), {"content-type": "text/xml"}, 415, "unsupported_media_type"),
+        (json.dumps(GOOD).encode(), {"content-encoding": "gzip"}, 415, "unsupported_media_type"),
+        (b"\x28\xb5\x2f\xfd garbage", {"content-encoding": "zstd"}, 400, "invalid_request"),
+        (
+            b'--x\r\nContent-Disposition: form-data; name="other"\r\n\r\nhi\r\n--x--\r\n',
+            {"content-type": "multipart/form-data; boundary=x"},
+            422,
+            "missing",
+        ),
+        (
+            json.dumps({**GOOD, "questions": {"q": {"type": "box", "instructions": "the logo"}}}).encode(),
+            {},
+            400,
+            "unsupported_question_type",
+        ),
+        (json.dumps({**GOOD, "model": "jev-9"}).encode(), {}, 404, "model_not_found"),
+    ],
+)
 def test_other_errors_are_4xx_in_system_one_shape(mock_app, content, headers, status, kind):
     _, url = mock_app
     r = post(url, "/v1/systemone", content=content, headers={"content-type": "application/json", **headers})
@@ -343,24 +430,43 @@ def test_json_assets_and_multipart_parts_are_checked(mock_app):
     reader = blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)
     reader.reads_images = True  # the mock stands in for a vision model here: what is checked is the assets
     with serving(app, reader):
-        cases = [({"a": {"type": "image", "data_base64": "!!"}}, ["body", "assets", "a", "data_base64"]),
-                 ({"a": {"type": "image", "data_base64": base64.b64encode(b"GIF89a....").decode()}},
-                  ["body", "assets", "a"]),
-                 ({"a": {"type": "video", "data_base64": "AAAA"}}, ["body", "assets", "a", "type"]),
-                 ({"a": {"type": "image", "part": "asset-0"}}, ["body", "assets", "a", "part"]),
-                 ({"a": {"type": "image"}}, ["body", "assets", "a", "data_base64"]),
-                 ({"": {"type": "image", "data_base64": base64.b64encode(png()).decode()}}, ["body", "assets", ""])]
+        cases = [
+            ({"a": {"type": "image", "data_base64": "!!"}}, ["body", "assets", "a", "data_base64"]),
+            (
+                {"a": {"type": "image", "data_base64": base64.b64encode(b"GIF89a....").decode()}},
+                ["body", "assets", "a"],
+            ),
+            ({"a": {"type": "video", "data_base64": "AAAA"}}, ["body", "assets", "a", "type"]),
+            ({"a": {"type": "image", "part": "asset-0"}}, ["body", "assets", "a", "part"]),
+            ({"a": {"type": "image"}}, ["body", "assets", "a", "data_base64"]),
+            ({"": {"type": "image", "data_base64": base64.b64encode(png()).decode()}}, ["body", "assets", ""]),
+        ]
         for assets, loc in cases:
             r = post(url, "/v1/systemone", json={**GOOD, "state": "see a", "assets": assets})
             assert r.status_code == 422 and r.json()["detail"][0]["loc"] == loc, (assets, r.text)
-        ok = post(url, "/v1/systemone", json={**GOOD, "state": "see a", "assets": {
-            "a": {"type": "image", "format": "png", "data_base64": base64.b64encode(png()).decode()}}})
+        ok = post(
+            url,
+            "/v1/systemone",
+            json={
+                **GOOD,
+                "state": "see a",
+                "assets": {"a": {"type": "image", "format": "png", "data_base64": base64.b64encode(png()).decode()}},
+            },
+        )
         assert ok.status_code == 200, ok.text
-        unclaimed = post(url, "/v1/systemone", files={
-            "request": (None, json.dumps({**GOOD, "state": "see a", "assets": {"a": {"type": "image",
-                                                                                      "part": "asset-0"}}}),
-                        "application/json"),
-            "asset-0": ("asset-0", png(), "image/png"), "asset-1": ("asset-1", png(), "image/png")})
+        unclaimed = post(
+            url,
+            "/v1/systemone",
+            files={
+                "request": (
+                    None,
+                    json.dumps({**GOOD, "state": "see a", "assets": {"a": {"type": "image", "part": "asset-0"}}}),
+                    "application/json",
+                ),
+                "asset-0": ("asset-0", png(), "image/png"),
+                "asset-1": ("asset-1", png(), "image/png"),
+            },
+        )
         assert unclaimed.status_code == 422 and "claimed by no asset" in unclaimed.text
 
 
@@ -368,10 +474,16 @@ def test_placeholders_become_images_where_they_stand(mock_app):
     state, questions, listed = wire.place_assets(
         {"before": "data:image/png;base64,AAAA", "chart": "see <img:a> and <img:b>"},
         {"q": {"type": "choice", "instructions": "Compare <img:b> with <img:c>", "criteria": {"<img:a>": "<img:a>"}}},
-        {"<img:a>": "data:image/png;base64,QQ==", "<img:b>": "data:image/png;base64,Qg==",
-         "<img:c>": "data:image/png;base64,Qw=="})
-    assert state == {"before": "data:image/png;base64,AAAA",
-                     "chart": "see data:image/png;base64,QQ== and data:image/png;base64,Qg=="}
+        {
+            "<img:a>": "data:image/png;base64,QQ==",
+            "<img:b>": "data:image/png;base64,Qg==",
+            "<img:c>": "data:image/png;base64,Qw==",
+        },
+    )
+    assert state == {
+        "before": "data:image/png;base64,AAAA",
+        "chart": "see data:image/png;base64,QQ== and data:image/png;base64,Qg==",
+    }
     assert questions["q"]["instructions"] == "Compare [image 3] with [image 4]"  # the state's own image is [image 1]
     assert questions["q"]["criteria"] == {"<img:a>": "[image 2]"}  # option names stay as sent
     assert listed == ["data:image/png;base64,Qw=="]
@@ -393,8 +505,7 @@ def guarded(tmp_path_factory):
 
 def test_api_key_is_required_when_set(guarded):
     url, log_path = guarded
-    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {KEY}"},
-                    {"authorization": KEY}):
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Basic {KEY}"}, {"authorization": KEY}):
         r = post(url, "/v1/systemone", json=GOOD, headers=headers)
         assert r.status_code == 401 and r.json()["detail"]["error_type"] == "authentication_error", r.text
         assert r.headers["www-authenticate"] == "Bearer"
@@ -407,12 +518,17 @@ def test_api_key_is_required_when_set(guarded):
         r = ts.system_one(state="x", questions={"q": Noul(instructions="?")})
         assert r.raw_http_response.json()["x_meta"]["fabricated"] is True
         assert ts.models.list().models
-    d = openai_client(url, KEY).decisions.create(model="jev-latest", input="x",
-                                                 questions=[{"type": "predicate", "instructions": "?"}])
+    d = openai_client(url, KEY).decisions.create(
+        model="jev-latest", input="x", questions=[{"type": "predicate", "instructions": "?"}]
+    )
     assert d.answers[0].type == "predicate"
     # the key never comes back out: not in replies, the page, /config, /info or the server log
-    seen = [post(url, "/v1/systemone", json=GOOD).text, httpx.get(url).text, httpx.get(url + "config").text,
-            httpx.get(url + "gradio_api/info").text]
+    seen = [
+        post(url, "/v1/systemone", json=GOOD).text,
+        httpx.get(url).text,
+        httpx.get(url + "config").text,
+        httpx.get(url + "gradio_api/info").text,
+    ]
     from gradio_client import Client
 
     seen.append(json.dumps(Client(url, verbose=False).predict(api_name="/info")))
@@ -440,7 +556,7 @@ def test_an_oversized_body_is_refused_before_it_is_read(guarded):
 
     def chunks():  # no Content-Length: the body arrives chunked and is counted as it comes
         for i in range(0, len(big), 8192):
-            yield big[i:i + 8192]
+            yield big[i : i + 8192]
 
     chunked = post(url, "/v1/systemone", content=chunks(), headers=auth)
     assert chunked.status_code == 413
@@ -463,16 +579,24 @@ def test_a_full_queue_is_503_with_retry_after(launched, crowded_app, crowd_gates
     replies: list = [None] * 12
 
     def call(i: int) -> None:
-        replies[i] = post(url, "/v1/systemone", json={"model": "jev-latest", "state": f"ticket {i}: refund please",
-                                                      "questions": {"q": {"type": "noul", "instructions": "Urgent?"}}})
+        replies[i] = post(
+            url,
+            "/v1/systemone",
+            json={
+                "model": "jev-latest",
+                "state": f"ticket {i}: refund please",
+                "questions": {"q": {"type": "noul", "instructions": "Urgent?"}},
+            },
+        )
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(12)]
     with crowd_gates.closed("forward"):
         for t in threads:
             t.start()
         # the model holds the first request and the Batcher's one place keeps a second: the rest are told 503
-        held = wait_until(lambda: crowd_gates.arrived("forward") >= 1 and any(
-            r is not None and r.status_code == 503 for r in replies))
+        held = wait_until(
+            lambda: crowd_gates.arrived("forward") >= 1 and any(r is not None and r.status_code == 503 for r in replies)
+        )
     for t in threads:
         t.join(300)
     assert held, ([r and r.status_code for r in replies], crowd_gates.arrived("forward"))
@@ -483,8 +607,9 @@ def test_a_full_queue_is_503_with_retry_after(launched, crowded_app, crowd_gates
         if r.status_code == 503:
             assert r.headers["retry-after"] == "1" and r.json()["detail"]["error_type"] == "overloaded"
         else:
-            want = app.DEPLOYMENT.decide(f"ticket {i}: refund please", {"q": {"type": "noul",
-                                                                             "instructions": "Urgent?"}})
+            want = app.DEPLOYMENT.decide(
+                f"ticket {i}: refund please", {"q": {"type": "noul", "instructions": "Urgent?"}}
+            )
             assert close(r.json()["answers"]["q"]["noul"], want["answers"]["q"]["probabilities"]["yes"], 1e-6)
 
 
@@ -522,16 +647,24 @@ def test_the_callers_zero_gpu_token_reaches_the_gpu_call(launched):
     with serving(app, probe):
         token = {"x-ip-token": "h.eyJ1c2VyIjoiYWxpY2UifQ.s", "authorization": "Bearer someone's-key"}  # user alice
         assert post(url, "/v1/systemone", json=GOOD, headers=token).status_code == 200
-        assert post(url, "/v1/decisions", json={"model": "jev-latest", "input": "x", "questions": [
-            {"type": "predicate", "instructions": "?"}]}, headers=token).status_code == 200
+        assert (
+            post(
+                url,
+                "/v1/decisions",
+                json={"model": "jev-latest", "input": "x", "questions": [{"type": "predicate", "instructions": "?"}]},
+                headers=token,
+            ).status_code
+            == 200
+        )
         assert post(url, "/v1/systemone", json=GOOD).status_code == 200
     # only the quota header is handed on, never the caller's key; no token: an anonymous call, as spaces expects
     alice = ({"x-ip-token": token["x-ip-token"]}, token["x-ip-token"], {"user": "alice"})
     assert probe.seen == [alice, alice, ({}, None, {})]
 
 
-@pytest.mark.parametrize("title,status,retry_after", [("ZeroGPU quota exceeded", 429, "60"),
-                                                      ("ZeroGPU queue timeout", 503, "5")])
+@pytest.mark.parametrize(
+    "title,status,retry_after", [("ZeroGPU quota exceeded", 429, "60"), ("ZeroGPU queue timeout", 503, "5")]
+)
 def test_zero_gpu_refusals_are_retryable_statuses(launched, title, status, retry_after):
     import gradio as gr
 
@@ -539,8 +672,11 @@ def test_zero_gpu_refusals_are_retryable_statuses(launched, title, status, retry
     probe = Probe(app.DEPLOYMENT.default_model, app.SETTINGS, fail=gr.Error("Try again later.", title=title))
     with serving(app, probe):
         r = post(url, "/v1/systemone", json=GOOD)
-        d = post(url, "/v1/decisions", json={"model": "jev-latest", "input": "x",
-                                             "questions": [{"type": "predicate", "instructions": "?"}]})
+        d = post(
+            url,
+            "/v1/decisions",
+            json={"model": "jev-latest", "input": "x", "questions": [{"type": "predicate", "instructions": "?"}]},
+        )
     assert r.status_code == d.status_code == status and r.headers["retry-after"] == retry_after
     assert title in r.json()["detail"]["message"] and title in d.json()["error"]["message"]
 
@@ -563,8 +699,10 @@ async def mcp_session(url: str, work):
 
 def test_mcp_client_lists_and_calls_the_decide_tool(mock_app):
     app, url = mock_app
-    questions = {"urgent": {"type": "noul", "instructions": "Is the customer blocked?"},
-                 "queue": {"type": "choice", "criteria": ["billing", "access"]}}
+    questions = {
+        "urgent": {"type": "noul", "instructions": "Is the customer blocked?"},
+        "queue": {"type": "choice", "criteria": ["billing", "access"]},
+    }
 
     async def work(session):
         tools = {t.name: t for t in (await session.list_tools()).tools}
@@ -592,8 +730,11 @@ def test_zero_gpu_refusals_reach_gradio_api_callers_as_they_are(launched, client
     from gradio_client.exceptions import AppError
 
     app, _ = launched
-    probe = Probe(app.DEPLOYMENT.default_model, app.SETTINGS,
-                  fail=gr.Error("You have exceeded your free ZeroGPU quota.", title="ZeroGPU quota exceeded"))
+    probe = Probe(
+        app.DEPLOYMENT.default_model,
+        app.SETTINGS,
+        fail=gr.Error("You have exceeded your free ZeroGPU quota.", title="ZeroGPU quota exceeded"),
+    )
     with serving(app, probe):
         with pytest.raises(AppError) as caught:
             client.predict("x", {"q": {"type": "noul"}}, 1.0, "", "live", None, api_name="/decide")
@@ -628,11 +769,17 @@ def test_wire_and_page_requests_share_forwards(launched, client):
         # page 0 holds the model; three more page requests and three wire requests queue behind it meanwhile
         first = client.submit("page 0", {"q": {"type": "noul"}}, 1.0, "", "live", None, api_name="/decide")
         assert model.entered.wait(60)
-        page = [client.submit(f"page {i}", {"q": {"type": "noul"}}, 1.0, "", "live", None, api_name="/decide")
-                for i in range(1, 4)]
+        page = [
+            client.submit(f"page {i}", {"q": {"type": "noul"}}, 1.0, "", "live", None, api_name="/decide")
+            for i in range(1, 4)
+        ]
         replies: dict = {}
-        threads = [threading.Thread(target=lambda i=i: replies.update({i: post(url, "/v1/systemone", json={
-            **GOOD, "state": f"wire {i}"})})) for i in range(3)]
+        threads = [
+            threading.Thread(
+                target=lambda i=i: replies.update({i: post(url, "/v1/systemone", json={**GOOD, "state": f"wire {i}"})})
+            )
+            for i in range(3)
+        ]
         for t in threads:
             t.start()
         queued = wait_until(lambda: batcher.q.qsize() == 6)

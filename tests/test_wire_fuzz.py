@@ -26,52 +26,121 @@ def usually(plain: st.SearchStrategy, odd: st.SearchStrategy) -> st.SearchStrate
     return st.integers(0, 4).flatmap(lambda i: odd if i == 4 else plain)
 
 
-MODEL = usually(st.sampled_from(["jev-latest", blink.deployment().default_model]),
-                st.one_of(st.sampled_from(["", "gpt-6-luna"]), TEXT, JSON))
-STATE = usually(st.one_of(TEXT, JSON.filter(lambda v: isinstance(v, (dict, list)))),
-                st.one_of(JSON, st.text(min_size=500, max_size=2000)))
-SYSTEMONE_PLAUSIBLE = PLAUSIBLE.map(lambda q: {
-    **q, "criteria": {str(k): None for k in q["criteria"]} if isinstance(q["criteria"], list) else q["criteria"]}
-    if q["type"] == "choice" else {**q, "criteria": [c or "level" for c in q["criteria"]]} if q["type"] == "score"
-    else q)
+MODEL = usually(
+    st.sampled_from(["jev-latest", blink.deployment().default_model]),
+    st.one_of(st.sampled_from(["", "gpt-6-luna"]), TEXT, JSON),
+)
+STATE = usually(
+    st.one_of(TEXT, JSON.filter(lambda v: isinstance(v, (dict, list)))),
+    st.one_of(JSON, st.text(min_size=500, max_size=2000)),
+)
+SYSTEMONE_PLAUSIBLE = PLAUSIBLE.map(
+    lambda q: (
+        {**q, "criteria": {str(k): None for k in q["criteria"]} if isinstance(q["criteria"], list) else q["criteria"]}
+        if q["type"] == "choice"
+        else {**q, "criteria": [c or "level" for c in q["criteria"]]}
+        if q["type"] == "score"
+        else q
+    )
+)
 ODD_QUESTION = st.fixed_dictionaries(
     {"type": st.sampled_from(["choice", "noul", "score", "box", "rank", None, 3])},
-    optional={"criteria": JSON, "instructions": JSON, "permute": JSON, "multi": JSON, "abstain": JSON})
+    optional={"criteria": JSON, "instructions": JSON, "permute": JSON, "multi": JSON, "abstain": JSON},
+)
 WIRE_QUESTION = usually(SYSTEMONE_PLAUSIBLE, st.one_of(PLAUSIBLE, JSON, ODD_QUESTION))
-ASSET = st.one_of(JSON, st.fixed_dictionaries({}, optional={
-    "type": st.sampled_from(["image", "video", None]), "format": st.sampled_from(["png", "gif", None]),
-    "data_base64": st.sampled_from([PNG_1PX, "!!", "", None]), "part": st.sampled_from(["asset-0", None])}))
+ASSET = st.one_of(
+    JSON,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "type": st.sampled_from(["image", "video", None]),
+            "format": st.sampled_from(["png", "gif", None]),
+            "data_base64": st.sampled_from([PNG_1PX, "!!", "", None]),
+            "part": st.sampled_from(["asset-0", None]),
+        },
+    ),
+)
 SYSTEMONE = usually(
-    st.fixed_dictionaries({"model": MODEL, "state": STATE,
-                           "questions": st.dictionaries(NAME, WIRE_QUESTION, min_size=1, max_size=4)},
-                          optional={"assets": st.one_of(JSON, st.dictionaries(TEXT, ASSET, max_size=2))}),
-    st.one_of(st.fixed_dictionaries({}, optional={"model": MODEL, "state": JSON, "questions": JSON, "assets": JSON}),
-              JSON))
-PART = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "refusal"]),
-                                        "text": TEXT, "refusal": TEXT}),
-                 st.fixed_dictionaries({"type": st.just("input_image"), "image_url": st.sampled_from(
-                     [f"data:image/png;base64,{PNG_1PX}", "https://example.com/a.png", "data:image/gif;base64,AA",
-                      "file-abc", "data:image/png;base64,!!"])}),
-                 st.fixed_dictionaries({"type": st.just("input_json"), "data": JSON}), JSON)
-ITEM = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]),
-                                        "content": usually(TEXT, st.lists(PART, max_size=3))}),
-                 st.fixed_dictionaries({"type": st.sampled_from(["function_call", "message", "reasoning"]),
-                                        "name": TEXT, "arguments": TEXT}), JSON)
-OPTION = st.one_of(st.fixed_dictionaries({"value": st.one_of(TEXT, st.booleans())}, optional={"description": TEXT}),
-                   JSON)
-DECISION_QUESTION = usually(st.one_of(
-    st.fixed_dictionaries({"type": st.just("predicate"), "instructions": st.one_of(TEXT, st.lists(PART, max_size=2))},
-                          optional={"name": TEXT}),
-    st.fixed_dictionaries({"type": st.just("choice"), "instructions": TEXT,
-                           "choices": st.lists(OPTION, min_size=1, max_size=6)}, optional={"name": TEXT}),
-    st.fixed_dictionaries({"type": st.just("score"), "instructions": TEXT, "levels": st.lists(st.one_of(
-        st.fixed_dictionaries({"label": TEXT}, optional={"description": TEXT}), JSON), min_size=1, max_size=11)},
-        optional={"name": TEXT})), JSON)
+    st.fixed_dictionaries(
+        {"model": MODEL, "state": STATE, "questions": st.dictionaries(NAME, WIRE_QUESTION, min_size=1, max_size=4)},
+        optional={"assets": st.one_of(JSON, st.dictionaries(TEXT, ASSET, max_size=2))},
+    ),
+    st.one_of(
+        st.fixed_dictionaries({}, optional={"model": MODEL, "state": JSON, "questions": JSON, "assets": JSON}), JSON
+    ),
+)
+PART = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_text", "output_text", "refusal"]), "text": TEXT, "refusal": TEXT}
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("input_image"),
+            "image_url": st.sampled_from(
+                [
+                    f"data:image/png;base64,{PNG_1PX}",
+                    "https://example.com/a.png",
+                    "data:image/gif;base64,AA",
+                    "file-abc",
+                    "data:image/png;base64,!!",
+                ]
+            ),
+        }
+    ),
+    st.fixed_dictionaries({"type": st.just("input_json"), "data": JSON}),
+    JSON,
+)
+ITEM = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]),
+            "content": usually(TEXT, st.lists(PART, max_size=3)),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function_call", "message", "reasoning"]), "name": TEXT, "arguments": TEXT}
+    ),
+    JSON,
+)
+OPTION = st.one_of(
+    st.fixed_dictionaries({"value": st.one_of(TEXT, st.booleans())}, optional={"description": TEXT}), JSON
+)
+DECISION_QUESTION = usually(
+    st.one_of(
+        st.fixed_dictionaries(
+            {"type": st.just("predicate"), "instructions": st.one_of(TEXT, st.lists(PART, max_size=2))},
+            optional={"name": TEXT},
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("choice"), "instructions": TEXT, "choices": st.lists(OPTION, min_size=1, max_size=6)},
+            optional={"name": TEXT},
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("score"),
+                "instructions": TEXT,
+                "levels": st.lists(
+                    st.one_of(st.fixed_dictionaries({"label": TEXT}, optional={"description": TEXT}), JSON),
+                    min_size=1,
+                    max_size=11,
+                ),
+            },
+            optional={"name": TEXT},
+        ),
+    ),
+    JSON,
+)
 DECISIONS = usually(
-    st.fixed_dictionaries({"model": MODEL, "input": usually(TEXT, st.lists(ITEM, max_size=3)),
-                           "questions": st.lists(DECISION_QUESTION, min_size=1, max_size=4)},
-                          optional={"prompt_cache_key": TEXT, "safety_identifier": JSON}),
-    st.one_of(st.fixed_dictionaries({}, optional={"model": MODEL, "input": JSON, "questions": JSON}), JSON))
+    st.fixed_dictionaries(
+        {
+            "model": MODEL,
+            "input": usually(TEXT, st.lists(ITEM, max_size=3)),
+            "questions": st.lists(DECISION_QUESTION, min_size=1, max_size=4),
+        },
+        optional={"prompt_cache_key": TEXT, "safety_identifier": JSON},
+    ),
+    st.one_of(st.fixed_dictionaries({}, optional={"model": MODEL, "input": JSON, "questions": JSON}), JSON),
+)
 
 
 @pytest.fixture()
@@ -124,16 +193,20 @@ def report(route: str, counts: Counter) -> None:
 def test_systemone_bodies(mock_wire):
     counts: Counter = Counter()
 
-    @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                       HealthCheck.data_too_large])
+    @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(body=SYSTEMONE)
     @example(body={"model": "jev-latest", "state": "x", "questions": {"q": {"type": "noul"}}})
     @example(body={"model": "jev-latest", "state": "x", "questions": {"q": {"type": "choice", "criteria": {}}}})
     @example(body={"model": "jev-latest", "state": "x", "questions": {"q": {"type": "noul", "multi": True}}})
     @example(body={"model": "jev-latest", "state": {"a": [[[[[[[]]]]]]] * 20}, "questions": {"q": {"type": "noul"}}})
     def case(body):
-        counts[check_systemone(mock_wire.post("v1/systemone", content=json.dumps(body).encode(),
-                                              headers={"content-type": "application/json"}))] += 1
+        counts[
+            check_systemone(
+                mock_wire.post(
+                    "v1/systemone", content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+                )
+            )
+        ] += 1
 
     case()
     report("/v1/systemone", counts)
@@ -142,16 +215,21 @@ def test_systemone_bodies(mock_wire):
 def test_decisions_bodies(mock_wire):
     counts: Counter = Counter()
 
-    @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                       HealthCheck.data_too_large])
+    @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(body=DECISIONS)
     @example(body={"model": "jev-latest", "input": "x", "questions": [{"type": "predicate", "instructions": "?"}]})
     @example(body={"model": "jev-latest", "input": [], "questions": [{"type": "predicate", "instructions": "?"}]})
-    @example(body={"model": "jev-latest", "input": "x", "questions": [
-        {"type": "choice", "instructions": "?", "choices": [{"value": True}, {"value": "true"}]}]})
+    @example(
+        body={
+            "model": "jev-latest",
+            "input": "x",
+            "questions": [{"type": "choice", "instructions": "?", "choices": [{"value": True}, {"value": "true"}]}],
+        }
+    )
     def case(body):
-        response = mock_wire.post("v1/decisions", content=json.dumps(body).encode(),
-                                  headers={"content-type": "application/json"})
+        response = mock_wire.post(
+            "v1/decisions", content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
         counts[check_decisions(response, body)] += 1
 
     case()
@@ -161,12 +239,22 @@ def test_decisions_bodies(mock_wire):
 @pytest.mark.parametrize("route", ["v1/systemone", "v1/decisions"])
 def test_bytes_that_are_not_a_request(mock_wire, route):
     """Raw bytes, odd content types and encodings: a 4xx every time."""
-    bodies = [b"", b"null", b"\x00\xff" * 50, b'{"model": "jev-latest"' * 3, "ä".encode("latin-1"), b"1e999",
-              b'{"a": Infinity}', b"[" * 5000, b'"' + b"x" * 10_000]
+    bodies = [
+        b"",
+        b"null",
+        b"\x00\xff" * 50,
+        b'{"model": "jev-latest"' * 3,
+        "ä".encode("latin-1"),
+        b"1e999",
+        b'{"a": Infinity}',
+        b"[" * 5000,
+        b'"' + b"x" * 10_000,
+    ]
     kinds = ["application/json", "text/plain", "multipart/form-data", "multipart/form-data; boundary=zz", ""]
     for body in bodies:
         for kind in kinds:
             for encoding in ("", "zstd", "br"):
-                response = mock_wire.post(route, content=body, headers={"content-type": kind,
-                                                                         "content-encoding": encoding})
+                response = mock_wire.post(
+                    route, content=body, headers={"content-type": kind, "content-encoding": encoding}
+                )
                 assert 400 <= response.status_code < 500, (body[:40], kind, encoding, response.text)

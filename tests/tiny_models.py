@@ -136,8 +136,10 @@ def _corpus(seed: int = 0) -> list[str]:
             words[0] = words[0].capitalize()
         lines.append(" ".join(words) + rng.choice([".", "?", "!", ":", ","]))
     for _ in range(150):
-        obj = {rng.choice(WORDS): rng.choice([rng.randint(0, 9999), rng.choice(LABELS), rng.choice(WORDS), True, None])
-               for _ in range(rng.randint(1, 4))}
+        obj = {
+            rng.choice(WORDS): rng.choice([rng.randint(0, 9999), rng.choice(LABELS), rng.choice(WORDS), True, None])
+            for _ in range(rng.randint(1, 4))
+        }
         lines.append(json.dumps(obj) + "\n")
     lines += [" ".join(str(rng.randint(0, 10 ** rng.randint(1, 6))) for _ in range(8)) for _ in range(50)]
     lines += ["<|im_start|>system\nYou are a classifier.<|im_end|>\n<|im_start|>user\n", "<think>\n\n</think>\n\n"] * 20
@@ -330,7 +332,7 @@ def run_image_prompt(
 
 def map_text_key(key: str) -> str:
     """Map a Qwen3_5ForCausalLM state-dict key to its Qwen3_5ForConditionalGeneration key."""
-    return "model.language_model." + key[len("model."):] if key.startswith("model.") else key
+    return "model.language_model." + key[len("model.") :] if key.startswith("model.") else key
 
 
 def graft_reference(
@@ -372,7 +374,7 @@ def build_letterless_tokenizer(folder: str | Path) -> str:
     from tokenizers import models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {ch: i for i, ch in enumerate("<>|_ abcdefghijklmnopqrstuvwxyz\n{}\":,.")}
+    vocab = {ch: i for i, ch in enumerate('<>|_ abcdefghijklmnopqrstuvwxyz\n{}":,.')}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="_"))
     raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="_")

@@ -90,8 +90,7 @@ def concurrent(dep: blink.Deployment, engine: blink.VllmEngine, requests: list) 
             t.join(QUEUE_WAIT_S)
     finally:
         engine.llm = held.llm
-    return [{**r, "queued_together": queued, "generate_calls": held.calls} if "error" not in r else r
-            for r in results]
+    return [{**r, "queued_together": queued, "generate_calls": held.calls} if "error" not in r else r for r in results]
 
 
 def run_case(dep: blink.Deployment, engine: blink.VllmEngine, case: dict) -> list[dict]:
@@ -100,8 +99,10 @@ def run_case(dep: blink.Deployment, engine: blink.VllmEngine, case: dict) -> lis
     if case["kind"] == "decide":
         return [outcome(lambda r=r: dep.decide(*r)) for r in requests]
     if case["kind"] == "decide_many":
-        return [r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}"}
-                for r in dep.decide_many([list(r) for r in requests])]
+        return [
+            r if isinstance(r, dict) else {"error": f"{type(r).__name__}: {r}"}
+            for r in dep.decide_many([list(r) for r in requests])
+        ]
     if case["kind"] == "concurrent":
         return concurrent(dep, engine, requests)
     raise SystemExit(f"unknown case kind {case['kind']!r}")
@@ -132,9 +133,16 @@ def output_shape(engine: blink.VllmEngine) -> dict:
     (got,) = engine.llm.generate([{"prompt_token_ids": ids}], [params], use_tqdm=False)
     completion = got.outputs[0]
     position = completion.logprobs[0]
-    return {"outputs": len(got.outputs), "token_ids": list(completion.token_ids), "positions": len(completion.logprobs),
-            "keys": sorted(position), "labels": labels, "logprob_type": type(position[labels[0]].logprob).__name__,
-            "num_cached_tokens": got.num_cached_tokens, "prompt_tokens": len(ids)}
+    return {
+        "outputs": len(got.outputs),
+        "token_ids": list(completion.token_ids),
+        "positions": len(completion.logprobs),
+        "keys": sorted(position),
+        "labels": labels,
+        "logprob_type": type(position[labels[0]].logprob).__name__,
+        "num_cached_tokens": got.num_cached_tokens,
+        "prompt_tokens": len(ids),
+    }
 
 
 def facts(engine: blink.VllmEngine) -> dict:
@@ -142,9 +150,15 @@ def facts(engine: blink.VllmEngine) -> dict:
     import vllm
 
     config = engine.llm.model_config
-    return {"vllm": vllm.__version__, "logprobs_mode": str(config.logprobs_mode), "dtype": str(config.dtype),
-            "max_model_len": config.max_model_len, "max_input_tokens": engine.max_input_tokens,
-            "label_cap": label_cap(engine), "output_shape": output_shape(engine)}
+    return {
+        "vllm": vllm.__version__,
+        "logprobs_mode": str(config.logprobs_mode),
+        "dtype": str(config.dtype),
+        "max_model_len": config.max_model_len,
+        "max_input_tokens": engine.max_input_tokens,
+        "label_cap": label_cap(engine),
+        "output_shape": output_shape(engine),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -157,8 +171,14 @@ def main(argv: list[str]) -> int:
     engine = live_engine(dep)
     started = time.perf_counter() - t0
     results = {case["name"]: run_case(dep, engine, case) for case in cases}
-    out = {"facts": {**facts(engine), "engine_start_s": round(started, 1),
-                     "cases_s": round(time.perf_counter() - t0 - started, 1)}, "results": results}
+    out = {
+        "facts": {
+            **facts(engine),
+            "engine_start_s": round(started, 1),
+            "cases_s": round(time.perf_counter() - t0 - started, 1),
+        },
+        "results": results,
+    }
     with open(out_path, "w", encoding="utf-8") as fh:
         json.dump(out, fh, ensure_ascii=False)
     return 0

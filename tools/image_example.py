@@ -49,11 +49,17 @@ def example() -> dict:
         "description": "A bar chart inside the evidence as a PNG data URI. Needs a vision model.",
         "state": {"document": "Quarterly support review, slide 3", "chart": uri},
         "questions": {
-            "busiest": {"type": "choice", "instructions": "Which quarter had the most support tickets?",
-                        "criteria": ["Q1", "Q2", "Q3", "Q4"]},
+            "busiest": {
+                "type": "choice",
+                "instructions": "Which quarter had the most support tickets?",
+                "criteria": ["Q1", "Q2", "Q3", "Q4"],
+            },
             "rising": {"type": "noul", "instructions": "Do tickets rise every quarter from Q1 to Q3?"},
-            "legibility": {"type": "score", "instructions": "How easy is the chart to read?",
-                           "criteria": ["hard to read", "readable with effort", "clear at a glance"]},
+            "legibility": {
+                "type": "score",
+                "instructions": "How easy is the chart to read?",
+                "criteria": ["hard to read", "readable with effort", "clear at a glance"],
+            },
         },
     }
 
