@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 
+import isolated
 import models
 import numpy as np
 
 import blink
 
 ARMS = {"llama.cpp": False, "llama.cpp_reuse": True}  # arm: keeps the longest common prefix in its KV cache
+SKIP_CRASHED = "setup builds it without AMX (tools/llama_build.py); rebuild with bash tools/setup.sh --llama"
 SKIP_NO_PACKAGE = (
     "needs llama-cpp-python (bash tools/setup.sh --llama, which builds llama.cpp from source: about 5 min on 2 cores)"
 )
@@ -33,16 +35,18 @@ def common_prefix(held: list[int], ids: list[int]) -> int:
     return n
 
 
-class LlamaArm:
-    """One llama.cpp context answering blink's rendered prompts; counts the tokens it evaluated."""
+class LlamaReader:
+    """One llama.cpp context reading label logits from prompt ids; counts the tokens it evaluated. Built where it
+    runs: in a child process of its own for the real library (isolated.Child), in this one for a fabricated
+    llama_cpp in tests."""
 
-    def __init__(self, engine: blink.TorchEngine, gguf: str, threads: int, reuse: bool, llama_cpp=None):
+    def __init__(self, gguf: str, n_ctx: int, threads: int, reuse: bool, llama_cpp=None):
         if llama_cpp is None:
             import llama_cpp
-        self.llama_cpp, self.engine, self.reuse = llama_cpp, engine, reuse
+        self.llama_cpp, self.reuse = llama_cpp, reuse
         self.llm = llama_cpp.Llama(
             model_path=gguf,
-            n_ctx=int(min(blink.context_length(engine.model.config), 32768)),
+            n_ctx=n_ctx,
             n_threads=threads,
             n_threads_batch=threads,
             logits_all=False,
@@ -68,12 +72,42 @@ class LlamaArm:
         top = logits.max()
         return logits[cand].tolist(), float(top + np.log(np.exp(logits - top).sum()))
 
+    def tokens_evaluated(self) -> int:
+        """Tokens evaluated so far."""
+        return self.evaluated
+
+    def system_info(self) -> str:
+        """llama.cpp's system-info line: the instruction sets this build uses."""
+        return self.llama_cpp.llama_print_system_info().decode()
+
+
+class LlamaArm:
+    """A llama.cpp peer answering System One bodies with blink's rendered prompts. Its LlamaReader computes in a
+    child process of its own (isolated.Child, whose CPU time counts as the arm's), or in this one (isolated.Local)."""
+
+    def __init__(self, engine: blink.TorchEngine, reader: isolated.Child | isolated.Local):
+        self.engine, self.reader = engine, reader
+
+    @property
+    def evaluated(self) -> int:
+        """Tokens the reader has evaluated so far."""
+        return self.reader.call("tokens_evaluated")
+
+    def elsewhere_cpu(self) -> float:
+        """CPU seconds the reader's process has used, where it is a child process (0 in this one)."""
+        return self.reader.cpu_seconds()
+
     def __call__(self, body: dict) -> dict:
         """A System One body {state, questions} answered in blink's shapes, at temperature 1."""
         request = blink.parse_request(body["state"], body["questions"], settings=self.engine.settings)
         prompts = self.engine.render(request)
-        readouts = blink._readouts(prompts, [self.read(p.ids, p.cand) for p in prompts])
+        readouts = blink._readouts(prompts, [self.reader.call("read", p.ids, p.cand) for p in prompts])
         return blink.assemble(request, readouts, {q.key: 1.0 for q in request.questions})
+
+
+def context_size(engine: blink.TorchEngine) -> int:
+    """llama.cpp's context length for the engine's model (capped at 32,768 tokens)."""
+    return int(min(blink.context_length(engine.model.config), 32768))
 
 
 def pipes(engine: blink.TorchEngine, threads: int) -> tuple[dict, list[dict]]:
@@ -82,5 +116,12 @@ def pipes(engine: blink.TorchEngine, threads: int) -> tuple[dict, list[dict]]:
         return {}, [{"target": "llama.cpp", "skipped": SKIP_NO_PACKAGE}]
     if engine.model_id != blink.STANDIN_MODEL:
         return {}, [{"target": "llama.cpp", "skipped": "runs on the stand-in's GGUF file only"}]
-    gguf = models.standin_gguf()
-    return {name: LlamaArm(engine, gguf, threads, reuse) for name, reuse in ARMS.items()}, []
+    gguf, arms = models.standin_gguf(), {}
+    for name, reuse in ARMS.items():
+        reader = isolated.Child("llama.cpp", LlamaReader, gguf, context_size(engine), threads, reuse)
+        try:
+            reader.call("read", engine.label_ids[:2], engine.label_ids[:1])  # a crashing build fails here
+        except isolated.Crashed as exc:
+            return {}, [{"target": name, "skipped": f"{exc}; {SKIP_CRASHED}"}]
+        arms[name] = LlamaArm(engine, reader)
+    return arms, []

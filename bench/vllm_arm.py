@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Iterator
 
+import isolated
 import peers
 import throughput
 
@@ -50,16 +51,8 @@ def vllm_env() -> dict:
 
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of the live processes in a process group (Linux /proc)."""
-    ticks, total = os.sysconf("SC_CLK_TCK"), 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        except OSError:  # it ended meanwhile
-            continue
-        if int(fields[2]) == pgid:  # fields: state, ppid, pgrp, ... utime (11), stime (12)
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
+    stats = (isolated.proc_stat(pid) for pid in filter(str.isdigit, os.listdir("/proc")))
+    return sum(isolated.cpu_seconds(fields) for fields in stats if fields is not None and int(fields[2]) == pgid)
 
 
 def with_probabilities(answer: dict) -> dict:

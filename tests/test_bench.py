@@ -20,6 +20,7 @@ import blink
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import arms  # noqa: E402
+import isolated  # noqa: E402
 import llamacpp  # noqa: E402
 import models  # noqa: E402
 import order  # noqa: E402
@@ -219,10 +220,9 @@ def test_llama_arms_read_blinks_prompt_ids_and_reuse_the_common_prefix(tiny_qwen
     body = peers.system_one(state, questions)
     want = blink.Deployment.serving(tiny_qwen).decide(state, questions)["answers"]
     prompts = tiny_qwen.render(blink.parse_request(state, body["questions"]))
-    plain, reuse = (
-        llamacpp.LlamaArm(tiny_qwen, "model.gguf", 1, r, fake_llama_cpp(tiny_qwen.model)) for r in (False, True)
-    )
-    assert plain.llm.kwargs["n_threads"] == plain.llm.kwargs["n_threads_batch"] == 1
+    readers = [llamacpp.LlamaReader("model.gguf", 512, 1, r, fake_llama_cpp(tiny_qwen.model)) for r in (False, True)]
+    plain, reuse = (llamacpp.LlamaArm(tiny_qwen, isolated.Local(reader)) for reader in readers)
+    assert readers[0].llm.kwargs["n_threads"] == readers[0].llm.kwargs["n_threads_batch"] == 1
     for arm in (plain, reuse):
         got = arm(body)
         assert {k: peers.pick(a) for k, a in got.items()} == {k: peers.pick(a) for k, a in want.items()}
@@ -230,7 +230,7 @@ def test_llama_arms_read_blinks_prompt_ids_and_reuse_the_common_prefix(tiny_qwen
             mine = want[key]["probabilities"]
             assert max(abs(p - mine[k]) for k, p in answer["probabilities"].items()) < 1e-4
             assert abs(answer["label_mass"] - want[key]["label_mass"]) < 1e-4  # the full-vocabulary log-sum-exp
-        assert arm.evaluated == arm.llm.evaluated
+        assert arm.evaluated == arm.reader.held.llm.evaluated
     shared = sum(llamacpp.common_prefix(a.ids, b.ids) for a, b in zip(prompts, prompts[1:]))
     assert plain.evaluated == sum(len(p.ids) for p in prompts)
     assert reuse.evaluated == plain.evaluated - shared and shared > 0
@@ -279,6 +279,27 @@ def test_llama_arms_on_real_llama_cpp_answer_as_blink_does(standin):
         plain_probs = got["llama.cpp"][key]["probabilities"]
         assert max(abs(p - plain_probs[k]) for k, p in answer["probabilities"].items()) < 1e-3
     assert 0 < reuse.evaluated < plain.evaluated
+    assert "AMX_INT8 = 1" not in plain.reader.call("system_info")  # setup builds it without AMX
+    for arm in pipes.values():
+        assert arm.elsewhere_cpu() > 0  # it computed in a child process of its own
+        arm.reader.close()
+
+
+def test_a_native_peer_that_crashes_is_an_error_naming_it_and_the_signal():
+    # A segfault in the child (here: reading address 0 while it builds its object) ends the child, not this run.
+    with pytest.raises(isolated.Crashed, match=r"^native lib died in its child process: SIGSEGV \(signal 11\)$"):
+        isolated.Child("native lib", ctypes.string_at, 0)
+    # A child that dies between calls (killed by SIGSEGV from outside, as a crash in its kernel would end it)
+    child = isolated.Child("native lib", dict, a=1)
+    assert child.call("get", "a") == 1
+    os.kill(child.process.pid, 11)
+    with pytest.raises(isolated.Crashed, match="SIGSEGV"):
+        child.call("get", "a")
+    child.close()
+    child = isolated.Child("dict", dict)
+    with pytest.raises(RuntimeError, match="KeyError"):  # an exception inside the child is raised here, not a crash
+        child.call("__getitem__", "missing")
+    child.close()
 
 
 def test_llama_arms_say_why_they_cannot_run_here(tiny_qwen):

@@ -203,9 +203,19 @@ def test_cpu_matmul_onednn_answers_as_torch_kernels_do(tiny_qwen_dir):
         assert linears and all(m.forward.__func__ is blink._onednn_forward for m in linears)
         assert "forward" not in vars(head)  # blink never calls lm_head: its rows are read by hand
         assert not any("forward" in vars(m) for m in own.model.modules())
-        a, b = own.forward(req(DOC, questions)).readouts, onednn.forward(req(DOC, questions)).readouts
+        calls = []
+
+        def counted(*args, calls=calls, products=blink.onednn_linear):
+            calls.append(args[0].shape)
+            return products(*args)
+
+        a = own.forward(req(DOC, questions)).readouts
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(blink, "onednn_linear", counted)
+            b = onednn.forward(req(DOC, questions)).readouts
+        assert len(calls) >= len(linears)  # oneDNN computed the layers (not torch's kernel twice) ...
         gap = max(abs(x - y) for q in questions for x, y in zip(a[q].logits[0], b[q].logits[0]))
-        assert 0 < gap < 1e-3  # a different kernel (not the same one twice), the same answers
+        assert gap < 1e-3  # ... with the same answers; whether its rounding differs from torch's is the CPU's business
         assert max_gap(onednn, DOC, SMALL) < 1e-4  # packed equals each prompt alone under oneDNN too
 
 

