@@ -9,14 +9,16 @@ Space's HTTP layer installed (the /v1 routes, /metrics, the body limit and the k
 where it can run (with tool results written as JSON), and no other Blocks is touched.
 
 The key and Gradio's routes (PageRule). With BLINK_API_KEY set, Gradio's API needs the key as /v1 does, and the page
-stays as open as the Space. The page and gradio_client both call functions through Gradio's queue
-(POST /gradio_api/queue/join with a function index); what tells them apart is not a header (the page's client sends
-`x-gradio-user: app`, gradio_client `api`, and anyone can send either) but what they call: the page calls only its
-own events, which are private (api_visibility="private": not in the API, not MCP tools), while gradio_client and MCP
-call the API's functions (decide, decide_batch, info: public). So the key is needed for
-  - a queue join naming any function that is not one of the page's private events (the body is read, within the
-    body limit, to see which), and every direct API call (/gradio_api/call/..., /gradio_api/run/..., /api/...);
-  - all of MCP: /gradio_api/mcp/... (its tool calls run through the queue with the caller's headers, key included);
+stays as open as the Space. The page and gradio_client both call functions through Gradio's routes: a queue join
+(POST /gradio_api/queue/join) or, for an event that skips the queue, POST /gradio_api/run/<name>, each naming the
+function by its index. What tells them apart is not a header (the page's client sends `x-gradio-user: app`,
+gradio_client `api`, and anyone can send either) but what they call: the page calls only its own events, which are
+private (api_visibility="private": not in the API, not MCP tools), while gradio_client and MCP call the API's
+functions (decide, decide_batch, info: public). So the key is needed for
+  - a queue join or a run call unless it names one of the page's private events (its body is read, within the body
+    limit, and the function found as Gradio finds it: by index, else by the name in the path);
+  - every call by name (/gradio_api/call/..., what curl-style clients use) and all of MCP (/gradio_api/mcp/...; its
+    tool calls then run through the queue with the caller's headers, key included);
 and not for the page, its assets and config, the queue's event stream (a session's own results), uploads, files and
 the API's description (/gradio_api/info, which MCP's own client reads without the caller's headers). A person who
 wants the page closed too turns on Gradio's own login (launch(auth=...)) or makes the Space private.
@@ -35,8 +37,9 @@ from gradio.context import LocalContext
 from adapters import http, wire
 
 log = logging.getLogger("blink.app")
+KEYED_PREFIXES = ("/gradio_api/mcp", "/gradio_api/call/")  # always keyed
+RUN_PREFIXES = ("/gradio_api/run/", "/gradio_api/api/")  # keyed unless they name a page event (as is the queue join)
 QUEUE_JOIN = "/gradio_api/queue/join"
-KEYED_PREFIXES = ("/gradio_api/mcp", "/gradio_api/call/", "/gradio_api/run/", "/gradio_api/api/")
 
 # ==================================================================================================================
 # The key on Gradio's routes
@@ -50,20 +53,29 @@ class PageRule(http.KeyRule):
         self.app = app  # the Gradio App: its Blocks now (reload mode swaps them) say which events are the page's
 
     def needs_key(self, path: str, body: bytes | None) -> bool | None:
-        """True for MCP and direct API calls; for a queue join, unless its body names one of the page's events."""
+        """True for MCP and calls by name; for a queue join or a run call, unless its body names a page event."""
         if path.startswith(KEYED_PREFIXES):
             return True
-        if path.rstrip("/") != QUEUE_JOIN:
+        if path.rstrip("/") != QUEUE_JOIN and not path.startswith(RUN_PREFIXES):
             return False
-        return None if body is None else not self.page_event(body)
+        return None if body is None else not self.page_event(path, body)
 
-    def page_event(self, body: bytes) -> bool:
-        """True when a queue join names one of the page's own (private) events by its function index."""
+    def page_event(self, path: str, body: bytes) -> bool:
+        """True when a call names one of the page's own (private) events, found as Gradio finds the function it runs
+        (route_utils.get_fn): by the body's fn_index, else by the name a run path ends in."""
         try:
-            index = json.loads(body).get("fn_index")
-        except (ValueError, AttributeError, RecursionError):
+            call = json.loads(body)
+        except (ValueError, RecursionError):
             return False
-        fn = self.app.get_blocks().fns.get(index) if isinstance(index, int) else None
+        index = call.get("fn_index") if isinstance(call, dict) else None
+        fns = self.app.get_blocks().fns
+        if index is not None:
+            fn = fns.get(index) if isinstance(index, int) else None
+        elif path.startswith(RUN_PREFIXES):
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+            fn = next((f for f in fns.values() if f.api_name == name), None)
+        else:
+            fn = None
         return fn is not None and fn.api_visibility == "private"
 
 
