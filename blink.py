@@ -303,8 +303,9 @@ def _read_setting(env: Mapping[str, str], f):
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything a deployment can be told: each BLINK_* variable once (its name beside its field), plus the
-    hardware it found. Build it with Settings.from_env() (a server) or Settings(field=...) (a test or a script)."""
+    """Everything a deployment's engines can be told: each BLINK_* variable once (its name beside its field), plus
+    the hardware it found; a server's own variables are read apart (adapters/http.py ServerSettings). Build it with
+    Settings.from_env() (a server) or Settings(field=...) (a test or a script)."""
 
     models: tuple[tuple[str, str | None], ...] = ()  # BLINK_MODELS, else BLINK_MODEL[/REVISION]; () = by hardware
     engine: str = setting("BLINK_ENGINE", "", choices=ENGINE_KINDS)  # "" picks by hardware; BLINK_MOCK=1: "mock"
