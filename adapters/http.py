@@ -336,7 +336,8 @@ class HttpLayer:
 
     def answer(self, protocol: wire.WireProtocol, body, parts: dict, carried: object) -> dict:
         """Parse, answer through the model's Batcher, shape; in a wire thread, with what the host carried in place
-        (the Batcher runs a batch in its oldest caller's context)."""
+        (the Batcher runs a batch in its oldest caller's context). A host whose model answers elsewhere (replicas
+        behind an ingress) overrides this one step."""
         self.handoff.enter(carried)
         call = protocol.call(body, parts, self.deployment)
         return protocol.response(call, self.deployment.submit(call.request, call.model))

@@ -21,6 +21,7 @@ import httpx
 import psutil
 import pytest
 from conftest import ROOT, Gates, free_port, start_app, wait_until, wait_up
+from fastapi import Request  # the plain app's route reads its annotation from this module
 from peers import stop_group
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -384,6 +385,43 @@ def test_metrics_count_what_the_requests_did(keyed, gates):
     join = {"route": "/gradio_api/queue/join"}
     assert [delta(before, after, "blink_http_requests_total", **join, status=s) for s in ("200", "401")] == [1, 1]
     assert delta(before, after, "blink_forward_requests_count", **model) == 1  # the API shares the Batcher
+
+
+def test_the_layer_serves_any_asgi_app():
+    """The layer on a plain FastAPI app of its own (as a Ray Serve ingress would mount it): its routes behind the
+    key, the body limit in front of the app's own route, its metrics."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    import blink
+    from adapters.http import HttpLayer, ServerSettings
+
+    deployment = blink.Deployment(blink.Settings(engine="mock"))
+    api = FastAPI()
+
+    @api.post("/echo")
+    async def echo(request: Request) -> dict:
+        return {"read": len(await request.body())}
+
+    HttpLayer(deployment, ServerSettings(api_key=KEY, max_body_bytes=4096)).install(api)
+    body = {"model": "jev-latest", "state": DOCS[0], "questions": QS}
+    with TestClient(api) as client:
+        assert client.post("/v1/systemone", json=body).status_code == 401
+        answered = client.post("/v1/systemone", json=body, headers=AUTH).json()
+        want = deployment.decide(DOCS[0], QS)["answers"]["late"]["noul"]
+        assert answered["answers"]["late"]["noul"] == want
+        assert client.post("/echo", content=b"x" * 100).json() == {"read": 100}
+        assert client.post("/echo", content=b"x" * 5000).status_code == 413  # declared
+        assert client.post("/echo", content=iter([b"x" * 3000] * 2)).status_code == 413  # chunked, at the limit
+        assert client.get("/metrics").status_code == 401
+        metrics = {
+            (s.labels.get("route"), s.labels.get("status")): s.value
+            for family in text_string_to_metric_families(client.get("/metrics", headers=AUTH).text)
+            for s in family.samples
+            if s.name == "blink_http_requests_total"
+        }
+    assert metrics[("/v1/systemone", "401")] == metrics[("/v1/systemone", "200")] == 1
+    assert metrics[("/echo", "200")] == 1 and metrics[("/echo", "413")] == 2 and metrics[("/metrics", "401")] == 1
 
 
 # ------------------------------------------------------------------------------------------------------------------
