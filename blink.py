@@ -3458,7 +3458,7 @@ class Deployment:
         return self.answer_all(self.parse_many(requests, temperature), model)
 
     def parse_many(self, requests, temperature: float | list | None = None) -> list:
-        """The one reader of many requests (decide_many, the page's /decide_batch, bulk rows): a list, or its JSON
+        """The one reader of many requests (decide_many, the Gradio API's /decide_batch, bulk rows): a list, or its JSON
         text, of 1-MAX_BATCH_REQUESTS items, each a [state, questions] or [state, questions, images] list or a
         {state, questions, images?} object (other keys, such as a row's id, are not read). Returns each item parsed
         to a Request, or the BlinkError it raised, located as the request alone would be (the item as a whole at
