@@ -3,10 +3,11 @@
 The page: evidence, a question editor, temperature and (when several models are served) a model picker; results as
 bars over every option. Bundled presets (examples/) render at once from the recording (replay.json); anything edited
 runs the live model. Programs call the named endpoints /decide, /decide_batch and /info with gradio_client (also
-served as MCP tools), or speak System One (/v1/systemone, /v1/models) or OpenAI Decisions (/v1/decisions) on the
-same port.
+served as MCP tools). The HTTP layer (adapters/http.py) serves System One (/v1/systemone, /v1/models), OpenAI
+Decisions (/v1/decisions) and /metrics on the same port, with one body limit and one key for every route; the Space
+glue (adapters/space.py) makes `demo` that whole app however it is started.
 
-Sections: settings · inputs · rendering · the page · the API · the wire routes · launch.
+Sections: settings · inputs · rendering · the page · the API · launch.
 """
 
 from __future__ import annotations
@@ -23,28 +24,25 @@ import logging
 import os
 from collections.abc import Collection
 
-import anyio
 import gradio as gr
-from fastapi import APIRouter
-from fastapi import Request as HTTPRequest
-from fastapi.responses import Response
-from gradio.context import LocalContext
 
 import blink
-from adapters import wire
+from adapters import http, space
 
 log = logging.getLogger("blink.app")
 
 # ==================================================================================================================
-# Settings: the deployment this process serves (every BLINK_* variable is read once, in blink.Settings)
+# Settings: the deployment this process serves (the engine's BLINK_* variables are read in blink.Settings, the
+# server's in adapters/http.py ServerSettings)
 # ==================================================================================================================
 
 try:
     DEPLOYMENT = blink.deployment()
+    SERVER = http.ServerSettings.from_env()
 except blink.BlinkError as exc:  # a bad variable stops the server with one line naming it
     raise SystemExit(f"blink: {exc}") from None
 SETTINGS = DEPLOYMENT.settings
-MAX_BATCH_CALL = blink.MAX_BATCH_REQUESTS  # requests one /decide_batch call may carry
+HTTP = http.HttpLayer(DEPLOYMENT, SERVER, space.ZeroGpu())  # the /v1 routes, /metrics, the body limit and the key
 PRESETS: dict[str, dict] = {ex["name"]: ex for ex in map(blink.load_example, blink.example_files())}
 
 # ==================================================================================================================
@@ -704,32 +702,6 @@ def decide(
         raise gr.Error(f"the model failed on this request ({type(exc).__name__})", print_exception=False) from None
 
 
-def in_batch(exc: blink.BlinkError, i: int) -> blink.BlinkError:
-    """Request i's refusal located inside the batch: ['body', 'state'] -> ['body', 'requests', i, 'state']."""
-    return blink.BlinkError(str(exc), ["body", "requests", i, *exc.loc[1:]])
-
-
-def parse_batch(requests, temperature: float | None) -> list:
-    """The request list of /decide_batch: each item parsed to a blink.Request, or the error it raised."""
-    if isinstance(requests, str):
-        requests = blink.json_text(requests, "requests")
-    if not isinstance(requests, list) or not requests:
-        raise blink.BlinkError("requests must be a non-empty list of {state, questions} objects", ["body", "requests"])
-    if len(requests) > MAX_BATCH_CALL:
-        raise blink.BlinkError(
-            f"requests: {len(requests)} requests; one call takes 1-{MAX_BATCH_CALL}", ["body", "requests"]
-        )
-    items = []
-    for item in requests:
-        try:
-            if not isinstance(item, dict) or "state" not in item or "questions" not in item:
-                raise blink.BlinkError("each request must be an object with state and questions", [])
-            items.append(parse_request(item["state"], item["questions"], temperature, None))
-        except blink.BlinkError as exc:
-            items.append(exc)
-    return items
-
-
 def batch_item(result) -> dict:
     """One /decide_batch result as the caller reads it: the answer, or {error, loc} for a refused request."""
     if isinstance(result, (blink.BlinkError, blink.BlinkBusy)):
@@ -755,16 +727,17 @@ def decide_batch(requests: list | str, temperature: float | None = None, model: 
         one item per request, in order: {answers, meta}, or {error, loc} for a request that was refused (the others are still answered).
     """  # noqa: E501 (read whole: a tool description and a template)
     try:
-        if temperature is not None:
-            temperature = blink.check_temperature(temperature)
         model = DEPLOYMENT.model_id(model)
-        results = DEPLOYMENT.submit_many(parse_batch(requests, temperature), model)
+        results = DEPLOYMENT.submit_many(DEPLOYMENT.parse_many(requests, temperature), model)
     except blink.BlinkError as exc:
         raise _refuse(exc) from None
     except Exception as exc:  # noqa: BLE001 - a message, never a traceback
         log.exception("batch failed")
         raise gr.Error(f"the model failed on this batch ({type(exc).__name__})", print_exception=False) from None
-    return [batch_item(in_batch(res, i) if isinstance(res, blink.BlinkError) else res) for i, res in enumerate(results)]
+    return [
+        batch_item(blink.within_batch(res, i) if isinstance(res, blink.BlinkError) else res)
+        for i, res in enumerate(results)
+    ]
 
 
 def info() -> dict:
@@ -785,163 +758,24 @@ def info() -> dict:
 
 
 # ==================================================================================================================
-# The wire routes: /v1/systemone, /v1/decisions and /v1/models, for System One and OpenAI Decisions clients
-# ==================================================================================================================
-# Plain HTTP routes beside the page, on the same port. They run outside Gradio's queue, so they get their own
-# threads (BLINK_CONCURRENCY at once, BLINK_QUEUE_SIZE more waiting, past that "busy"), and hand their requests to
-# the same per-model Batcher as the page, so API and page traffic share forwards.
-
-WIRE = APIRouter(prefix="/v1")
-
-
-WIRE_THREADS = anyio.CapacityLimiter(SETTINGS.concurrency)  # never the threads Gradio's events run on
-
-
-def check_room() -> None:
-    """Refuse a call at once (503, retry after a second) when every wire thread is busy and the waiting line is
-    full."""
-    stats = WIRE_THREADS.statistics()
-    if stats.borrowed_tokens >= stats.total_tokens and stats.tasks_waiting >= SETTINGS.queue_size:
-        raise wire.WireError(
-            f"busy: {SETTINGS.concurrency} requests are running and {SETTINGS.queue_size} waiting; retry shortly",
-            [],
-            503,
-            "overloaded",
-            retry_after=1,
-        )
-
-
-async def read_body(request: HTTPRequest) -> tuple[object, dict[str, bytes]]:
-    """The request body, refused past BLINK_MAX_BODY_BYTES before it is read whole (a declared length at once, a
-    chunked body as it arrives), then decoded by wire.request_body; a multipart form's parts read here."""
-    limit = SETTINGS.max_body_bytes
-    declared = request.headers.get("content-length", "")
-    if declared.strip().isdigit() and int(declared) > limit:
-        raise wire.body_too_large(limit)
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise wire.body_too_large(limit)
-    data = wire.decoded_body(bytes(raw), request.headers.get("content-encoding", ""), limit)
-    if wire.is_multipart(request.headers.get("content-type", "")):
-        return await read_form(request, data, limit)
-    return wire.request_body(data, request.headers.get("content-type", "")), {}
-
-
-async def read_form(request: HTTPRequest, data: bytes, limit: int) -> tuple[object, dict[str, bytes]]:
-    """A multipart body as typesafe-sdk sends images: the JSON `request` part, and every other part's bytes."""
-
-    async def replay() -> dict:
-        return {"type": "http.request", "body": data, "more_body": False}
-
-    try:
-        form = await HTTPRequest(request.scope, replay).form(max_files=64, max_fields=64, max_part_size=limit)
-    except Exception as exc:  # noqa: BLE001 - any malformed form is the caller's
-        raise wire.WireError(
-            f"the multipart body cannot be read: {getattr(exc, 'detail', exc)}", ["body"], 400, "invalid_request"
-        ) from None
-    parts = {name: await v.read() if hasattr(v, "read") else v.encode() for name, v in form.multi_items()}
-    return wire.form_body(parts)
-
-
-def quota_request(request: HTTPRequest) -> gr.Request | None:
-    """On ZeroGPU, @spaces.GPU charges the caller whose X-IP-Token (which Hugging Face adds to every request) it finds
-    in Gradio's request context. A wire route has none of its own, so it is handed that one header, as a Gradio
-    event would be (nothing else of the request, the API key least of all). Tested off a Space only."""
-    token = request.headers.get("x-ip-token")
-    return gr.Request(headers={"x-ip-token": token}) if token else None
-
-
-def answer_wire(protocol: wire.WireProtocol, body, parts: dict, quota: gr.Request | None) -> dict:
-    """Parse, answer through the model's Batcher, shape; in a wire thread whose context carries the caller's ZeroGPU
-    token (the Batcher runs a batch in its oldest caller's context)."""
-    if quota is not None:
-        LocalContext.request.set(quota)
-    call = protocol.call(body, parts, DEPLOYMENT)
-    return protocol.response(call, DEPLOYMENT.submit(call.request, call.model))
-
-
-def gpu_refusal(exc: Exception) -> Exception:
-    """A ZeroGPU scheduling refusal (a gr.Error titled "ZeroGPU ...") as a wire error a client retries: over quota
-    429 (after a minute), no GPU free 503; any other error as it is."""
-    title = str(getattr(exc, "title", "") or "")
-    if not (isinstance(exc, gr.Error) and title.startswith("ZeroGPU")):
-        return exc
-    quota = "quota" in title.lower() or "credits" in title.lower()
-    return wire.WireError(
-        f"{title}: {exc.message}",
-        [],
-        429 if quota else 503,
-        "rate_limit_exceeded" if quota else "overloaded",
-        retry_after=60 if quota else 5,
-    )
-
-
-def wire_reply(protocol: wire.WireProtocol, payload: dict | None, exc: Exception | None = None) -> Response:
-    """The JSON reply of a wire route (wire.reply shapes it); a failure inside the model is logged here."""
-    if exc is not None:
-        exc = gpu_refusal(exc)
-        if wire.wire_refusal(exc).kind == "server_error":
-            log.error("wire request failed: %r", exc)
-    status, headers, content = wire.reply(protocol, payload, exc)
-    return Response(content, status, headers, media_type="application/json")
-
-
-async def wire_route(request: HTTPRequest, protocol: wire.WireProtocol) -> Response:
-    """One wire call: key, room, body; then parsed, answered and shaped in a wire thread."""
-    try:
-        wire.check_bearer(request.headers.get("authorization", ""), SETTINGS.api_key)
-        check_room()
-        body, parts = await read_body(request)
-        payload = await anyio.to_thread.run_sync(
-            answer_wire, protocol, body, parts, quota_request(request), limiter=WIRE_THREADS
-        )
-    except Exception as exc:  # noqa: BLE001 - every failure becomes the protocol's error reply
-        return wire_reply(protocol, None, exc)
-    return wire_reply(protocol, payload)
-
-
-@WIRE.post("/systemone")
-async def systemone(request: HTTPRequest) -> Response:
-    """TypeSafe's System One API: {model, state, questions, assets?} -> {model, answers, usage}."""
-    return await wire_route(request, wire.SYSTEM_ONE)
-
-
-@WIRE.post("/decisions")
-async def decisions(request: HTTPRequest) -> Response:
-    """OpenAI's Decisions API: {model, input, questions} -> {model, answers, usage}."""
-    return await wire_route(request, wire.DECISIONS)
-
-
-@WIRE.get("/models")
-async def models(request: HTTPRequest) -> Response:
-    """The served models (and the default model's alias) as System One clients list them."""
-    try:
-        wire.check_bearer(request.headers.get("authorization", ""), SETTINGS.api_key)
-    except wire.WireError as exc:
-        return wire_reply(wire.SYSTEM_ONE, None, exc)
-    return wire_reply(wire.SYSTEM_ONE, wire.models_listing(DEPLOYMENT))
-
-
-# ==================================================================================================================
 # Launch
 # ==================================================================================================================
 
 
-def build_demo() -> gr.Blocks:
-    """The Blocks app: the page, the named API endpoints, and a queue that lets concurrent requests batch."""
-    with gr.Blocks(title="blink — typed decisions") as demo:
+def build_demo() -> space.Space:
+    """The Blocks app: the page, the named API endpoints, and a queue that lets concurrent requests batch; its theme,
+    CSS and HTTP layer come with it however it is served (adapters/space.py)."""
+    with space.Space(HTTP, CSS, gr.themes.Soft(), title="blink — typed decisions") as demo:
         build_page()
         gr.api(decide, api_name="decide")
         gr.api(decide_batch, api_name="decide_batch")
         gr.api(info, api_name="info", concurrency_limit=None)
     # Gradio's default lets one event run at a time (and on ZeroGPU queues only one): the Batcher needs company.
-    demo.queue(default_concurrency_limit=SETTINGS.concurrency, max_size=SETTINGS.queue_size)
+    demo.queue(default_concurrency_limit=SERVER.concurrency, max_size=SERVER.queue_size)
     return demo
 
 
-def start() -> gr.Blocks:
+def start() -> space.Space:
     """Read the recordings and build every served model now (on ZeroGPU the weights are placed on the device at
     start), then the page. A deployment that cannot serve (a corrupt or foreign recording, a model whose labels do
     not verify) stops here with one line naming the problem, not a traceback."""
@@ -954,50 +788,23 @@ def start() -> gr.Blocks:
 
 
 @functools.cache
-def built_demo() -> gr.Blocks:
+def built_demo() -> space.Space:
     """The page and its models, built once, on first use: importing app.py builds nothing, launching does."""
     return start()
 
 
 def __getattr__(name: str):
-    """`app.demo`, the Blocks app Gradio's tools look for, built on first access."""
+    """`app.demo`, the Blocks app Gradio's tools look for (reload mode, gr.mount_gradio_app), built on first access:
+    the whole app, served however it is started."""
     if name == "demo":
         return built_demo()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def json_tool_results() -> None:
-    """MCP tool results as JSON text an agent parses: Gradio writes a tool's dict or list result with str(), Python's
-    repr. Its result writer is given JSON text instead (file results keep Gradio's own handling)."""
-    from gradio import mcp
-    from gradio_client import utils as client_utils
-
-    write = mcp.GradioMCPServer.postprocess_output_data
-    if getattr(write, "writes_json", False):
-        return
-
-    def write_json(self, data, root_url: str):
-        as_json = [
-            json.dumps(v, ensure_ascii=False)
-            if isinstance(v, (dict, list)) and not client_utils.is_file_obj_with_meta(v)
-            else v
-            for v in data
-        ]
-        return write(self, as_json, root_url)
-
-    write_json.writes_json = True
-    mcp.GradioMCPServer.postprocess_output_data = write_json
-
-
 def launch(**kwargs):
-    """Build the models and the page, then start the server with the page's theme and styles (Gradio 6 takes them at
-    launch), the wire routes on the same port, and the API as MCP tools whose results are JSON. Server-side rendering
-    stays off: with it (Spaces turn it on) a Node front answers every path but Gradio's own, the /v1 routes
-    included."""
-    json_tool_results()
-    return built_demo().launch(
-        theme=gr.themes.Soft(), css=CSS, ssr_mode=False, mcp_server=True, app_kwargs={"routes": WIRE.routes}, **kwargs
-    )
+    """Build the models and the page, then start the server (Gradio's launch with `kwargs`): the page, the API (also
+    as MCP tools, where MCP runs) and the HTTP layer's routes on one port."""
+    return built_demo().launch(**kwargs)
 
 
 if __name__ == "__main__":

@@ -283,6 +283,12 @@ def setting(
     )
 
 
+def env_values(cls: type, env: Mapping[str, str]) -> dict:
+    """Each field of a settings dataclass built with setting(), read from its environment variable: blink's
+    Settings and a server's own settings (adapters/http.py) read their variables the same way."""
+    return {f.name: _read_setting(env, f) for f in fields(cls) if "env" in f.metadata}
+
+
 def _read_setting(env: Mapping[str, str], f):
     """One Settings field's value from its environment variable."""
     m = f.metadata
@@ -297,8 +303,9 @@ def _read_setting(env: Mapping[str, str], f):
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything a deployment can be told: each BLINK_* variable once (its name beside its field), plus the
-    hardware it found. Build it with Settings.from_env() (a server) or Settings(field=...) (a test or a script)."""
+    """Everything a deployment's engines can be told: each BLINK_* variable once (its name beside its field), plus
+    the hardware it found; a server's own variables are read apart (adapters/http.py ServerSettings). Build it with
+    Settings.from_env() (a server) or Settings(field=...) (a test or a script)."""
 
     models: tuple[tuple[str, str | None], ...] = ()  # BLINK_MODELS, else BLINK_MODEL[/REVISION]; () = by hardware
     engine: str = setting("BLINK_ENGINE", "", choices=ENGINE_KINDS)  # "" picks by hardware; BLINK_MOCK=1: "mock"
@@ -337,15 +344,10 @@ class Settings:
     replay_path: str = setting("BLINK_REPLAY", os.path.join(HERE, "replay.json"))
     calibration_path: str = setting("BLINK_CALIBRATION", os.path.join(HERE, "calibration.json"))
     cache_dir: str = setting("BLINK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "blink"))
-    # serving (app.py): Gradio's queue and the Batcher in front of the model
-    concurrency: int = setting("BLINK_CONCURRENCY", 16, 1)  # events in flight at once: the Batcher gathers them
-    queue_size: int = setting("BLINK_QUEUE_SIZE", 64, 1)  # events waiting in Gradio's queue (ZeroGPU's default: 1)
+    # the Batcher in front of the model (the server's own settings, adapters/http.py ServerSettings, are apart)
     batch_window_ms: float = setting("BLINK_BATCH_WINDOW_MS", 25.0, 0.0, 1000.0)  # how long a batch waits
     batch_max_requests: int = setting("BLINK_BATCH_MAX_REQUESTS", 32, 1, MAX_BATCH_REQUESTS)  # per forward call
     batch_max_queued: int = setting("BLINK_BATCH_MAX_QUEUED", 256, 1)  # requests waiting for the model
-    # the wire routes (System One, Decisions, the models list)
-    api_key: str | None = setting("BLINK_API_KEY", None, secret=True)  # set: callers send Authorization: Bearer it
-    max_body_bytes: int = setting("BLINK_MAX_BODY_BYTES", 64 * 1024 * 1024, 1024)  # on the wire and decompressed
     # hardware, found rather than set
     gpu: bool = False  # a CUDA device, or ZeroGPU attaching one per call
     cpu_bf16: bool = False  # the CPU computes bfloat16 natively (native_bf16)
@@ -435,7 +437,7 @@ class Settings:
         """Settings from the environment (default: os.environ), each variable checked and refused by name.
         `gpu` overrides the hardware probe."""
         env = os.environ if env is None else env
-        values = {f.name: _read_setting(env, f) for f in fields(cls) if "env" in f.metadata}
+        values = env_values(cls, env)
         if env_flag(env, "BLINK_MOCK", False):
             values["engine"] = "mock"
         single = env_word(env, "BLINK_MODEL", None)
@@ -3259,6 +3261,7 @@ class Deployment:
         self._engines: dict[str, Engine] = dict(engines or {})
         self._recordings: dict[str, Recording | None] = {}
         self._batchers: dict[str, Batcher] = {}
+        self._watchers: list[Callable[[str, list[Job], list], None]] = []
         self._lock = threading.RLock()
 
     @classmethod
@@ -3448,13 +3451,28 @@ class Deployment:
         return result
 
     def decide_many(self, requests: list, temperature: float | list | None = None, model: str | None = None) -> list:
-        """Several (state, questions) or (state, questions, images) requests in one GPU call. Returns one item per
-        request, in order: the dict decide() returns, or the exception that request raised. One request's failure
-        never reaches another. Text requests are packed together; each image request runs on its own.
-        `temperature` is one value for all or a list with one per request."""
-        if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_BATCH_REQUESTS:
+        """Several requests in one GPU call (each as parse_many reads it). Returns one item per request, in order:
+        the dict decide() returns, or the exception that request raised. One request's failure never reaches
+        another. Text requests are packed together; each image request runs on its own. `temperature` is one value
+        for all or a list with one per request."""
+        return self.answer_all(self.parse_many(requests, temperature), model)
+
+    def parse_many(self, requests, temperature: float | list | None = None) -> list:
+        """The one reader of many requests (decide_many, the Gradio API's /decide_batch, bulk rows): a list, or its JSON
+        text, of 1-MAX_BATCH_REQUESTS items, each a [state, questions] or [state, questions, images] list or a
+        {state, questions, images?} object (other keys, such as a row's id, are not read). Returns each item parsed
+        to a Request, or the BlinkError it raised, located as the request alone would be (the item as a whole at
+        ['body']; within_batch places it in the batch). The list itself, or a temperature, is refused at once."""
+        if isinstance(requests, str):
+            requests = json_text(requests, "requests")
+        if not isinstance(requests, list) or not requests:
             raise BlinkError(
-                f"requests must be a list of 1-{MAX_BATCH_REQUESTS} [state, questions] pairs", ["body", "requests"]
+                "requests must be a non-empty list of [state, questions] pairs or {state, questions} objects",
+                ["body", "requests"],
+            )
+        if len(requests) > MAX_BATCH_REQUESTS:
+            raise BlinkError(
+                f"requests: {len(requests)} requests; one call takes 1-{MAX_BATCH_REQUESTS}", ["body", "requests"]
             )
         temps = temperature if isinstance(temperature, (list, tuple)) else [temperature] * len(requests)
         if len(temps) != len(requests):
@@ -3462,18 +3480,20 @@ class Deployment:
         for t in temps:
             if t is not None:
                 check_temperature(t)
-        return self.answer_all(
-            [_or_error(self._pair, req, i, t) for i, (req, t) in enumerate(zip(requests, temps))], model
-        )
+        return [_or_error(self._one_of_many, req, i, t) for i, (req, t) in enumerate(zip(requests, temps))]
 
-    def _pair(self, req, i: int, temperature: float | None) -> Request:
-        """One [state, questions] or [state, questions, images] item of decide_many, parsed."""
-        if not isinstance(req, (list, tuple)) or len(req) not in (2, 3):
+    def _one_of_many(self, item, i: int, temperature: float | None) -> Request:
+        """Item i of parse_many, parsed."""
+        if isinstance(item, dict) and "state" in item and "questions" in item:
+            state, questions, images = item["state"], item["questions"], item.get("images")
+        elif isinstance(item, (list, tuple)) and len(item) in (2, 3):
+            state, questions, images = (*item, None)[:3]
+        else:
             raise BlinkError(
-                f"requests[{i}] must be a [state, questions] pair or [state, questions, images]",
-                ["body", "requests", i],
+                f"requests[{i}] must be an object with state and questions, or a [state, questions] or "
+                "[state, questions, images] list",
+                ["body"],
             )
-        state, questions, images = (*req, None)[:3]
         return self.request(state, questions, images=images, temperature=temperature)
 
     def batcher(self, model: str | None = None) -> Batcher:
@@ -3483,9 +3503,32 @@ class Deployment:
             if mid not in self._batchers:
                 s = self.settings
                 self._batchers[mid] = Batcher(
-                    run_jobs, s.batch_window_ms / 1000, s.batch_max_requests, s.batch_max_queued
+                    run_jobs,
+                    s.batch_window_ms / 1000,
+                    s.batch_max_requests,
+                    s.batch_max_queued,
+                    report=functools.partial(self._report, mid),
                 )
             return self._batchers[mid]
+
+    def batchers(self) -> dict[str, Batcher]:
+        """The Batchers started so far, by model."""
+        with self._lock:
+            return dict(self._batchers)
+
+    def watch(self, watcher: Callable[[str, list[Job], list], None]) -> None:
+        """Call watcher(model, jobs, results) after every run of any of this deployment's Batchers, before its
+        callers get their results (a server's metrics read what each packed forward did)."""
+        with self._lock:
+            self._watchers.append(watcher)
+
+    def _report(self, model: str, jobs: list[Job], results: list) -> None:
+        """Hand one Batcher run to every watcher; a watcher that fails is logged, never the callers' problem."""
+        for watcher in list(self._watchers):
+            try:
+                watcher(model, jobs, results)
+            except Exception:  # noqa: BLE001 - a metrics fault must not fail the requests it watched
+                log.exception("a Batcher watcher failed")
 
     def submit_many(self, items: list, model: str | None = None) -> list:
         """What a server calls: answer_all with live jobs waiting in the model's Batcher, which packs them with other
@@ -3498,6 +3541,11 @@ class Deployment:
         if isinstance(result, Exception):
             raise result
         return result
+
+
+def within_batch(exc: BlinkError, i: int) -> BlinkError:
+    """Request i's refusal located inside its batch: ['body', 'state'] -> ['body', 'requests', i, 'state']."""
+    return BlinkError(str(exc), ["body", "requests", i, *exc.loc[1:]])
 
 
 def _or_error(fn: Callable, *args):
@@ -3550,7 +3598,14 @@ class Batcher:
     MAX_WINDOW_S = 1.0
     MAX_REQUESTS = MAX_BATCH_REQUESTS
 
-    def __init__(self, run: Callable[[list[Job]], list], window_s: float, max_requests: int = 16, max_queued: int = 64):
+    def __init__(
+        self,
+        run: Callable[[list[Job]], list],
+        window_s: float,
+        max_requests: int = 16,
+        max_queued: int = 64,
+        report: Callable[[list[Job], list], None] | None = None,
+    ):
         window_s, max_requests, max_queued = float(window_s), int(max_requests), int(max_queued)
         if not (math.isfinite(window_s) and 0 <= window_s <= self.MAX_WINDOW_S):
             raise ValueError(f"batch window must be from 0 to {self.MAX_WINDOW_S:g} s")
@@ -3559,6 +3614,7 @@ class Batcher:
         if max_queued < 1:
             raise ValueError("max_queued must be at least 1")
         self.run, self.window_s, self.max_requests, self.max_queued = run, window_s, max_requests, max_queued
+        self.report = report  # told (jobs, results) of every run, before the callers are
         self.q: queue.Queue = queue.Queue(maxsize=max_queued)
         self.restarts = 0
         self._lock = threading.Lock()
@@ -3634,6 +3690,8 @@ class Batcher:
                 raise
             if len(results) != len(batch):
                 results = [RuntimeError("the batching worker lost this request")] * len(batch)
+            if self.report is not None:
+                self.report(jobs, results)
             for (_, _, fut), result in zip(batch, results):
                 if isinstance(result, BaseException):
                     fut.set_exception(result)

@@ -49,7 +49,7 @@ def id_key(row_id) -> str:
 
 def body_row(body, n: int, unit: str) -> Row:
     """A parsed line (or Parquet row) number n as a Row: its own id, else its number; refused when it is not an object
-    with a state, or its id is not text or a whole number."""
+    with a state and questions, or its id is not text or a whole number."""
     where = f"{unit} {n}"
     if not isinstance(body, dict):
         return Row(
@@ -72,8 +72,9 @@ def body_row(body, n: int, unit: str) -> Row:
             where,
             error=blink.BlinkError(f"{where}: id must be text or a whole number (got {row_id!r:.80})", ["body", "id"]),
         )
-    if "state" not in body:
-        return Row(row_id, where, error=blink.BlinkError(f"{where} has no state", ["body", "state"]))
+    for name in ("state", "questions"):
+        if name not in body:
+            return Row(row_id, where, error=blink.BlinkError(f"{where} has no {name}", ["body", name]))
     return Row(row_id, where, body)
 
 
@@ -215,9 +216,10 @@ def row_chunks(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
         yield chunk
 
 
-def chunk_asks(rows: list[Row]) -> list[tuple]:
-    """The decide_many requests of a chunk's readable rows: (state, questions, images)."""
-    return [(r.body.get("state"), r.body.get("questions"), r.body.get("images")) for r in rows if r.error is None]
+def chunk_asks(rows: list[Row]) -> list[dict]:
+    """The decide_many requests of a chunk's readable rows: their bodies, which Deployment.parse_many reads as it
+    reads every entry's many requests (state, questions, images; the id is not read)."""
+    return [r.body for r in rows if r.error is None]
 
 
 def outcome(result) -> dict:
@@ -231,7 +233,7 @@ def outcome(result) -> dict:
 
 
 def decide_outcomes(
-    served: blink.Deployment, asks: list[tuple], temperature: float | None, model: str | None
+    served: blink.Deployment, asks: list[dict], temperature: float | None, model: str | None
 ) -> list[dict]:
     """One chunk's requests answered together by decide_many (packed into shared forwards), one outcome each."""
     return [outcome(r) for r in served.decide_many(asks, temperature, model)] if asks else []
@@ -272,7 +274,7 @@ def serial_outcomes(
 class RayWorker:
     """One Ray Data worker: builds its own deployment from the driver's Settings once (on the hardware it was given,
     with that hardware's defaults where the driver's were its own), then answers chunks, each a JSON list of
-    (state, questions, images), with the same steps as a serial run."""
+    row bodies, with the same steps as a serial run."""
 
     def __init__(self, settings: blink.Settings, temperature: float | None, model: str | None):
         self.served = blink.Deployment(settings.on_hardware(gpu=blink.cuda_available()))

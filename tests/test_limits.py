@@ -93,11 +93,12 @@ def test_total_tokens_are_capped_before_the_forward(monkeypatch):
 
 def test_decide_many_checks_its_batch():
     dep = blink.Deployment(blink.Settings(engine="mock"))
-    with pytest.raises(blink.BlinkError, match="requests must be a list of 1-64"):
+    with pytest.raises(blink.BlinkError, match="requests must be a non-empty list"):
         dep.decide_many([])
-    with pytest.raises(blink.BlinkError, match="requests must be a list"):
+    with pytest.raises(blink.BlinkError, match="65 requests; one call takes 1-64"):
         dep.decide_many([("x", Q)] * 65)
     out = dep.decide_many([("x", Q), "not a pair", ("x", {})])
     assert out[0]["meta"]["engine"] == "mock"
-    assert isinstance(out[1], blink.BlinkError) and out[1].loc == ["body", "requests", 1]
+    # each item's refusal is located as the request alone would be: this one as a whole
+    assert isinstance(out[1], blink.BlinkError) and out[1].loc == ["body"] and "requests[1]" in str(out[1])
     assert isinstance(out[2], blink.BlinkError) and "non-empty object" in str(out[2])

@@ -10,7 +10,9 @@ import re
 from dataclasses import fields
 
 import blink
+from adapters.http import ServerSettings
 
+SETTINGS_CLASSES = (blink.Settings, ServerSettings)  # the engine's settings and the server's
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTING = re.compile(r"[\"'](BLINK_[A-Z][A-Z0-9_]*)[\"']")  # a quoted name: each is an environment variable
 # Read in Settings.from_env itself rather than from a field of their own.
@@ -24,17 +26,28 @@ def source(name: str) -> str:
 
 
 def setting_fields() -> dict:
-    """Each Settings field read from an environment variable, by that variable."""
-    return {f.metadata["env"]: f for f in fields(blink.Settings) if "env" in f.metadata}
+    """Each field of blink.Settings and ServerSettings read from an environment variable, by that variable."""
+    return {f.metadata["env"]: f for cls in SETTINGS_CLASSES for f in fields(cls) if "env" in f.metadata}
+
+
+def settings_class(name: str) -> type:
+    """The settings class whose field a variable sets."""
+    return next(cls for cls in SETTINGS_CLASSES if any(f.metadata.get("env") == name for f in fields(cls)))
+
+
+def from_env(name: str, env: dict):
+    """The settings (of the class that reads `name`) built from `env`."""
+    cls = settings_class(name)
+    return cls.from_env(env, gpu=False) if cls is blink.Settings else cls.from_env(env)
 
 
 def variables_read() -> set[str]:
-    """Every BLINK_* variable the code reads: the Settings fields' variables, the ones Settings.from_env reads
-    itself, and any other quoted BLINK_ name in blink.py or app.py."""
+    """Every BLINK_* variable the code reads: the settings fields' variables, the ones Settings.from_env reads
+    itself, and any other quoted BLINK_ name in blink.py, app.py or the server's modules."""
     return (
         set(setting_fields())
         | set(SETTING.findall(inspect.getsource(blink.Settings.from_env)))
-        | set(SETTING.findall(source("blink.py") + source("app.py")))
+        | set(SETTING.findall("".join(map(source, ("blink.py", "app.py", "adapters/http.py", "adapters/space.py")))))
     )
 
 
@@ -97,14 +110,13 @@ def another_value(f, default) -> tuple[str, object]:
 
 def test_each_variable_sets_its_field():
     assert FROM_ENV_ONLY <= set(SETTING.findall(inspect.getsource(blink.Settings.from_env)))
-    assert len(setting_fields()) >= 25
-    base = blink.Settings.from_env({}, gpu=False)
-    derived = base.derived_defaults()
+    assert len(setting_fields()) >= 29
+    derived = blink.Settings.from_env({}, gpu=False).derived_defaults()
     for name, f in setting_fields().items():
         default = derived[f.name] if f.default is None and f.name in derived else f.default
         raw, value = another_value(f, default)
-        assert getattr(base, f.name) == default and value != default, name
-        assert getattr(blink.Settings.from_env({name: raw}, gpu=False), f.name) == value, name
+        assert getattr(from_env(name, {}), f.name) == default and value != default, name
+        assert getattr(from_env(name, {name: raw}), f.name) == value, name
 
 
 def test_every_setting_the_code_reads_is_documented():
