@@ -394,6 +394,14 @@ def busy(message: str) -> wire.WireError:
     return wire.WireError(f"busy: {message}; retry shortly", [], 503, "overloaded", retry_after=1)
 
 
+def serve_refusal(exc: BackPressureError | DeploymentUnavailableError) -> wire.WireError:
+    """Serve's own refusals as the 503 app.py's full queue answers with: its queue in front of the replicas full
+    (max_queued_requests), or no replica to take the request."""
+    if isinstance(exc, BackPressureError):
+        return busy("every replica is busy and Serve's queue in front of them is full")
+    return busy("no replica is running")
+
+
 @dataclass
 class ReplicaLine:
     """The ingress's way to the replicas: their handle, their app's name (its router's key in ROUTERS), the tallies
@@ -411,10 +419,8 @@ class ReplicaLine:
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 outcome = self.handle.decide.remote(ask).result()
-            except BackPressureError:
-                raise busy("every replica is busy and Serve's queue in front of them is full") from None
-            except DeploymentUnavailableError:
-                raise busy("no replica is running") from None
+            except (BackPressureError, DeploymentUnavailableError) as exc:
+                raise serve_refusal(exc) from None
             except RayActorError as exc:
                 with self.lock:
                     self.retried += 1

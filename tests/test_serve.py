@@ -6,6 +6,7 @@ replica is killed mid-burst. One cluster and one app for the module; every Ray p
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import shutil
 import tempfile
@@ -368,3 +369,99 @@ def test_killing_a_replica_mid_burst_loses_no_request(cluster, scaled):
     assert {a["x_meta"]["replica"] for a in answered} - {victim} == {survivor}  # the killed replica's share moved
     assert info(cluster)["retried"] > retried
     assert poll(lambda: len(live(cluster)) == 2 and victim not in live(cluster), 300)  # Serve replaced it
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Without a cluster: the routing rule, the app's arguments, its config file and Serve's refusals
+# ------------------------------------------------------------------------------------------------------------------
+
+KEYS = [f"document {n}" for n in range(600)]
+
+
+def test_rendezvous_gives_each_key_one_home_and_moves_only_the_leavers_share():
+    three = ["r1", "r2", "r3"]
+    homes = {k: serve_app.ranked(k, three)[0] for k in KEYS}
+    shares = {r: sum(h == r for h in homes.values()) for r in three}
+    assert all(150 < n < 250 for n in shares.values()), shares  # about a third each
+    assert all(serve_app.ranked(k, list(reversed(three)))[0] == homes[k] for k in KEYS)  # not by list order
+    left = {k: serve_app.ranked(k, ["r1", "r3"])[0] for k in KEYS}  # r2 leaves: only its keys move
+    assert all(left[k] == homes[k] for k in KEYS if homes[k] != "r2")
+    joined = {k: serve_app.ranked(k, [*three, "r4"])[0] for k in KEYS}  # r4 joins: keys move only to it
+    assert all(joined[k] in (homes[k], "r4") for k in KEYS) and 100 < sum(h == "r4" for h in joined.values()) < 200
+
+
+def test_a_request_goes_home_until_home_leads_the_least_loaded_by_more_than_the_threshold():
+    key = KEYS[0]
+    home, second, third = serve_app.ranked(key, ["r1", "r2", "r3"])
+    assert serve_app.pick(key, {home: 5, second: 0, third: 0}, 5) == home
+    assert serve_app.pick(key, {home: 6, second: 0, third: 0}, 5) == second  # the tie goes to the next in rank
+    assert serve_app.pick(key, {home: 6, second: 1, third: 0}, 5) == third
+    assert serve_app.pick(key, {home: 1, second: 0, third: 0}, 0) == second
+    assert serve_app.pick(None, {"r2": 1, "r1": 0, "r3": 0}, 5) == "r1"  # no key: the least loaded
+
+
+def test_the_app_arguments_are_read_and_refused_by_name():
+    args = serve_app.AppArgs.read({"min_replicas": "1", "max_replicas": 3, "autoscaling": {"upscale_delay_s": 0}})
+    assert args.autoscaling_config() == {"upscale_delay_s": 0, "min_replicas": 1, "max_replicas": 3}
+    assert serve_app.AppArgs.read({"replicas": "2"}).autoscaling_config() is None
+    for bad, message in [
+        ({"replica": "2"}, "unknown argument 'replica'; the app takes autoscaling, gpus, max_replicas"),
+        ({"replicas": "0"}, "replicas must be a whole number of at least 1 (got '0')"),
+        ({"routing": "round_robin"}, "routing must be one of evidence, pow2, prefix_tree (got 'round_robin')"),
+        ({"threads": "two"}, "threads must be a whole number of at least 1 (got 'two')"),
+        ({"max_replicas": "2"}, "min_replicas and max_replicas go together"),
+        ({"min_replicas": "3", "max_replicas": "2"}, "min_replicas must not be above max_replicas"),
+        ({"autoscaling": "[1]"}, "autoscaling must be a JSON object"),
+    ]:
+        with pytest.raises(blink.BlinkError) as refused:
+            serve_app.AppArgs.read(bad)
+        assert str(refused.value).startswith(message), (bad, str(refused.value))
+    with pytest.raises(SystemExit, match="^blink: BLINK_ROUTE_MAX_LEAD must be a whole number of at least 0"):
+        with environ({"BLINK_ROUTE_MAX_LEAD": "-1"}):
+            serve_app.app({})
+
+
+def test_the_config_file_is_serves_and_builds_the_app():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    with open(os.path.join(ROOT, "adapters", "serve.yaml")) as fh:
+        config = ServeDeploySchema.model_validate(yaml.safe_load(fh))
+    (application,) = config.applications
+    assert application.import_path == "adapters.serve:app"
+    built = serve_app.app(application.args)
+    assert isinstance(built, serve.Application)
+
+
+@pytest.mark.parametrize("protocol", [wire.SYSTEM_ONE, wire.DECISIONS])
+def test_serves_own_refusals_are_the_503_a_full_queue_gets(protocol):
+    from ray.serve._private.common import DeploymentID
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    full = wire.reply(protocol, None, blink.BlinkBusy("busy: 256 requests are already waiting; retry shortly"))
+    for exc, says in [
+        (BackPressureError(num_queued_requests=64, max_queued_requests=64), "Serve's queue in front of them is full"),
+        (DeploymentUnavailableError(DeploymentID(name="Replica", app_name=APP)), "no replica is running"),
+    ]:
+        status, headers, body = wire.reply(protocol, None, serve_app.serve_refusal(exc))
+        assert (status, headers["retry-after"]) == (full[0], full[1]["retry-after"]) == (503, "1")
+        assert json.loads(body).keys() == json.loads(full[2]).keys() and "overloaded" in body and says in body
+
+
+def test_the_readmes_system_one_example_is_answered_by_the_ingress(cluster, scaled, standin, served, tmp_path):
+    import subprocess
+
+    from test_readme import code_blocks
+
+    lang, curl = code_blocks("System One and OpenAI Decisions clients")[0]
+    assert lang == "bash" and "Bearer any-key" in curl
+    curl = curl.replace("http://127.0.0.1:7860", cluster).replace("Bearer any-key", f"Bearer {KEY}")
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", curl], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    body = json.loads(curl.split("-d '", 1)[1].rsplit("'", 1)[0])
+    want = served(standin).decide(body["state"], body["questions"])["answers"]
+    assert abs(got["answers"]["spam"]["noul"] - want["spam"]["noul"]) < 1e-5
+    assert got["answers"]["queue"]["choice"] == want["queue"]["choice"]
+    assert abs(got["answers"]["urgency"]["score"] - want["urgency"]["score"]) < 1e-5
+    assert got["x_meta"]["replica"] in live(cluster)
