@@ -94,7 +94,7 @@ class AppArgs:
     refused by name as blink reads its variables."""
 
     replicas: int = blink.setting("replicas", 1, 1)  # a fixed number of replicas
-    min_replicas: int | None = blink.setting("min_replicas", None, 0, kind=int)  # with max_replicas: autoscaling
+    min_replicas: int | None = blink.setting("min_replicas", None, 1, kind=int)  # with max_replicas: autoscaling
     max_replicas: int | None = blink.setting("max_replicas", None, 1, kind=int)
     autoscaling: str = blink.setting("autoscaling", "{}", json_object=True)  # more AutoscalingConfig fields
     threads: int = blink.setting("threads", 1, 1)  # torch threads, and CPUs Ray reserves, per replica
@@ -389,14 +389,14 @@ class Tally:
         }
 
 
-def busy(message: str) -> wire.WireError:
-    """The 503 every full queue answers with (clients retry after a second)."""
-    return wire.WireError(f"busy: {message}; retry shortly", [], 503, "overloaded", retry_after=1)
+def busy(message: str) -> blink.BlinkBusy:
+    """The refusal a full queue gets (every wire protocol replies 503 with Retry-After to it: wire.wire_refusal)."""
+    return blink.BlinkBusy(f"busy: {message}; retry shortly")
 
 
-def serve_refusal(exc: BackPressureError | DeploymentUnavailableError) -> wire.WireError:
-    """Serve's own refusals as the 503 app.py's full queue answers with: its queue in front of the replicas full
-    (max_queued_requests), or no replica to take the request."""
+def serve_refusal(exc: BackPressureError | DeploymentUnavailableError) -> blink.BlinkBusy:
+    """Serve's own refusals as app.py's full queue: its queue in front of the replicas full (max_queued_requests),
+    or no replica to take the request."""
     if isinstance(exc, BackPressureError):
         return busy("every replica is busy and Serve's queue in front of them is full")
     return busy("no replica is running")
@@ -424,7 +424,7 @@ class ReplicaLine:
             except RayActorError as exc:
                 with self.lock:
                     self.retried += 1
-                log.warning("a replica died answering a request (try %d of %d): %s", attempt, ATTEMPTS, type(exc))
+                log.warning("a replica died answering (try %d of %d): %s", attempt, ATTEMPTS, type(exc).__name__)
                 continue
             if isinstance(outcome, Exception):
                 raise outcome
@@ -450,9 +450,11 @@ class ServeLayer(http.HttpLayer):
     """The HTTP layer whose decisions come from replicas: the same routes, key, room, body and replies as app.py's,
     with /info listing the replicas."""
 
-    def __init__(self, deployment: blink.Deployment, settings: http.ServerSettings, line: ReplicaLine, described):
+    def __init__(
+        self, deployment: blink.Deployment, settings: http.ServerSettings, line: ReplicaLine, listed: dict, policy: str
+    ):
         super().__init__(deployment, settings)
-        self.line, self.described, self.policy = line, described, described.get("policy", "")
+        self.line, self.listed, self.policy = line, listed, policy
         self.router.add_api_route("/info", self.info_page, methods=["GET"])
 
     def decided(self, call: wire.WireCall) -> dict:
@@ -461,7 +463,7 @@ class ServeLayer(http.HttpLayer):
 
     def listing(self) -> dict:
         """/v1/models as a replica lists its models."""
-        return self.described["listing"]
+        return self.listed
 
     def info(self) -> dict:
         """The served models, the routing policy and the replicas with their hit rates."""
@@ -494,9 +496,8 @@ class Ingress:
         settings = described["settings"]
         engines = {m: ReplicaEngine(m, settings, d) for m, d in described["engines"].items()}
         line = ReplicaLine(replicas, serve.get_replica_context().app_name)
-        self.layer = ServeLayer(
-            blink.Deployment(settings, engines), http.ServerSettings.from_env(), line, {**described, "policy": policy}
-        )
+        deployment = blink.Deployment(settings, engines)
+        self.layer = ServeLayer(deployment, http.ServerSettings.from_env(), line, described["listing"], policy)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         """The ASGI app Serve runs: a FastAPI app with the layer installed."""
