@@ -2118,7 +2118,7 @@ def _image_content(user: str, markers: tuple[str, ...], images: tuple, layout: s
     return content, tuple(order)
 
 
-def _readouts(prompts: list[Prompt], rows: list[tuple[list[float], float]]) -> dict[str, Readout]:
+def question_readouts(prompts: list[Prompt], rows: list[tuple[list[float], float]]) -> dict[str, Readout]:
     """The forward's (label logits, lse) per prompt, gathered into each question's readout in prompt order."""
     raw: dict[str, Readout] = {}
     for p, (row, lse) in zip(prompts, rows):
@@ -2453,7 +2453,7 @@ class TorchEngine(PromptEngine):
             meta.update(vision_encoder_ms=encoder_ms, lm_prefill_ms=prefill_ms)
         n_tokens = sum(len(p.ids) for p in work.prompts)
         return Forward(
-            _readouts(work.prompts, rows),
+            question_readouts(work.prompts, rows),
             n_tokens,
             self.name,
             LIVE,
@@ -2504,7 +2504,7 @@ def _split_forwards(
         n = len(job.work)
         out.append(
             Forward(
-                _readouts(job.work, rows[k : k + n]),
+                question_readouts(job.work, rows[k : k + n]),
                 sum(len(p.ids) for p in job.work),
                 engine,
                 LIVE,
@@ -2860,7 +2860,7 @@ def _batches(lengths: list[int], budget: int, max_rows: int | None = None) -> It
         yield batch
 
 
-def _prefix_groups(
+def prefix_groups(
     seqs: list[list[int]], cuts: list[tuple[int, ...]], settings: Settings, keep: bool
 ) -> list[tuple[list[int], int]]:
     """The prompts (by index) grouped by the prefix they run from, each group with its length: the evidence when it
@@ -3119,7 +3119,7 @@ def _forward(
 ) -> tuple[list[tuple[list[float], float]], Prefill]:
     """Right-padded maskless prefill; every layer is causal, so padding cannot reach the last real position.
     Prompts that share a prefix (the header, a request's evidence) run only their tails against copies of that
-    prefix's cache, taken from the engine's prefix store or encoded once here (see _prefix_groups). lm_head is
+    prefix's cache, taken from the engine's prefix store or encoded once here (see prefix_groups). lm_head is
     applied in FP32. Returns per sequence (label logits, full-vocabulary log-sum-exp), and what the call did."""
     import torch
 
@@ -3130,7 +3130,7 @@ def _forward(
     computed = 0
     t0 = time.perf_counter()
     with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
-        for rows, shared in _prefix_groups(seqs, cuts, engine.settings, store.keeps):
+        for rows, shared in prefix_groups(seqs, cuts, engine.settings, store.keeps):
             part: list = [None] * len(rows)
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
             if shared:

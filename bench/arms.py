@@ -174,7 +174,7 @@ def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: boo
     prompts = engine.render(req)
     shared = [
         n
-        for _, n in blink._prefix_groups(
+        for _, n in blink.prefix_groups(
             [p.ids for p in prompts], [p.cuts for p in prompts], settings, engine.prefixes.keeps
         )
         if n

@@ -101,7 +101,7 @@ class LlamaArm:
         """A System One body {state, questions} answered in blink's shapes, at temperature 1."""
         request = blink.parse_request(body["state"], body["questions"], settings=self.engine.settings)
         prompts = self.engine.render(request)
-        readouts = blink._readouts(prompts, [self.reader.call("read", p.ids, p.cand) for p in prompts])
+        readouts = blink.question_readouts(prompts, [self.reader.call("read", p.ids, p.cand) for p in prompts])
         return blink.assemble(request, readouts, {q.key: 1.0 for q in request.questions})
 
 

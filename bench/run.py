@@ -122,7 +122,7 @@ def spans_of(engine: blink.TorchEngine, prompts: list[blink.Prompt], prefix: boo
     spans = []
     seqs, keep = [p.ids for p in prompts], engine.prefixes.keeps
     settings = replace(engine.settings, prefix_cache=prefix)
-    for rows, shared in blink._prefix_groups(seqs, [p.cuts for p in prompts], settings, keep):
+    for rows, shared in blink.prefix_groups(seqs, [p.cuts for p in prompts], settings, keep):
         if shared:
             points = [c for c in prompts[rows[0]].cuts if c < shared] if keep else []
             spans += [(a, b - a) for a, b in blink.encode_plan(engine.prefill_cost, 0, [*points, shared])]

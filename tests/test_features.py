@@ -369,7 +369,7 @@ def test_batched_readout_and_shared_prefix_carry_the_same_label_mass(live):
     prompts = eng.render(request)
     seqs = [p.ids for p in prompts]
     # the three rotations share one prefix (the header and the evidence), encoded once
-    ((rows, shared),) = blink._prefix_groups(seqs, [p.cuts for p in prompts], settings, eng.prefixes.keeps)
+    ((rows, shared),) = blink.prefix_groups(seqs, [p.cuts for p in prompts], settings, eng.prefixes.keeps)
     assert rows == [0, 1, 2] and shared == prompts[0].cuts[-1] > 8
     result = eng.forward(request)
     assert result.prefill_tokens == sum(map(len, seqs)) - 2 * shared
