@@ -108,7 +108,7 @@ MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call or 
 MAX_INT_DIGITS = 4000  # longest integer a request may hold (Python refuses to print integers past 4300 digits)
 LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp (GPU)
 # On a CPU by bytes: under glibc's largest mmap threshold (32 MB) a chunk reuses freed heap pages; a larger one is
-# mapped and faulted in anew on every call (75 MB chunks cost the bfloat16 stand-in 40 ms of a 118 ms question).
+# mapped and faulted in anew on every call.
 LSE_CHUNK_CPU_BYTES = 8 * 2**20
 ENGINE_KINDS = ("torch", "replay", "hybrid", "mock")
 BACKENDS = ("torch", "vllm")  # what runs a live model: transformers in this process, or a vLLM engine
@@ -3021,7 +3021,8 @@ def _libc(name: str) -> Callable | None:
 def share_malloc_arenas() -> bool:
     """Threads that first allocate from now on share glibc's malloc arenas instead of each making its own (mallopt
     M_ARENA_MAX = 1): pages one thread's arena freed cannot serve another's, so the app, whose forwards run on the
-    Batcher's thread, peaked 135 MB higher on 9 long documents than with one arena (bench/memory.py). True on glibc."""
+    Batcher's thread, peaked 268 MB above decide() over 24 long documents before they shared one, and 3 MB below it
+    after (`python -m bench memory`: bench/results/memory.json, and as of e99584c). True on glibc."""
     opt = _libc("mallopt")
     return bool(opt and opt(-8, 1))  # -8: M_ARENA_MAX in glibc's malloc.h
 
