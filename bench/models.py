@@ -2,6 +2,7 @@
 
     python -m bench models              # every installed candidate; prints markdown tables, writes JSON
     python -m bench models --runs 1     # fewer timing repeats
+    python -m bench models --quick      # every 8th labelled request, one timing repeat (models-quick.json)
 
 Each candidate is measured through blink's own TorchEngine (CPU, fp32, one torch thread, blink's default settings).
 Per candidate: what its GGUF file says it is (name, fine-tune, licence, whether it carries a chat template), its
@@ -382,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     # blink's defaults on a CPU, fp32; only where converted models live comes from the environment
     settings = blink.Settings(dtype="float32", cache_dir=blink.env_settings().cache_dir)
-    items = labelled(CLEARCUT, settings)
+    items = labelled(CLEARCUT, settings)[:: 8 if run.quick else 1]
     document = labelled(INCIDENT, settings)[0]
+    runs = 1 if run.quick else run.args.runs
     short = next(item for item in items if item[0].questions[0].type == "noul")
     res = {
         "settings": {
@@ -404,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         res["models"][c.name] = {**describe(c), **stats}
         print(f"{c.name}: loaded in {stats['load_s']} s", flush=True)
     run.probe()
-    for name, measured in compare(engines, items, short, document, (5 * run.args.runs, run.args.runs)).items():
+    for name, measured in compare(engines, items, short, document, (5 * runs, runs)).items():
         res["models"][name].update(measured)
     path = run.write(res)
     from bench import report

@@ -567,12 +567,13 @@ def vllm_report(res: dict) -> list[str]:
 
 
 def _cell(value) -> str:
-    """One value of a generic table: numbers to 4 significant digits, lists and objects as JSON, whole."""
+    """One value of a generic table: numbers to 4 significant digits, lists and objects as JSON, whole (a "|" escaped,
+    so that it stays in its cell)."""
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, (list, dict)):
-        return json.dumps(value, ensure_ascii=False)
-    return "—" if value is None else str(value)
+        return json.dumps(value, ensure_ascii=False).replace("|", "\\|")
+    return "—" if value is None else str(value).replace("|", "\\|")
 
 
 def _scalar(value) -> bool:
@@ -584,7 +585,9 @@ def _table(rows: list[tuple[str, dict]], first: str) -> list[str]:
     """A markdown table of named rows, one column per field any row has (nested fields as compact JSON)."""
     columns = list(dict.fromkeys(k for _, row in rows for k in row))
     lines = ["| " + " | ".join([first, *columns]) + " |", "|" + "---|" * (len(columns) + 1)]
-    return lines + ["| " + " | ".join([name, *(_cell(row.get(k)) for k in columns)]) + " |" for name, row in rows]
+    return lines + [
+        "| " + " | ".join([_cell(name), *(_cell(row.get(k)) for k in columns)]) + " |" for name, row in rows
+    ]
 
 
 def generic_report(res) -> list[str]:
@@ -698,11 +701,8 @@ def report(res, name: str = "") -> str:
     if which not in REPORTS or not isinstance(res, dict):
         return "\n".join(generic_report(res))
     tables, shown = REPORTS[which]
-    head = (
-        []
-        if which == "run"
-        else [header_line(res), *([steadiness_line(res)] if "matmul_gflops_start_end" in res else []), ""]
-    )
+    steady = ["", steadiness_line(res)] if "matmul_gflops_start_end" in res else []
+    head = [] if which == "run" else [header_line(res), *steady, ""]
     rest = {k: v for k, v in res.items() if k not in HEADER and k not in shown}
     tail = ["", "Other fields:", "", *generic_report(rest)] if rest else []
     return "\n".join([*head, *tables(res), *tail])
