@@ -711,7 +711,9 @@ def report(res, name: str = "") -> str:
 def main(paths: list[str]) -> int:
     """Print every file named (`-` reads stdin; none: every committed results file), each under its name when
     there are several."""
-    paths = paths or sorted(glob.glob(os.path.join(harness.RESULTS, "*.json")))
+    paths = paths or sorted(
+        p for p in glob.glob(os.path.join(harness.RESULTS, "*.json")) if not p.endswith("-quick.json")
+    )
     for i, path in enumerate(paths):
         if path == "-":
             res = json.load(sys.stdin)

@@ -99,33 +99,32 @@ def vllm_version() -> str:
     return done.stdout.strip() or done.stderr.strip()[-200:]
 
 
-def start_all(stack: contextlib.ExitStack, model: str, threads: int, max_model_len: int, logs: str) -> dict:
-    """Every server up side by side: {target: (url, model name) or a reason it is not up}."""
+def start_all(
+    stack: contextlib.ExitStack, model: str, threads: int, max_model_len: int, logs: str
+) -> tuple[dict, dict]:
+    """Every server up side by side: {target: (url, model name) or a reason it is not up}, and {target: seconds from
+    the start of them all until it answered} (waited for in turn: for all but the first, an upper bound)."""
+    watch = harness.Stopwatch()
     folder = blink.model_source(model, blink.Settings().cache_dir)
     base = servers.bench_env(threads)
     # every process is started before the first is waited for: the engines start side by side
     starting = {
-        name: stack.enter_context(servers.app(app_env(model, arm, max_model_len), logs, base, python_of(arm), START_S))
+        name: stack.enter_context(servers.app_started(app_env(model, arm, max_model_len), logs, base, python_of(arm)))
         for name, arm in ARMS.items()
     }
     port = servers.free_port()
+    own_cmd = own_route_cmd(folder, port, max_model_len)
+    own_log = os.path.join(logs, "vllm-serve.log")
     own_url = f"http://127.0.0.1:{port}/"
-    own = stack.enter_context(
-        servers.running(
-            own_route_cmd(folder, port, max_model_len),
-            own_url,
-            os.path.join(logs, "vllm-serve.log"),
-            {**base, **vllm_env()},
-            health="health",
-            timeout_s=START_S,
-        )
-    )
-    up = {}
-    for name, server in {**starting, OWN_ROUTE: own}.items():
+    starting[OWN_ROUTE] = stack.enter_context(servers.started(own_cmd, own_url, own_log, {**base, **vllm_env()}))
+    up, up_after = {}, {}
+    for name, server in starting.items():
         served = folder if name == OWN_ROUTE else model
+        why = server.wait("health" if name == OWN_ROUTE else "", START_S).down
+        up_after[name] = round(watch.seconds(), 1)
         url = server.url + "v1/systemone"
-        up[name] = server.down or peers.systemone_probe(url, served, workload(2)[0]) or (url, served)
-    return up
+        up[name] = why or peers.systemone_probe(url, served, workload(2)[0]) or (url, served)
+    return up, up_after
 
 
 def flags(ap) -> None:
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"server logs in {logs}", flush=True)
     run.probe()
     with contextlib.ExitStack() as stack:
-        up = start_all(stack, args.model, run.threads, args.max_model_len, logs)
+        up, up_after = start_all(stack, args.model, run.threads, args.max_model_len, logs)
         print(
             f"servers up after {run.stopwatch.seconds():.0f} s: "
             + "; ".join(f"{k}: {'up' if isinstance(v, tuple) else v}" for k, v in up.items()),
@@ -194,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "vllm_env": vllm_env(),
         "arms": {name: {**arm.settings, "python": arm.python} for name, arm in ARMS.items()},
         "not_up": {name: reason for name in ARMS if not isinstance(reason := up[name], tuple)},
+        "up_after_s": up_after,
         "vllm_own_route": ("answered: driven in the http rows" if isinstance(up[OWN_ROUTE], tuple) else up[OWN_ROUTE]),
         "answers": {"requests": len(parity_requests), "reference": REFERENCE, "arms": parity},
         "http": {**http_cfg, "rows": serving},

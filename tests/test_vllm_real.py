@@ -33,8 +33,8 @@ VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 TOLERANCE = 1e-5
 MAX_MODEL_LEN = 8192
 LONG_TOKENS = 3000  # the long document's length, in the stand-in's tokens
-# The vLLM side's environment: the vLLM backend in float32 on a small CPU KV cache, the engine not compiled (start in
-# 40-80 s on 2 cores rather than about 160 s).
+# The vLLM side's environment: the vLLM backend in float32 on a small CPU KV cache, the engine not compiled (no
+# compilation at start; `python -m bench vllm_check` records how long its servers took to start, start_s).
 VLLM_ENV = {
     "BLINK_BACKEND": "vllm",
     "BLINK_DTYPE": "float32",
@@ -43,8 +43,8 @@ VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-ENGINE_START_S = 900  # three engines start side by side: 40-110 s each here alone with the machine loaded
-DRIVER_TIMEOUT_S = 1500  # the driver's engine start and every case (about 4 min measured here, loaded)
+ENGINE_START_S = 900  # three engines start side by side; the deadline only stops one that hangs
+DRIVER_TIMEOUT_S = 1500  # the driver's engine start and every case; the deadline only stops a driver that hangs
 
 
 def vllm_python() -> str:
