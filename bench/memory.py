@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 import blink
-from bench import harness, servers, workloads
+from bench import arms, harness, servers, workloads
 
 CONFIGS = {
     "full": {
@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for spec in (args.runs or cfg["runs"]).split(","):
         arm, dtype, release = spec.split(":")
+        if arm not in arms.of("memory"):
+            raise SystemExit(f"--runs: no memory arm {arm!r} (the arms: {', '.join(arms.of('memory'))})")
         env = {
             **servers.bench_env(run.threads),
             "BLINK_PREFIX_CACHE_MB": str(cfg["bound_mb"]),

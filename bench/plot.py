@@ -114,7 +114,7 @@ def plot(res: dict, path: str) -> None:
 
     fig.suptitle(
         f"blink bench: {res['model']} ({res['dtype']}, {res['device']}), {res['hardware']}, "
-        f"{res['threads']['threads']} thread(s) — {res['mode']} run",
+        f"{res['threads']['threads']} thread(s) — {res['mode']}{' --quick' if res.get('quick') else ''} run",
         fontsize=10,
     )
     fig.tight_layout()

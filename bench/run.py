@@ -475,7 +475,8 @@ def llama_targets(decision: dict, exact: bool) -> list[dict]:
 def summary_line(res: dict, path: str) -> str:
     """The one line the command ends with: the decision targets first, then the grid's and serving's."""
     parts = [
-        f"blink bench ({res['mode']}, {res['model']}, {res['hardware']}, {res['threads']['threads']} "
+        f"blink bench ({res['mode']}{', quick' if res['quick'] else ''}, {res['model']}, {res['hardware']}, "
+        f"{res['threads']['threads']} "
         f"thread(s), {res['duration_s']:.0f} s)"
     ]
     if res.get("unsteady"):
