@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 
 import blink
-from bench import answers, arms, grid, harness, workloads
+from bench import answers, arms, grid, harness, report, workloads
 from tests import tiny_models
 
 CONFIGS = {
@@ -192,25 +192,6 @@ def worst(rows: list[dict], arm: str, model: str | None = None) -> dict:
     }
 
 
-def summary_line(res: dict, path: str) -> str:
-    """The one line the command ends with."""
-    stand = [r for r in res["rows"] if r["model"] == "stand-in"]
-    mode = "quick" if res["quick"] else "full"
-    parts = []
-    for arm in ("bfloat16", "int8"):
-        w = worst(res["rows"], arm)
-        speed = "/".join(f"{r['arms'][arm]['speedup_cpu']:.2f}" for r in stand)
-        parts.append(
-            f"{arm}: stand-in {speed}x float32's speed (CPU time; logs of "
-            f"{'/'.join(str(r['doc_tokens']) for r in stand)} tokens), largest probability difference "
-            f"{w['max_prob_diff']:.4f}, picks differ {w['picks_differ']} of {w['asked']}"
-        )
-    return (
-        f"blink precision ({mode}, {res['hardware']}, {res['threads']} thread, {res['duration_s']:.0f} s): "
-        f"{'; '.join(parts)}; results {os.path.relpath(path)}"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     """Measure, write JSON, print one summary line last."""
     run = harness.Run("drift", argv, __doc__, lambda ap: ap.add_argument("--reps", type=int, help="default 3, quick 1"))
@@ -241,5 +222,5 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     path = run.write(res)
-    print(summary_line({**run.header(), **res}, path))
+    print(report.drift_summary({**run.header(), **res}, path))
     return 0

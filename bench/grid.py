@@ -25,7 +25,7 @@ class Measured:
     """What one arm did on one question or one request."""
 
     wall_s: float
-    cpu_s: float  # this process's CPU time: what contention from other processes cannot inflate much
+    cpu_s: float  # this process's CPU time, which waiting for a core does not inflate
     prefill_tokens: int
     choices: dict[str, str | None]  # question -> option key (None: the output named no offered option)
     peak_mb: float

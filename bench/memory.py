@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 import blink
-from bench import arms, harness, servers, workloads
+from bench import arms, harness, report, servers, workloads
 
 CONFIGS = {
     "full": {
@@ -246,20 +246,5 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     path = run.write(res)
-    print(summary_line({**run.header(), **res}, path))
+    print(report.memory_summary({**run.header(), **res}, path))
     return 0
-
-
-def summary_line(res: dict, path: str) -> str:
-    """The one line the command ends with."""
-    parts = [
-        f"{r['arm']} {r['dtype']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
-        f" (peak +{r['max_peak_growth_mb']})"
-        for r in res["runs"]
-    ]
-    mode = "quick" if res["quick"] else "full"
-    return (
-        f"blink memory ({mode}, {res['config']['docs']} documents of ~{res['config']['doc_tokens']} "
-        f"tokens, bound {res['config']['bound_mb']} MB, target +{res['target_mb']} MB): {'; '.join(parts)}; "
-        f"results {os.path.relpath(path)}"
-    )

@@ -608,6 +608,99 @@ def generic_report(res) -> list[str]:
     return [*fields, *tables]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The line a benchmark ends with
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_summary(res: dict, path: str) -> str:
+    """run's last line: the decision targets first, then the grid's and serving's."""
+    parts = [
+        f"blink bench ({res['mode']}{', quick' if res['quick'] else ''}, {res['model']}, {res['hardware']}, "
+        f"{res['threads']['threads']} "
+        f"thread(s), {res['duration_s']:.0f} s)"
+    ]
+    if res.get("unsteady"):
+        start, end = res["matmul_gflops_start_end"]
+        parts.append(
+            f"UNSTEADY machine: matmul {start:.0f} GFLOP/s at the start, {end:.0f} at the end "
+            f"({res['matmul_change']:.0%} change, over {res['unsteady_threshold']:.0%})"
+        )
+    verdict = {True: "met", False: "MISSED", None: "target is for the full run's cell"}
+    for t in res["targets"]:
+        if t["threshold"] == 0:
+            parts.append(f"{t['value']} of {t['compared']} answers differ from unbatched ({verdict[t['met']]})")
+        else:
+            both = (
+                verdict[t["met"]]
+                if t["met"] is None
+                else f"wall {verdict[t['met']]}, CPU time {verdict[t['met_cpu_time']]}"
+            )
+            parts.append(
+                f"{t['short']} {t['value']:.1f}x wall, {t['value_cpu_time']:.1f}x CPU time "
+                f"(target {t['threshold']:g}x) at {t['cell']} ({both})"
+            )
+    if res["cells"]:
+        best = max(
+            (a.get("fraction_of_matmul_body_attention", 0), name) for c in res["cells"] for name, a in c["arms"].items()
+        )
+        parts.append(f"best prefill {best[0]:.0%} of measured matmul peak ({best[1]})")
+    batcher = [r for r in res["throughput"] if r.get("target") == "Batcher" and not r.get("prefix_cache")]
+    if batcher:
+        top = max(batcher, key=lambda r: r["requests_per_s"])
+        parts.append(
+            f"Batcher {top['requests_per_s']:.2f} req/s at {top['window_ms']:g} ms (p99 {top['p99_ms']:.0f} ms)"
+        )
+    http = {(r["target"], r.get("clients")): r for r in res["http"] if "requests_per_s" in r}
+    serve_name, own_name = arms.of("http")
+    for clients in sorted({r["clients"] for r in http.values()}):
+        serve, own = http.get((serve_name, clients)), http.get((own_name, clients))
+        if serve and own:
+            parts.append(
+                f"/v1/systemone x{own['requests_per_s'] / serve['requests_per_s']:.1f} transformers serve "
+                f"at {clients} client(s)"
+            )
+    skipped = [f"{r['target']}: {r['skipped']}" for r in [*res["http"], *res["peers_skipped"]] if "skipped" in r]
+    if skipped:
+        parts.append("skipped " + "; ".join(skipped))
+    parts.append(f"results {os.path.relpath(path)}")
+    return "; ".join(parts)
+
+
+def drift_summary(res: dict, path: str) -> str:
+    """drift's last line: bfloat16's and int8's speed on the stand-in and their largest drift."""
+    stand = [r for r in res["rows"] if r["model"] == "stand-in"]
+    mode = "quick" if res["quick"] else "full"
+    parts = []
+    for arm in ("bfloat16", "int8"):
+        w = res["worst"][arm]
+        speed = "/".join(f"{r['arms'][arm]['speedup_cpu']:.2f}" for r in stand)
+        parts.append(
+            f"{arm}: stand-in {speed}x float32's speed (CPU time; logs of "
+            f"{'/'.join(str(r['doc_tokens']) for r in stand)} tokens), largest probability difference "
+            f"{w['max_prob_diff']:.4f}, picks differ {w['picks_differ']} of {w['asked']}"
+        )
+    return (
+        f"blink precision ({mode}, {res['hardware']}, {res['threads']} thread, {res['duration_s']:.0f} s): "
+        f"{'; '.join(parts)}; results {os.path.relpath(path)}"
+    )
+
+
+def memory_summary(res: dict, path: str) -> str:
+    """memory's last line: each run's largest growth and peak against the target."""
+    parts = [
+        f"{r['arm']} {r['dtype']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
+        f" (peak +{r['max_peak_growth_mb']})"
+        for r in res["runs"]
+    ]
+    mode = "quick" if res["quick"] else "full"
+    return (
+        f"blink memory ({mode}, {res['config']['docs']} documents of ~{res['config']['doc_tokens']} "
+        f"tokens, bound {res['config']['bound_mb']} MB, target +{res['target_mb']} MB): {'; '.join(parts)}; "
+        f"results {os.path.relpath(path)}"
+    )
+
+
 # Each kind of results file: what prints its tables, and the fields those tables show (every other field prints
 # after them, so a file prints whole).
 REPORTS = {

@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import replace
 
 import blink
-from bench import arms, grid, harness, peers, throughput, workloads
+from bench import arms, grid, harness, peers, report, throughput, workloads
 
 # Each slow arm runs at most `budget` prompt tokens per cell (always at least one question); its time for the whole
 # request is then scaled from the questions it ran, and the cell says so. blink with the shared prefix always runs
@@ -472,60 +472,6 @@ def llama_targets(decision: dict, exact: bool) -> list[dict]:
     return out
 
 
-def summary_line(res: dict, path: str) -> str:
-    """The one line the command ends with: the decision targets first, then the grid's and serving's."""
-    parts = [
-        f"blink bench ({res['mode']}{', quick' if res['quick'] else ''}, {res['model']}, {res['hardware']}, "
-        f"{res['threads']['threads']} "
-        f"thread(s), {res['duration_s']:.0f} s)"
-    ]
-    if res.get("unsteady"):
-        start, end = res["matmul_gflops_start_end"]
-        parts.append(
-            f"UNSTEADY machine: matmul {start:.0f} GFLOP/s at the start, {end:.0f} at the end "
-            f"({res['matmul_change']:.0%} change, over {res['unsteady_threshold']:.0%})"
-        )
-    verdict = {True: "met", False: "MISSED", None: "target is for the full run's cell"}
-    for t in res["targets"]:
-        if t["threshold"] == 0:
-            parts.append(f"{t['value']} of {t['compared']} answers differ from unbatched ({verdict[t['met']]})")
-        else:
-            both = (
-                verdict[t["met"]]
-                if t["met"] is None
-                else f"wall {verdict[t['met']]}, CPU time {verdict[t['met_cpu_time']]}"
-            )
-            parts.append(
-                f"{t['short']} {t['value']:.1f}x wall, {t['value_cpu_time']:.1f}x CPU time "
-                f"(target {t['threshold']:g}x) at {t['cell']} ({both})"
-            )
-    if res["cells"]:
-        best = max(
-            (a.get("fraction_of_matmul_body_attention", 0), name) for c in res["cells"] for name, a in c["arms"].items()
-        )
-        parts.append(f"best prefill {best[0]:.0%} of measured matmul peak ({best[1]})")
-    batcher = [r for r in res["throughput"] if r.get("target") == "Batcher" and not r.get("prefix_cache")]
-    if batcher:
-        top = max(batcher, key=lambda r: r["requests_per_s"])
-        parts.append(
-            f"Batcher {top['requests_per_s']:.2f} req/s at {top['window_ms']:g} ms (p99 {top['p99_ms']:.0f} ms)"
-        )
-    http = {(r["target"], r.get("clients")): r for r in res["http"] if "requests_per_s" in r}
-    serve_name, own_name = arms.of("http")
-    for clients in sorted({r["clients"] for r in http.values()}):
-        serve, own = http.get((serve_name, clients)), http.get((own_name, clients))
-        if serve and own:
-            parts.append(
-                f"/v1/systemone x{own['requests_per_s'] / serve['requests_per_s']:.1f} transformers serve "
-                f"at {clients} client(s)"
-            )
-    skipped = [f"{r['target']}: {r['skipped']}" for r in [*res["http"], *res["peers_skipped"]] if "skipped" in r]
-    if skipped:
-        parts.append("skipped " + "; ".join(skipped))
-    parts.append(f"results {os.path.relpath(path)}")
-    return "; ".join(parts)
-
-
 def decision_part(engine: blink.TorchEngine, run: harness.Run, servers: bool) -> tuple[dict, list, list]:
     """The decision peers: every arm of the registry's "decision" arms against blink on the three cases, then over
     HTTP against `transformers serve`; blink on vLLM and the HTTP servers only where `servers` (not in --quick without
@@ -688,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
             plot.plot(res, path.removesuffix(".json") + ".png")
         except ImportError as exc:
             print(f"no plot: {exc}")
-    print(summary_line(res, path))
+    print(report.run_summary(res, path))
     return 0
 
 
