@@ -1,5 +1,6 @@
-"""Bulk decisions: rows per second of `python blink.py batch` on one model, serially and on `--ray N` workers,
-beside the loop a user writes by hand (decide() one row at a time), in one run.
+"""Bulk decisions: rows per second of `python blink.py batch`, serially and on `--ray N` workers, beside a loop by hand.
+
+On one model, in one run; the loop is the one a user writes by hand (decide() one row at a time).
 
     python -m bench batch                         # 128 rows on the stand-in (5-10 minutes on a 2-core CPU)
     python -m bench batch --quick                 # 16 rows (4 for the loop), one run each, 2,000 no-model rows

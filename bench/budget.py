@@ -1,5 +1,7 @@
-"""How many rows blink runs per forward on this machine: padded tokens per forward (BLINK_TOKEN_BUDGET) and prefix
-copies x length held at once (BLINK_PREFIX_KV_TOKENS), the same work at each value, interleaved.
+"""How many rows blink runs per forward on this machine: BLINK_TOKEN_BUDGET and BLINK_PREFIX_KV_TOKENS, timed.
+
+Padded tokens per forward (BLINK_TOKEN_BUDGET) and prefix copies x length held at once (BLINK_PREFIX_KV_TOKENS), the
+same work at each value, interleaved.
 
     python -m bench budget           # the workloads below at their full sizes, 3 repetitions
     python -m bench budget --quick   # smaller, one repetition

@@ -1,4 +1,4 @@
-"""Markdown tables from results files, for README.md and bench/README.md: every results file printed whole.
+"""Every results file printed whole, as the markdown tables README.md and bench/README.md quote.
 
     python bench/report.py                                 # every committed file in bench/results
     python bench/report.py bench/results/decision.json     # one file (also: python -m bench report FILE...)
