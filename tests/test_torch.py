@@ -290,7 +290,7 @@ def test_a_noisy_measurement_is_measured_again_and_never_kept_unsettled(tmp_path
     got = verdict(8, 16, str(tmp_path))
     assert (got["kernel"], got["attempts"], got["settled"]) == ("torch", blink.KERNEL_ATTEMPTS, False)
     assert not (tmp_path / "cpu-matmul").exists()  # the next process measures again
-    assert got in blink.kernel_verdicts().values()  # what this process ran is on record (bench/saved.py)
+    assert got in blink.kernel_verdicts().values()  # on record in the header of every bench results file
 
 
 def test_measured_kernels_take_turns_and_time_every_round():
