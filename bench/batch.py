@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "speedup_ray_over_batch_steady": ratio(by["ray"]["steady_rows_per_s"], by["batch"]["steady_rows_per_s"]),
     }
     path = run.write(result)
-    print("\n".join(report.batch_report({**run.header(), **result})))
+    print("\n".join(report.batch_report(run.written)))
     times = {
         k: "—" if result[k] is None else f"{result[k]}x"
         for k in ("speedup_batch_over_loop", "speedup_ray_over_batch", "speedup_ray_over_batch_steady")

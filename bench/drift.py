@@ -222,5 +222,5 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     path = run.write(res)
-    print(report.drift_summary({**run.header(), **res}, path))
+    print(report.drift_summary(run.written, path))
     return 0

@@ -203,6 +203,7 @@ class Run:
         self.started, self.stopwatch, self.load0 = time.time(), Stopwatch(), load_average()
         self.probes: list[float] = []
         self.device = None  # where the probes run: the first probe's device
+        self.written: dict = {}  # the header and results write() wrote
 
     def probe(self, device=None) -> float:
         """The machine's matmul GFLOP/s now (matmul_flops; on a CPU unless told): the first call is the run's start,
@@ -238,8 +239,10 @@ class Run:
 
     def write(self, results: dict, stem: str | None = None) -> str:
         """The header and `results` as bench/results/STEM.json (STEM-quick.json for --quick; STEM: the benchmark's
-        name unless told); its path. A run that probed its start probes its end here, unless it already has."""
+        name unless told); its path. What it wrote stays in `written`, for the run's last line. A run that probed its
+        start probes its end here, unless it already has."""
         if len(self.probes) == 1:
             self.probe()
         path = os.path.join(self.args.out, f"{stem or self.name}{'-quick' if self.quick else ''}.json")
-        return write_json(path, {**self.header(), **results})
+        self.written = {**self.header(), **results}
+        return write_json(path, self.written)

@@ -246,5 +246,5 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     path = run.write(res)
-    print(report.memory_summary({**run.header(), **res}, path))
+    print(report.memory_summary(run.written, path))
     return 0

@@ -411,5 +411,5 @@ def main(argv: list[str] | None = None) -> int:
     path = run.write(res)
     from bench import report
 
-    print(report.report({**run.header(), **res}, path))
+    print(report.report(run.written, path))
     return 0

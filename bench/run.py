@@ -626,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": NOTES,
     }
     path = run.write(res, args.name or mode)
-    res = {**run.header(), **res}
+    res = run.written
     if cells:
         try:
             from bench import plot

@@ -499,7 +499,7 @@ def test_a_run_writes_its_header_and_results_to_its_file(tmp_path):
     assert res["matmul_gflops_start_end"][0] == 200.0 and len(ran.probes) == 2
     assert res["unsteady"] == (abs(200.0 - ran.probes[1]) / max(200.0, ran.probes[1]) > 0.10)
     assert set(res["load_average"]) == {"start", "end"} and res["duration_s"] >= 0
-    assert report.kind(res, "") == "drift"
+    assert report.kind(res, "") == "drift" and ran.written == res
 
 
 def test_one_answer_comparison_reads_every_shape():
