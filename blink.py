@@ -108,7 +108,7 @@ MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call or 
 MAX_INT_DIGITS = 4000  # longest integer a request may hold (Python refuses to print integers past 4300 digits)
 LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp (GPU)
 # On a CPU by bytes: under glibc's largest mmap threshold (32 MB) a chunk reuses freed heap pages; a larger one is
-# mapped and faulted in anew on every call (75 MB chunks cost the bfloat16 stand-in 40 ms of a 118 ms question).
+# mapped and faulted in anew on every call.
 LSE_CHUNK_CPU_BYTES = 8 * 2**20
 ENGINE_KINDS = ("torch", "replay", "hybrid", "mock")
 BACKENDS = ("torch", "vllm")  # what runs a live model: transformers in this process, or a vLLM engine
@@ -2120,7 +2120,7 @@ def _image_content(user: str, markers: tuple[str, ...], images: tuple, layout: s
     return content, tuple(order)
 
 
-def _readouts(prompts: list[Prompt], rows: list[tuple[list[float], float]]) -> dict[str, Readout]:
+def question_readouts(prompts: list[Prompt], rows: list[tuple[list[float], float]]) -> dict[str, Readout]:
     """The forward's (label logits, lse) per prompt, gathered into each question's readout in prompt order."""
     raw: dict[str, Readout] = {}
     for p, (row, lse) in zip(prompts, rows):
@@ -2455,7 +2455,7 @@ class TorchEngine(PromptEngine):
             meta.update(vision_encoder_ms=encoder_ms, lm_prefill_ms=prefill_ms)
         n_tokens = sum(len(p.ids) for p in work.prompts)
         return Forward(
-            _readouts(work.prompts, rows),
+            question_readouts(work.prompts, rows),
             n_tokens,
             self.name,
             LIVE,
@@ -2506,7 +2506,7 @@ def _split_forwards(
         n = len(job.work)
         out.append(
             Forward(
-                _readouts(job.work, rows[k : k + n]),
+                question_readouts(job.work, rows[k : k + n]),
                 sum(len(p.ids) for p in job.work),
                 engine,
                 LIVE,
@@ -2862,7 +2862,7 @@ def _batches(lengths: list[int], budget: int, max_rows: int | None = None) -> It
         yield batch
 
 
-def _prefix_groups(
+def prefix_groups(
     seqs: list[list[int]], cuts: list[tuple[int, ...]], settings: Settings, keep: bool
 ) -> list[tuple[list[int], int]]:
     """The prompts (by index) grouped by the prefix they run from, each group with its length: the evidence when it
@@ -3023,7 +3023,8 @@ def _libc(name: str) -> Callable | None:
 def share_malloc_arenas() -> bool:
     """Threads that first allocate from now on share glibc's malloc arenas instead of each making its own (mallopt
     M_ARENA_MAX = 1): pages one thread's arena freed cannot serve another's, so the app, whose forwards run on the
-    Batcher's thread, peaked 135 MB higher on 9 long documents than with one arena (bench/memory.py). True on glibc."""
+    Batcher's thread, peaked 268 MB above decide() over 24 long documents before they shared one, and 3 MB below it
+    after (`python -m bench memory`: bench/results/memory.json, and as of e99584c). True on glibc."""
     opt = _libc("mallopt")
     return bool(opt and opt(-8, 1))  # -8: M_ARENA_MAX in glibc's malloc.h
 
@@ -3121,7 +3122,7 @@ def _forward(
 ) -> tuple[list[tuple[list[float], float]], Prefill]:
     """Right-padded maskless prefill; every layer is causal, so padding cannot reach the last real position.
     Prompts that share a prefix (the header, a request's evidence) run only their tails against copies of that
-    prefix's cache, taken from the engine's prefix store or encoded once here (see _prefix_groups). lm_head is
+    prefix's cache, taken from the engine's prefix store or encoded once here (see prefix_groups). lm_head is
     applied in FP32. Returns per sequence (label logits, full-vocabulary log-sum-exp), and what the call did."""
     import torch
 
@@ -3132,7 +3133,7 @@ def _forward(
     computed = 0
     t0 = time.perf_counter()
     with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
-        for rows, shared in _prefix_groups(seqs, cuts, engine.settings, store.keeps):
+        for rows, shared in prefix_groups(seqs, cuts, engine.settings, store.keeps):
             part: list = [None] * len(rows)
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
             if shared:

@@ -82,20 +82,38 @@ def test_decide_many_refuses_a_bad_temperature(live):
         live.decide_many([(STATES[0], QS)], temperature=float("nan"))
 
 
-def test_batcher_groups_concurrent_requests(live, standin, served):
-    # the longest window, closed early once all three are in: on a loaded machine threads may start slowly
-    dep = served(standin, blink.Settings(batch_window_ms=1000, batch_max_requests=3))
+def test_batcher_groups_concurrent_requests(live, standin, served, monkeypatch):
+    # The worker is held inside a first forward (a plug request) until the three requests wait in its queue; released,
+    # it gathers all three (window 0: whatever is queued) into one forward, however the threads were scheduled.
+    dep = served(standin, blink.Settings(batch_window_ms=0, batch_max_requests=3))
+    batcher = dep.batcher()
+    inside, release = threading.Event(), threading.Event()
+    real = batcher.run
+
+    def run(jobs):
+        if not inside.is_set():  # the plug's forward: hold the worker here
+            inside.set()
+            release.wait(120)
+        return real(jobs)
+
+    monkeypatch.setattr(batcher, "run", run)
     results: dict = {}
 
-    def call(i: int) -> None:
-        results[i] = dep.submit(dep.request(STATES[i], QS))
+    def call(i) -> None:
+        results[i] = dep.submit(dep.request(STATES[i] if i != "plug" else "plug", QS))
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
-    for t in threads:
+    threads = [threading.Thread(target=call, args=("plug",))]
+    threads[0].start()
+    assert inside.wait(120)
+    threads += [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in threads[1:]:
         t.start()
+    assert wait_until(lambda: batcher.q.qsize() == 3)
+    release.set()
     for t in threads:
-        t.join(timeout=60)
-    assert max(r["meta"]["batched_requests"] for r in results.values()) > 1
+        t.join(timeout=120)
+    assert results["plug"]["meta"]["batched_requests"] == 1
+    assert [results[i]["meta"]["batched_requests"] for i in range(3)] == [3, 3, 3]
     for i, state in enumerate(STATES):
         assert close(results[i]["answers"], answers_alone(live, state))
 

@@ -9,6 +9,7 @@ import torch
 from conftest import ROOT
 
 import blink
+from bench import answers
 
 DOC = (
     "Invoice 2211 from Norrland Timber AB: 40 pallets of pine boards, 18,400 EUR, due 30 days after delivery. "
@@ -173,8 +174,10 @@ def test_one_dtype_rule_for_every_backend_on_every_device():
 
 def test_the_default_dtype_answers_and_says_so(tiny_qwen_dir):
     # An engine at the defaults this machine's environment gives (no BLINK_DTYPE) runs the rule's dtype, and every
-    # live answer's meta says the backend, dtype and kernel that answered. Its picks are float32's: bfloat16 moved
-    # a probability by at most 0.03 on the drift set (bench/drift.py), well inside these questions' margins.
+    # live answer's meta says the backend, dtype and kernel that answered. Its answers are float32's within what
+    # bfloat16 did to this tiny model in `python -m bench drift` (bench/results/drift.json): probabilities moved by at
+    # most 0.0605, one pick of 24 flipped, where float32's top two stood 0.092 apart. So picks must agree wherever
+    # float32's top two stand more than twice 0.0605 apart, and no probability may move by 0.1 or more.
     settings = blink.Settings.from_env({}, gpu=False)
     default = blink.Deployment.serving(blink.TorchEngine(tiny_qwen_dir, settings=settings))
     exact = blink.Deployment.serving(blink.TorchEngine(tiny_qwen_dir, settings=replace(settings, dtype="float32")))
@@ -184,9 +187,10 @@ def test_the_default_dtype_answers_and_says_so(tiny_qwen_dir):
     assert ref["meta"]["cpu_matmul"] in ("onednn", "torch") and got["meta"]["cpu_matmul"] == (
         "torch" if settings.compute_dtype != "float32" else ref["meta"]["cpu_matmul"]
     )
-    assert {k: a.get("choice", a.get("noul", 0) > 0.5) for k, a in got["answers"].items()} == {
-        k: a.get("choice", a.get("noul", 0) > 0.5) for k, a in ref["answers"].items()
-    }
+    compared = answers.compare(ref["answers"], got["answers"])
+    steady = {k for k, a in ref["answers"].items() if answers.margin(answers.distribution(a)) > 2 * 0.0605}
+    assert compared["questions"] == len(SMALL) and steady  # at least one pick is held to float32's
+    assert not steady & set(compared["picks_differ"]) and compared["max_prob_diff"] < 0.1
 
 
 def test_cpu_matmul_onednn_answers_as_torch_kernels_do(tiny_qwen_dir):
@@ -286,7 +290,7 @@ def test_a_noisy_measurement_is_measured_again_and_never_kept_unsettled(tmp_path
     got = verdict(8, 16, str(tmp_path))
     assert (got["kernel"], got["attempts"], got["settled"]) == ("torch", blink.KERNEL_ATTEMPTS, False)
     assert not (tmp_path / "cpu-matmul").exists()  # the next process measures again
-    assert got in blink.kernel_verdicts().values()  # what this process ran is on record (bench/saved.py)
+    assert got in blink.kernel_verdicts().values()  # on record in the header of every bench results file
 
 
 def test_measured_kernels_take_turns_and_time_every_round():
