@@ -4,7 +4,8 @@ A request is a `state` (the evidence) plus a map of typed questions (choice, nou
 with the fixed template the model was trained on, all questions run as right-padded prefills packed into batches of
 at most BLINK_TOKEN_BUDGET padded tokens, and each answer is read from the next-token distribution over the offered
 option labels; no tokens are generated. The template header and each request's evidence are encoded once and kept
-across requests (BLINK_PREFIX_CACHE, BLINK_PREFIX_CACHE_MB). Every answer carries `label_mass`, the share of the
+across requests (BLINK_PREFIX_CACHE, BLINK_PREFIX_CACHE_MB), and an exact repeat of a request is answered from what
+the model returned the first time (BLINK_ANSWER_CACHE_MB). Every answer carries `label_mass`, the share of the
 whole next-token distribution on the offered labels; `permute`, `multi` and `abstain` are opt-in per question.
 
 One request takes one straight path: parse_request() checks it once, the same for every entry, into a Request of
@@ -13,10 +14,10 @@ and meta. A Deployment owns the settings, one engine per served model (BLINK_ENG
 BLINK_BACKEND: torch or vllm) and the Batcher; Deployment.answer_all is the one prepare -> run -> answer loop.
 
 Sections, in order: errors · settings · request schema · rendering · answers · images · engines (the interface,
-mock, replay, torch, vLLM, hybrid) · prefix cache · forward pass · deployment · batching · calibration (applied) ·
-command line. What adapts the engine to the outside lives in adapters/ and imports blink, never the reverse: wire.py
-(System One and OpenAI Decisions, served by app.py), bulk.py (`batch`, Ray), export.py (a transformers decision
-config), calibrate.py (fitting) and record.py (writing the presets' recording).
+mock, replay, torch, vLLM, hybrid) · prefix cache · forward pass · answer cache · deployment · batching · calibration
+(applied) · command line. What adapts the engine to the outside lives in adapters/ and imports blink, never the
+reverse: wire.py (System One and OpenAI Decisions, served by app.py), bulk.py (`batch`, Ray), export.py (a
+transformers decision config), calibrate.py (fitting) and record.py (writing the presets' recording).
 """
 
 from __future__ import annotations
@@ -320,6 +321,7 @@ class Settings:
     prefix_kv_tokens: int | None = setting("BLINK_PREFIX_KV_TOKENS", None, 1, kind=int)  # prefix copies x length
     # held at once: bounds how many tails run against one prefix per forward
     prefix_cache_mb: int | None = setting("BLINK_PREFIX_CACHE_MB", None, 0, kind=int)  # prefixes kept across requests
+    answer_cache_mb: int = setting("BLINK_ANSWER_CACHE_MB", 64, 0)  # answers of exact repeats kept (0: none)
     release_memory: bool = setting("BLINK_RELEASE_MEMORY", True)  # freed pages to the OS after each forward; 1 arena
     readout: str = setting("BLINK_READOUT", "rows", choices=READOUTS)  # per-question GEMVs, or one matmul
     cpu_matmul: str = setting("BLINK_CPU_MATMUL", "auto", choices=CPU_MATMULS)  # auto: the faster one, measured
@@ -1429,6 +1431,7 @@ class Forward:
     recorded_on: str | None = None
     recorded_ms: float | None = None
     extra: dict = field(default_factory=dict)  # image requests: pixels, visual tokens, timings
+    recalled: bool = False  # answered from the answer cache: the model did not run for it
 
 
 @dataclass
@@ -1477,6 +1480,11 @@ class Engine:
         if not self.reads_images:
             raise ImageError("this model reads text only", request.located.loc)
         return replace(request.located, limits=self.image_limits)
+
+    def runs_live(self, request: Request) -> bool:
+        """Whether this engine runs its model for the request (a hybrid engine answers a saved example from its
+        recording)."""
+        return self.runs_model
 
     def prepare(self, request: Request) -> Job:
         """The request made ready to run (or its error raised)."""
@@ -2666,16 +2674,18 @@ class HybridEngine(Engine):
         """The live model's."""
         return self.live.compute
 
-    def prepare(self, request: Request) -> Job:
-        """The recording's job when asked for (prefer="saved") and present, else the live model's."""
-        if (
+    def runs_live(self, request: Request) -> bool:
+        """False when the recording answers: asked for (prefer="saved") and present."""
+        return not (
             request.prefer == "saved"
             and self.replay is not None
             and not request.holds_images()
             and self.recording.has(request)
-        ):
-            return self.replay.prepare(request)
-        return self._live.prepare(request)
+        )
+
+    def prepare(self, request: Request) -> Job:
+        """The live model's job, or the recording's when it answers (runs_live)."""
+        return self._live.prepare(request) if self.runs_live(request) else self.replay.prepare(request)
 
     @property
     def live(self) -> PromptEngine:
@@ -2759,22 +2769,18 @@ def encode_plan(cost: PrefillCost, start: int, ends: list[int]) -> list[tuple[in
     return spans
 
 
-class PrefixStore:
-    """Encoded prefixes of one engine, by token ids, least recently used dropped first past `budget` bytes."""
+class BoundedStore:
+    """Values by key, least recently used dropped first once their sizes pass `budget` bytes. The table is guarded by
+    a lock; a value is never written once stored, so readers need none."""
 
     def __init__(self, budget: int):
         self.budget = budget
-        self._held: collections.OrderedDict[tuple[int, ...], tuple[object, int]] = collections.OrderedDict()
+        self._held: collections.OrderedDict[object, tuple[object, int]] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    @property
-    def keeps(self) -> bool:
-        """True when prefixes outlive the call that encoded them."""
-        return self.budget > 0
-
     def held_bytes(self) -> int:
-        """Memory the kept snapshots hold."""
+        """Memory the kept values hold."""
         with self._lock:
             return self._bytes
 
@@ -2783,37 +2789,48 @@ class PrefixStore:
             return len(self._held)
 
     def clear(self) -> None:
-        """Drop every kept prefix (the next request runs cold)."""
+        """Drop every kept value."""
         with self._lock:
             self._held.clear()
             self._bytes = 0
 
-    def get(self, ids: tuple[int, ...]):
-        """The snapshot of exactly these token ids, or None; a hit becomes the most recently used."""
+    def get(self, key):
+        """The value kept for this key, or None; a hit becomes the most recently used."""
         with self._lock:
-            entry = self._held.get(ids)
+            entry = self._held.get(key)
             if entry is None:
                 return None
-            self._held.move_to_end(ids)
+            self._held.move_to_end(key)
             return entry[0]
 
-    def put(self, ids: tuple[int, ...], cache) -> None:
-        """Keep a snapshot (never written to again), dropping the least recently used ones to make room; one
-        larger than the whole budget is not kept."""
-        if not self.keeps:
-            return
-        size = cache_bytes(cache)
+    def hold(self, key, value, size: int) -> None:
+        """Keep a value of `size` bytes, dropping the least recently used ones to make room; one larger than the
+        whole budget is not kept, and a key kept already keeps its first value."""
         if size > self.budget:
             return
         with self._lock:
-            if ids in self._held:
-                self._held.move_to_end(ids)
+            if key in self._held:
+                self._held.move_to_end(key)
                 return
             while self._bytes + size > self.budget:
                 _, (_, dropped) = self._held.popitem(last=False)
                 self._bytes -= dropped
-            self._held[ids] = (cache, size)
+            self._held[key] = (value, size)
             self._bytes += size
+
+
+class PrefixStore(BoundedStore):
+    """Encoded prefixes of one engine, by token ids, least recently used dropped first past `budget` bytes."""
+
+    @property
+    def keeps(self) -> bool:
+        """True when prefixes outlive the call that encoded them."""
+        return self.budget > 0
+
+    def put(self, ids: tuple[int, ...], cache) -> None:
+        """Keep a snapshot (never written to again) of exactly these token ids."""
+        if self.keeps:
+            self.hold(ids, cache, cache_bytes(cache))
 
     def prefix(self, engine: TorchEngine, ids: list[int], points: list[int]) -> tuple[object, int, int]:
         """A cache holding exactly `ids`: kept, or encoded from the longest kept one of the shorter cut points
@@ -3197,6 +3214,80 @@ def _forward_images(key: int, pixel_values, grids, work: list[Prompt]) -> tuple[
 
 
 # ==================================================================================================================
+# Answer cache: exact repeats answered without the model
+# ==================================================================================================================
+# What a live model returns for a request (each prompt's label logits and log-sum-exp) is a function of the request
+# alone (its key: state and questions; and its listed images) once the engine is fixed (one model, revision, dtype
+# and backend); the temperature and a calibration apply afterwards, in answer(). So a Deployment keeps the Forward of
+# each live request per served engine, least recently used dropped past BLINK_ANSWER_CACHE_MB, and answers an exact
+# repeat (agents re-ask, clients retry) from it without tokenizing or running anything. Its meta says so
+# (answer_cache true) and counts honestly: model_ms 0, prefill_tokens 0, every prompt token in cached_tokens,
+# batched_requests 0. A new engine (Deployment.install) starts with an empty cache.
+
+ANSWER_ENTRY_BYTES = 1024  # the Forward, its key and table slot (an estimate of Python's object sizes)
+ANSWER_QUESTION_BYTES = 256  # a question's Readout, its lists and its dict entry
+ANSWER_NUMBER_BYTES = 32  # one float in a list: the object and its slot
+
+
+def answer_key(request: Request) -> str:
+    """What a repeat must share with the request it repeats: its recording key, and its listed images' bytes (data
+    URIs inside the state are in the key already)."""
+    if not request.images:
+        return request.key
+    digest = hashlib.sha256()
+    for uri in request.images:
+        digest.update(str(uri).encode("utf-8", "surrogatepass") + b"\0")
+    return f"{request.key}:{digest.hexdigest()[:32]}"
+
+
+def forward_bytes(forward: Forward) -> int:
+    """Memory one kept Forward holds, estimated from its counts of questions and numbers."""
+    numbers = sum(len(row) + 1 for r in forward.readouts.values() for row in r.logits)
+    return ANSWER_ENTRY_BYTES + ANSWER_QUESTION_BYTES * len(forward.readouts) + ANSWER_NUMBER_BYTES * numbers
+
+
+class AnswerCache(Engine):
+    """The Forwards of one live engine's answered requests by answer_key (`kept`, within `budget` bytes); as an engine
+    it answers a recalled job at once (runs_model False) with what the live one computed."""
+
+    name = "answer-cache"
+
+    def __init__(self, live: Engine, budget: int):
+        super().__init__(live.model_id, live.settings)
+        self.origin = live  # the live engine whose answers these are
+        self.kept = BoundedStore(budget)
+
+    @property
+    def compute(self) -> dict:
+        """The live engine's: it computed every kept answer."""
+        return self.origin.compute
+
+    def recall(self, request: Request) -> Job | None:
+        """A job answered from the Forward kept for this exact request (it becomes the most recently used), or None."""
+        kept = self.kept.get(answer_key(request))
+        if kept is None:
+            return None
+        recalled = replace(
+            kept,
+            model_ms=0.0,
+            prefill_tokens=0,
+            cached_tokens=kept.input_tokens,
+            batched_requests=0,
+            extra={k: v for k, v in kept.extra.items() if not k.endswith("_ms")},  # timings of the first run
+            recalled=True,
+        )
+        return Job(request, self, recalled)
+
+    def keep(self, request: Request, forward: Forward) -> None:
+        """Keep a live Forward for this request."""
+        self.kept.hold(answer_key(request), forward, forward_bytes(forward))
+
+    def run(self, jobs: list[Job]) -> list[Forward | Exception]:
+        """Each recalled job's Forward."""
+        return [job.work for job in jobs]
+
+
+# ==================================================================================================================
 # Deployment: engine selection, decide() and answers
 # ==================================================================================================================
 
@@ -3215,8 +3306,8 @@ def answer_meta(
 ) -> dict:
     """The meta block every answer carries: which model and engine answered, the temperature (one value when every
     question used the same, else a {question: value} map) and its source, tokens and time; for a live model what
-    computed it (META_COMPUTE: backend, dtype, the CPU's kernel); a fabricated-numbers notice for the mock engine;
-    the recording's hardware and latency for a recorded answer."""
+    computed it (META_COMPUTE: backend, dtype, the CPU's kernel) and whether the answer cache answered it; a
+    fabricated-numbers notice for the mock engine; the recording's hardware and latency for a recorded answer."""
     meta = {
         "model": engine.model_id,
         "engine": forward.engine,
@@ -3239,6 +3330,7 @@ def answer_meta(
             prefill_tokens=forward.prefill_tokens,
             cached_tokens=forward.cached_tokens,
             batched_requests=forward.batched_requests,
+            answer_cache=forward.recalled,
         )
         meta.update({k: v for k, v in engine.compute.items() if k in META_COMPUTE})
     return {**meta, **forward.extra}
@@ -3259,6 +3351,7 @@ class Deployment:
         self._engines: dict[str, Engine] = dict(engines or {})
         self._recordings: dict[str, Recording | None] = {}
         self._batchers: dict[str, Batcher] = {}
+        self._answers: dict[str, AnswerCache] = {}  # by model id: its engine's answers of live requests
         self._lock = threading.RLock()
 
     @classmethod
@@ -3277,6 +3370,7 @@ class Deployment:
         with self._lock:
             previous = self._engines.get(mid)
             self._engines[mid] = engine
+            self._answers.pop(mid, None)  # answers the replaced engine computed are not this one's
             return previous
 
     @property
@@ -3357,7 +3451,7 @@ class Deployment:
     def instant(self, request: Request, model: str | None = None) -> bool:
         """True when the request is answered without running a model: by the mock, from a recording, or refused."""
         try:
-            return not self.engine(model).prepare(request).engine.runs_model
+            return not self.prepare(request, model).engine.runs_model
         except BlinkError:
             return True
 
@@ -3368,6 +3462,26 @@ class Deployment:
             if mid not in self._engines:
                 self._engines[mid] = self._build(mid)
             return self._engines[mid]
+
+    def answers(self, model: str | None = None) -> AnswerCache | None:
+        """The answer cache of a served model's engine (None when BLINK_ANSWER_CACHE_MB is 0 or the engine runs no
+        model), made with the engine."""
+        mid = self.model_id(model)
+        eng = self.engine(mid)
+        if not eng.runs_model or self.settings.answer_cache_mb <= 0:
+            return None
+        with self._lock:
+            cache = self._answers.get(mid)
+            if cache is None or cache.origin is not eng.live:
+                cache = self._answers[mid] = AnswerCache(eng.live, self.settings.answer_cache_mb * 2**20)
+            return cache
+
+    def prepare(self, request: Request, model: str | None = None) -> Job:
+        """A parsed request made ready: answered from the answer cache when it repeats a live request exactly, else
+        by its engine's prepare (rendered, tokenized, images decoded)."""
+        eng, answers = self.engine(model), self.answers(model)
+        recalled = answers.recall(request) if answers is not None and eng.runs_live(request) else None
+        return recalled or eng.prepare(request)
 
     def request(self, state, questions, **options) -> Request:
         """A request checked and parsed under this deployment's limits (options: images, temperature, prefer,
@@ -3403,16 +3517,16 @@ class Deployment:
     def answer_all(self, items: list, model: str | None, run_live: Callable[[list[Job]], list] = run_jobs) -> list:
         """The one request path: parsed requests (or the error parsing each raised) prepared in the caller's thread
         (tokenizing and image decoding never hold up the model), run, and answered; one result or exception per
-        item, in order. A recording or the mock answers at once; live jobs go to `run_live` together (run_jobs in
-        this thread, or a Batcher that packs them with other callers'). One request's failure never reaches
-        another."""
-        eng = self.engine(model)
+        item, in order. A recording, the mock or the answer cache answers at once; live jobs go to `run_live`
+        together (run_jobs in this thread, or a Batcher that packs them with other callers'), and what they return
+        is kept in the answer cache. One request's failure never reaches another."""
         started = time.perf_counter()
+        answers = self.answers(model)
         out: list = list(items)
         jobs: dict[int, Job] = {}
         for i, item in enumerate(items):
             if not isinstance(item, Exception):
-                out[i] = _or_error(eng.prepare, item)
+                out[i] = _or_error(self.prepare, item, model)
                 if isinstance(out[i], Job):
                     jobs[i] = out[i]
         instant = [i for i, job in jobs.items() if not job.engine.runs_model]
@@ -3420,6 +3534,9 @@ class Deployment:
         results = dict(zip(instant, run_jobs([jobs[i] for i in instant]))) if instant else {}
         if live:
             results.update(zip(live, run_live([jobs[i] for i in live])))
+            for i in live:
+                if answers is not None and isinstance(results[i], Forward) and jobs[i].engine is answers.origin:
+                    answers.keep(jobs[i].request, results[i])
         for i, job in jobs.items():
             out[i] = _answer_or_error(self, job, results[i], started)
         return out

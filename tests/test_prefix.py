@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import serving_without_answer_cache
 
 import blink
 
@@ -253,7 +254,7 @@ def test_concurrent_callers_on_one_engine_get_their_own_answers(tiny_qwen):
     # The Batcher's worker and direct decide() calls run forwards on one engine at once, reading and filling one
     # store: every answer equals the cold, one-at-a-time path.
     on = prefix_on(tiny_qwen)
-    dep = blink.Deployment.serving(on, replace(on.settings, batch_window_ms=5.0))
+    dep = serving_without_answer_cache(on, replace(on.settings, batch_window_ms=5.0))
     work = [(doc, qs) for doc in (DOC, OTHER_DOC, DOC + " Ticket 7: a lamp.") for qs in (QUESTIONS, NEW_QUESTIONS)] * 2
     results: dict = {}
 
