@@ -342,7 +342,7 @@ class Settings:
     # serving (app.py): Gradio's queue and the Batcher in front of the model
     concurrency: int = setting("BLINK_CONCURRENCY", 16, 1)  # events in flight at once: the Batcher gathers them
     queue_size: int = setting("BLINK_QUEUE_SIZE", 64, 1)  # events waiting in Gradio's queue (ZeroGPU's default: 1)
-    batch_window_ms: float = setting("BLINK_BATCH_WINDOW_MS", 25.0, 0.0, 1000.0)  # how long a batch waits
+    batch_window_ms: float = setting("BLINK_BATCH_WINDOW_MS", 0.0, 0.0, 1000.0)  # an idle worker's wait for more
     batch_max_requests: int = setting("BLINK_BATCH_MAX_REQUESTS", 32, 1, MAX_BATCH_REQUESTS)  # per forward call
     batch_max_queued: int = setting("BLINK_BATCH_MAX_QUEUED", 256, 1)  # requests waiting for the model
     # the wire routes (System One, Decisions, the models list)
@@ -3660,14 +3660,19 @@ def decide_many(requests: list, temperature: float | list | None = None, model: 
 
 
 class Batcher:
-    """Cross-request batching for a serving process. One worker thread takes the oldest waiting job, waits up to
-    `window_s` for more (at most `max_requests`), and runs them together with `run` (run_jobs). At most `max_queued`
-    jobs wait; past that a job is refused with BlinkBusy at once. A dead worker is restarted."""
+    """Continuous batching for a serving process: one worker thread runs `run` (run_jobs) on everything waiting
+    whenever it is free (at most `max_requests`), so requests that arrive during a forward join the next one and a
+    lone request on an idle worker runs at once; `window_s` (BLINK_BATCH_WINDOW_MS, 0 by default) makes the worker
+    wait up to that long after the first job for more. A caller's jobs enter the queue together and are taken
+    together. At most `max_queued` jobs wait; past that a job is refused with BlinkBusy at once. A dead worker is
+    restarted."""
 
     MAX_WINDOW_S = 1.0
     MAX_REQUESTS = MAX_BATCH_REQUESTS
 
-    def __init__(self, run: Callable[[list[Job]], list], window_s: float, max_requests: int = 16, max_queued: int = 64):
+    def __init__(
+        self, run: Callable[[list[Job]], list], window_s: float = 0.0, max_requests: int = 16, max_queued: int = 64
+    ):
         window_s, max_requests, max_queued = float(window_s), int(max_requests), int(max_queued)
         if not (math.isfinite(window_s) and 0 <= window_s <= self.MAX_WINDOW_S):
             raise ValueError(f"batch window must be from 0 to {self.MAX_WINDOW_S:g} s")
@@ -3679,6 +3684,7 @@ class Batcher:
         self.q: queue.Queue = queue.Queue(maxsize=max_queued)
         self.restarts = 0
         self._lock = threading.Lock()
+        self._putting = threading.Lock()  # held while a caller puts its jobs, and while the worker takes what waits
         self._start_worker()
 
     def _start_worker(self) -> None:
@@ -3703,13 +3709,14 @@ class Batcher:
         self._ensure_worker()
         context = contextvars.copy_context()  # a ZeroGPU caller's quota token travels with its jobs to the GPU
         futures = []
-        for job in jobs:
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                self.q.put_nowait((job, context, fut))
-            except queue.Full:
-                fut.set_exception(BlinkBusy(f"busy: {self.max_queued} requests are already waiting; retry shortly"))
-            futures.append(fut)
+        with self._putting:  # the caller's jobs go in together, so the worker takes them together
+            for job in jobs:
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                try:
+                    self.q.put_nowait((job, context, fut))
+                except queue.Full:
+                    fut.set_exception(BlinkBusy(f"busy: {self.max_queued} requests are already waiting; retry shortly"))
+                futures.append(fut)
         while not all(f.done() for f in futures):
             concurrent.futures.wait(futures, timeout=1.0)
             if not all(f.done() for f in futures):
@@ -3724,13 +3731,22 @@ class Batcher:
         return result
 
     def _gather(self) -> list:
-        """The oldest waiting job and whatever else arrives within the window."""
+        """The oldest waiting job (waited for) and everything else waiting, taken at once; with a window, then
+        whatever arrives within it."""
         batch = [self.q.get()]
         deadline = time.monotonic() + self.window_s
         while len(batch) < self.max_requests:
+            with self._putting:  # a caller still putting its jobs finishes first
+                waiting = self.q.qsize() > 0
+                if waiting:
+                    batch.append(self.q.get_nowait())
+            if waiting:
+                continue
             left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
-                batch.append(self.q.get(timeout=left) if left > 0 else self.q.get_nowait())
+                batch.append(self.q.get(timeout=left))
             except queue.Empty:
                 break
         return batch
