@@ -2281,6 +2281,7 @@ class TorchEngine(PromptEngine):
 
             self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
         self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
+        use_prefix_attention(self.backbone())
         self.matmul, self.matmul_verdict = cpu_matmul(self.model, self.settings.cpu_matmul, self.settings.cache_dir)
         self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
@@ -2903,13 +2904,13 @@ def _prefix_groups(
 
 def _copy_cache(cache, repeats: int = 1, keep: bool = True):
     """A batch-1 cache made ready for a forward of `repeats` rows that must leave it as it is. Full-attention layers
-    (the library's DynamicLayer.update, which joins new keys to the held ones into a new tensor and never writes
-    into the held one) share the prefix's keys and values as a view repeated along the batch axis, copying nothing;
-    with keep=False (tails that are read once) they do not hold the joined keys either, so a forward holds one
-    layer's joined keys at a time instead of every layer's copy of the prefix per row. Every other per-sequence
-    tensor (Qwen3.5's linear-attention conv and recurrent states, which the forward writes into) is a new tensor
-    and every dict of flags a new dict. A shallow copy of the rest: a deep copy of 30 layers' structure costs more
-    than a short tail."""
+    (the library's DynamicLayer, whose update joins new keys to the held ones into a new tensor) share the prefix's
+    keys and values as a view repeated along the batch axis, copying nothing, and hand them to the attention apart
+    from the new ones (_split_update, read by prefix_attention: on a CPU a long prefix is read once for every row);
+    with keep=False (tails that are read once) nothing is joined at all. Every other per-sequence tensor (Qwen3.5's
+    linear-attention conv and recurrent states, which the forward writes into) is a new tensor and every dict of
+    flags a new dict. A shallow copy of the rest: a deep copy of 30 layers' structure costs more than a short
+    tail."""
     copied = copy.copy(cache)
     copied.layers = [_copy_layer(layer, repeats, keep) for layer in cache.layers]
     return copied
@@ -2922,11 +2923,18 @@ def _joins_keys(layer) -> bool:
     return getattr(type(layer), "update", None) is DynamicLayer.update
 
 
-def _joined(self, key_states, value_states, *args, **kwargs):
-    """DynamicLayer.update that keeps nothing: the held prefix joined with the new keys and values, returned."""
+def _split_update(self, key_states, value_states, *args, keep: bool = True, **kwargs):
+    """A copied full-attention layer's update (_copy_layer): the held prefix's keys and values and the new ones as
+    (prefix, new) pairs, for prefix_attention to read without joining them; the joined keys and values are held only
+    where the copy is kept (`keep`: a prefix encoded further), never for tails that are read once."""
     import torch
 
-    return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+    prefix = self.keys, self.values
+    if keep:
+        rows = key_states.shape[0]
+        self.keys = torch.cat([self.keys.expand(rows, *self.keys.shape[1:]), key_states], dim=-2)
+        self.values = torch.cat([self.values.expand(rows, *self.values.shape[1:]), value_states], dim=-2)
+    return (prefix[0], key_states), (prefix[1], value_states)
 
 
 def _copy_layer(layer, repeats: int, keep: bool = True):
@@ -2951,9 +2959,73 @@ def _copy_layer(layer, repeats: int, keep: bool = True):
             setattr(copied, name, [fresh(v) for v in value])
         else:
             setattr(copied, name, fresh(value))
-    if shares and not keep:
-        copied.update = types.MethodType(_joined, copied)
+    if shares:
+        copied.update = types.MethodType(functools.partial(_split_update, keep=keep), copied)
     return copied
+
+
+PREFIX_ATTENTION = "blink_prefix"  # the attention implementation torch engines run (prefix_attention)
+# On a CPU a kept prefix is read in place once for every row (_merged_attention) where it is at least this many times
+# longer than the new tokens; shorter, joining it to each row's tokens under one mask was as fast or faster.
+MERGED_MIN_PREFIX_RATIO = 2
+
+
+def prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention, and for a layer read against a kept prefix ((prefix, new) pairs from
+    _split_update) the same attention without the prefix copied per row: on a CPU, where the prefix is long enough,
+    every row's queries read it once (_merged_attention); else it is joined to each row's new keys under the causal
+    mask that ends at the bottom right. The models run without masks (right-padded rows, every layer causal), so
+    transformers makes none for this implementation."""
+    import torch
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if not isinstance(key, tuple):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    (prefix_k, new_k), (prefix_v, new_v) = key, value
+    rows, heads, length, _ = query.shape
+    past = prefix_k.shape[-2]
+    if query.device.type == "cpu" and past >= MERGED_MIN_PREFIX_RATIO * length:
+        out = _merged_attention(query, prefix_k[:1], prefix_v[:1], new_k, new_v, scaling)
+    else:
+        per = heads // prefix_k.shape[1]
+        k = repeat_kv(torch.cat([prefix_k.expand(rows, -1, -1, -1), new_k], dim=-2), per)
+        v = repeat_kv(torch.cat([prefix_v.expand(rows, -1, -1, -1), new_v], dim=-2), per)
+        allowed = torch.ones(length, past + length, dtype=torch.bool, device=query.device).tril(past)
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _merged_attention(query, prefix_k, prefix_v, new_k, new_v, scale):
+    """Attention of `query` [rows, heads, length, dim] over one batch-1 prefix and each row's new keys, on a CPU:
+    the queries of all rows that share a key head are folded into one sequence that reads the prefix once (no mask,
+    no copy of it per row), each row's new tokens are read causally on their own, and the two parts are merged by
+    their log-sum-exps (as flash attention merges blocks). Returns [rows, heads, length, dim]."""
+    import torch
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    rows, heads, length, dim = query.shape
+    groups = prefix_k.shape[1]
+    per = heads // groups
+    folded = query.reshape(rows, groups, per, length, dim).permute(1, 2, 0, 3, 4).reshape(1, groups, -1, dim)
+    out_p, lse_p = flash(folded, prefix_k, prefix_v, scale=scale)[:2]
+    out_p = out_p.reshape(groups, per, rows, length, dim).permute(2, 0, 1, 3, 4).reshape(query.shape)
+    lse_p = lse_p.reshape(groups, per, rows, length).permute(2, 0, 1, 3).reshape(rows, heads, length)
+    out_n, lse_n = flash(
+        query, new_k.repeat_interleave(per, 1), new_v.repeat_interleave(per, 1), is_causal=True, scale=scale
+    )[:2]
+    lse = torch.logaddexp(lse_p, lse_n)
+    out = out_p.float() * torch.exp(lse_p - lse).unsqueeze(-1) + out_n.float() * torch.exp(lse_n - lse).unsqueeze(-1)
+    return out.to(query.dtype)
+
+
+def use_prefix_attention(backbone) -> None:
+    """Run a decoder stack's attention by prefix_attention (registered with transformers under PREFIX_ATTENTION)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PREFIX_ATTENTION, prefix_attention)
+    backbone.set_attn_implementation(PREFIX_ATTENTION)
 
 
 def _state_tensors(layer) -> list:

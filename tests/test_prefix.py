@@ -466,3 +466,47 @@ def test_defaults_follow_the_hardware():
     assert (env.prefix_cache, env.token_budget, env.prefix_cache_mb) == (False, 512, 0)
     with pytest.raises(blink.BlinkError, match="BLINK_PREFIX_CACHE_MB must be a whole number"):
         blink.Settings.from_env({"BLINK_PREFIX_CACHE_MB": "-1"}, gpu=False)
+
+
+def joined_attention(query, prefix_k, prefix_v, new_k, new_v):
+    """The reference: the prefix joined to each row's new keys, repeated per query head, under the causal mask that
+    ends at the bottom right, in float64."""
+    rows, heads, length, _ = query.shape
+    per, past = heads // prefix_k.shape[1], prefix_k.shape[-2]
+    k = torch.cat([prefix_k.expand(rows, -1, -1, -1), new_k], -2).repeat_interleave(per, 1).double()
+    v = torch.cat([prefix_v.expand(rows, -1, -1, -1), new_v], -2).repeat_interleave(per, 1).double()
+    allowed = torch.ones(length, past + length, dtype=torch.bool).tril(past)
+    return torch.nn.functional.scaled_dot_product_attention(query.double(), k, v, attn_mask=allowed)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows, length, past, heads, groups", [(1, 5, 40, 9, 3), (4, 17, 300, 9, 3), (3, 8, 64, 4, 4)])
+def test_merged_attention_reads_the_prefix_once_and_equals_the_joined(
+    dtype, tolerance, rows, length, past, heads, groups
+):
+    torch.manual_seed(rows * 1000 + past)
+    query = torch.randn(rows, heads, length, 16, dtype=dtype)
+    prefix_k, prefix_v = (torch.randn(1, groups, past, 16, dtype=dtype) for _ in range(2))
+    new_k, new_v = (torch.randn(rows, groups, length, 16, dtype=dtype) for _ in range(2))
+    got = blink._merged_attention(query, prefix_k, prefix_v, new_k, new_v, 16**-0.5)
+    assert got.shape == query.shape and got.dtype == dtype
+    assert (got.double() - joined_attention(query, prefix_k, prefix_v, new_k, new_v)).abs().max() < tolerance
+
+
+def test_long_prefixes_are_read_in_place_and_answer_as_when_joined(eng, monkeypatch):
+    # The tails of one request read its evidence in place, once for every row (_merged_attention); the same forward
+    # with the prefix joined to every row (the path shorter prefixes take) gives the same numbers.
+    prompts = render(eng, DOC, QUESTIONS)
+    seqs, cands, cuts = [p.ids for p in prompts], [p.cand for p in prompts], [p.cuts for p in prompts]
+    assert cuts[0][1] >= blink.MERGED_MIN_PREFIX_RATIO * max(len(s) - cuts[0][1] for s in seqs)  # long enough
+    merged_calls = []
+    merged = blink._merged_attention
+    monkeypatch.setattr(blink, "_merged_attention", lambda *args: merged_calls.append(1) or merged(*args))
+    read_once = forward_rows(eng, seqs, cands, cuts, prefix=True)
+    assert merged_calls  # the evidence was read in place
+    monkeypatch.setattr(blink, "MERGED_MIN_PREFIX_RATIO", 10**9)
+    calls = len(merged_calls)
+    joined = forward_rows(eng, seqs, cands, cuts, prefix=True)
+    assert len(merged_calls) == calls  # every tail joined to the prefix
+    assert rows_gap(read_once, joined) < 1e-4
+    assert rows_gap(read_once, forward_rows(eng, seqs, cands, cuts, prefix=False)) < 1e-4
