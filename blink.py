@@ -1998,11 +1998,31 @@ def kernel_verdicts() -> dict[str, dict]:
     return dict(_KERNEL_VERDICTS)
 
 
-def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> tuple[str, dict | None]:
-    """Run the model's linear layers (but lm_head) by oneDNN where `choice` (BLINK_CPU_MATMUL) says so or, under
-    "auto", where it is faster on a product of the model's MLP shape, hidden size to intermediate size
-    (kernel_verdict, kept under cache_dir); only for a float32 model on a CPU with oneDNN in torch. Returns what runs
-    them ("onednn" or "torch") and auto's verdict (None where nothing was measured)."""
+def _packed_forward(self, x):
+    """nn.Linear.forward on a weight oneDNN packed at load (pack_linear)."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def pack_linear(layer) -> None:
+    """A bfloat16 linear layer's weight replaced by oneDNN's packed layout of it, run by oneDNN's product
+    (_packed_forward). torch's own bfloat16 product is oneDNN's too, but it lays the weight out anew on every call,
+    reading it twice from memory; packed once at load, the product reads it once (bit-identical results, the same
+    memory)."""
+    import torch
+
+    packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), KERNEL_ROWS)
+    layer.weight = torch.nn.Parameter(packed, requires_grad=False)
+    layer.forward = types.MethodType(_packed_forward, layer)
+
+
+def cpu_matmul(model, choice: str, cache_dir: str | None = None, backbone=None) -> tuple[str, dict | None]:
+    """What runs the model's linear layers (but lm_head) on a CPU with oneDNN in torch, unless `choice`
+    (BLINK_CPU_MATMUL) is "torch". bfloat16: the decoder stack's (`backbone`) weights packed for oneDNN at load
+    (pack_linear). float32: oneDNN on the same weights where `choice` says so or, under "auto", where it is faster on
+    a product of the model's MLP shape, hidden size to intermediate size (kernel_verdict, kept under cache_dir).
+    Returns what runs them ("onednn" or "torch") and auto's verdict (None where nothing was measured)."""
     import torch
 
     weight, head = model.get_input_embeddings().weight, model.get_output_embeddings()
@@ -2012,10 +2032,14 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> tuple[str, d
         choice == "torch"
         or not linears
         or weight.device.type != "cpu"
-        or weight.dtype != torch.float32
+        or weight.dtype not in (torch.float32, torch.bfloat16)
         or not torch.backends.mkldnn.is_available()
     ):
         return "torch", None
+    if weight.dtype == torch.bfloat16:
+        for layer in (m for m in (backbone or model).modules() if type(m) is torch.nn.Linear and m is not head):
+            pack_linear(layer)
+        return "onednn", None
     verdict = kernel_verdict(*mlp_shape(model), cache_dir) if choice == "auto" else None
     if verdict is not None and verdict["kernel"] != "onednn":
         return "torch", verdict
@@ -2282,7 +2306,9 @@ class TorchEngine(PromptEngine):
             self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
         self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
         use_prefix_attention(self.backbone())
-        self.matmul, self.matmul_verdict = cpu_matmul(self.model, self.settings.cpu_matmul, self.settings.cache_dir)
+        self.matmul, self.matmul_verdict = cpu_matmul(
+            self.model, self.settings.cpu_matmul, self.settings.cache_dir, self.backbone()
+        )
         self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)
@@ -2970,6 +2996,12 @@ PREFIX_ATTENTION = "blink_prefix"  # the attention implementation torch engines 
 MERGED_MIN_PREFIX_RATIO = 2
 
 
+def reads_in_place(device, past: int, length: int) -> bool:
+    """Whether tails of `length` tokens read a kept prefix of `past` tokens in place (_merged_attention): on a CPU,
+    where the prefix is at least MERGED_MIN_PREFIX_RATIO times longer; else it is joined to each row's tokens."""
+    return device.type == "cpu" and past >= MERGED_MIN_PREFIX_RATIO * length
+
+
 def prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' SDPA attention, and for a layer read against a kept prefix ((prefix, new) pairs from
     _split_update) the same attention without the prefix copied per row: on a CPU, where the prefix is long enough,
@@ -2986,7 +3018,7 @@ def prefix_attention(module, query, key, value, attention_mask, dropout: float =
     (prefix_k, new_k), (prefix_v, new_v) = key, value
     rows, heads, length, _ = query.shape
     past = prefix_k.shape[-2]
-    if query.device.type == "cpu" and past >= MERGED_MIN_PREFIX_RATIO * length:
+    if reads_in_place(query.device, past, length):
         out = _merged_attention(query, prefix_k[:1], prefix_v[:1], new_k, new_v, scaling)
     else:
         per = heads // prefix_k.shape[1]
@@ -3173,6 +3205,15 @@ def _encode(engine: TorchEngine, ids: list[int], cache=None):
     return engine.backbone()(input_ids=ids_t, cache=past, use_cache=True).cache
 
 
+def tail_rows(engine: TorchEngine, shared: int, longest: int) -> int | None:
+    """The most tails (the longest `longest` tokens) one forward runs against a prefix of `shared` tokens: where the
+    prefix is joined to each row, BLINK_PREFIX_KV_TOKENS bounds the copies x length held at once; a prefix read in
+    place is never copied, so only the token budget bounds them (None)."""
+    if reads_in_place(engine.model.lm_head.weight.device, shared, longest):
+        return None
+    return max(1, engine.settings.prefix_kv_tokens // (shared + longest))
+
+
 @dataclass
 class Prefill:
     """What one forward call did besides its readouts: model ms, tokens it computed, and per prompt the tokens it
@@ -3226,7 +3267,7 @@ def _forward(
                 points = [c for c in cuts[rows[0]] if c < shared] if store.keeps else []
                 cache, read, encoded = store.prefix(engine, group[0][:shared], points)
                 tails = [s[shared:] for s in group]
-                cap = max(1, engine.settings.prefix_kv_tokens // (shared + max(map(len, tails))))
+                cap = tail_rows(engine, shared, max(map(len, tails)))
                 _run_batches(engine, tails, group_cands, part, cache=cache, max_rows=cap)
                 computed += encoded + sum(map(len, tails))
             else:

@@ -286,17 +286,22 @@ def test_concurrent_callers_on_one_engine_get_their_own_answers(tiny_qwen):
 # The row cap and the threshold are model-agnostic logic: they run on the tiny model, which is fast.
 
 
-def test_kv_token_cap_bounds_the_copies_held_at_once(tiny_qwen, spy):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kv_token_cap_bounds_the_copies_held_at_once(tiny_qwen, spy, monkeypatch, in_place):
     prompts = render(tiny_qwen, DOC, QUESTIONS)
     evidence = prompts[0].cuts[1]
     longest_tail = max(len(p.ids) for p in prompts) - evidence
+    assert blink.reads_in_place(torch.device("cpu"), evidence, longest_tail)
+    if not in_place:  # the prefix joined to every row, as on a GPU or where it is short
+        monkeypatch.setattr(blink, "MERGED_MIN_PREFIX_RATIO", 10**9)
     eng = prefix_on(tiny_qwen, prefix_kv_tokens=2 * (evidence + longest_tail))  # two copies of the prefix
     handle = count_rows(eng, spy)
     try:
         result = eng.forward(req(DOC, QUESTIONS))
     finally:
         handle.remove()
-    assert spy["rows"] == [1, 1, 2, 1]  # the header, the evidence, then the three tails two at a time
+    # the header, the evidence, then the three tails: two at a time where each holds a copy, else all at once
+    assert spy["rows"] == ([1, 1, 3] if in_place else [1, 1, 2, 1])
     assert gap(result.readouts, plain_readouts(tiny_qwen)) < 1e-4
 
 

@@ -181,8 +181,9 @@ def test_the_default_dtype_answers_and_says_so(tiny_qwen_dir):
     got, ref = default.decide(DOC, SMALL), exact.decide(DOC, SMALL)
     assert got["meta"]["dtype"] == settings.compute_dtype and ref["meta"]["dtype"] == "float32"
     assert got["meta"]["backend"] == ref["meta"]["backend"] == "torch"
+    packs = settings.compute_dtype == "bfloat16" and torch.backends.mkldnn.is_available()  # bfloat16: packed weights
     assert ref["meta"]["cpu_matmul"] in ("onednn", "torch") and got["meta"]["cpu_matmul"] == (
-        "torch" if settings.compute_dtype != "float32" else ref["meta"]["cpu_matmul"]
+        "onednn" if packs else "torch" if settings.compute_dtype != "float32" else ref["meta"]["cpu_matmul"]
     )
     assert {k: a.get("choice", a.get("noul", 0) > 0.5) for k, a in got["answers"].items()} == {
         k: a.get("choice", a.get("noul", 0) > 0.5) for k, a in ref["answers"].items()
@@ -221,12 +222,30 @@ def test_onednn_forward_takes_only_products_of_enough_rows():
     assert torch.allclose(onednn, torch.nn.functional.linear(many, layer.weight, layer.bias), atol=1e-5)
 
 
+def test_bfloat16_weights_are_packed_for_onednn_once_at_load(tiny_qwen_dir):
+    # torch's bfloat16 product on a CPU is oneDNN's, laying each weight out anew on every call: blink packs the
+    # decoder's weights once at load (not lm_head, whose rows it reads by hand) and answers as torch's product does.
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    own = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="bfloat16", cpu_matmul="torch"))
+    packed = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="bfloat16"))
+    assert (own.matmul, packed.matmul) == ("torch", "onednn") and packed.compute["cpu_matmul_verdict"] is None
+    head = packed.model.lm_head
+    linears = [m for m in packed.model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    assert linears and all(m.forward.__func__ is blink._packed_forward and m.weight.is_mkldnn for m in linears)
+    assert "forward" not in vars(head) and not head.weight.is_mkldnn
+    assert not any("forward" in vars(m) for m in own.model.modules())
+    assert sum(p.numel() for p in packed.model.parameters()) == sum(p.numel() for p in own.model.parameters())
+    a, b = own.forward(req(DOC, SMALL)).readouts, packed.forward(req(DOC, SMALL)).readouts
+    assert max(abs(x - y) for q in SMALL for x, y in zip(a[q].logits[0], b[q].logits[0])) < 5e-2
+
+
 def test_cpu_matmul_leaves_other_dtypes_and_measures_under_auto(tiny_qwen_dir, monkeypatch):
-    # bfloat16 on a CPU already runs by oneDNN inside torch: nothing is swapped. Under "auto" the measured
-    # comparison decides, whichever way it goes, and the engine says which kernel runs and why.
-    bf16 = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="bfloat16", cpu_matmul="onednn"))
-    assert bf16.matmul == "torch" and not any("forward" in vars(m) for m in bf16.model.modules())
-    assert bf16.compute["dtype"] == "bfloat16" and bf16.compute["cpu_matmul_verdict"] is None
+    # float16 is left to torch. Under "auto" a float32 model's kernel is what the measured comparison decides,
+    # whichever way it goes, and the engine says which kernel runs and why.
+    fp16 = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="float16", cpu_matmul="onednn"))
+    assert fp16.matmul == "torch" and not any("forward" in vars(m) for m in fp16.model.modules())
+    assert fp16.compute["dtype"] == "float16" and fp16.compute["cpu_matmul_verdict"] is None
     for kernel in ("onednn", "torch"):
         verdict = {"kernel": kernel, "settled": True, "gain": 2.0 if kernel == "onednn" else 1.0}  # fabricated
         monkeypatch.setattr(blink, "kernel_verdict", lambda *shape, verdict=verdict: verdict)
