@@ -111,6 +111,7 @@ LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the
 # On a CPU by bytes: under glibc's largest mmap threshold (32 MB) a chunk reuses freed heap pages; a larger one is
 # mapped and faulted in anew on every call (75 MB chunks cost the bfloat16 stand-in 40 ms of a 118 ms question).
 LSE_CHUNK_CPU_BYTES = 8 * 2**20
+LSE_EXACT_TOP = 64  # a packed bfloat16 lm_head's highest logits per row recomputed exactly in FP32 (_packed_lse)
 ENGINE_KINDS = ("torch", "replay", "hybrid", "mock")
 BACKENDS = ("torch", "vllm")  # what runs a live model: transformers in this process, or a vLLM engine
 READOUTS = ("rows", "batched")
@@ -2309,6 +2310,7 @@ class TorchEngine(PromptEngine):
         self.matmul, self.matmul_verdict = cpu_matmul(
             self.model, self.settings.cpu_matmul, self.settings.cache_dir, self.backbone()
         )
+        self.packed_head = pack_head(self.model, self.matmul)
         self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)
@@ -3110,12 +3112,14 @@ def _read_batched(head, hs, cands: list[list[int]]) -> list[list[float]]:
 _READERS = {"rows": _read_rows, "batched": _read_batched}
 
 
-def _vocab_lse(head, hs) -> list[float]:
+def _vocab_lse(head, hs, packed=None) -> list[float]:
     """Per row, the log-sum-exp of the full FP32 vocabulary logits hs @ lm_head.T (the label mass denominator),
     upcasting a chunk of lm_head at a time so a large vocabulary never needs a whole FP32 copy (an FP32 lm_head
-    is read in one product)."""
+    is read in one product); from lm_head `packed` for oneDNN where the engine keeps it so (_packed_lse)."""
     import torch
 
+    if packed is not None:
+        return _packed_lse(head, packed, hs)
     step = (
         head.shape[0]
         if head.dtype == torch.float32
@@ -3125,6 +3129,31 @@ def _vocab_lse(head, hs) -> list[float]:
     )  # on a CPU by bytes; an FP32 head: one product
     parts = [torch.logsumexp(hs @ head[i : i + step].float().T, dim=-1) for i in range(0, head.shape[0], step)]
     return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1).tolist()
+
+
+def _packed_lse(head, packed, hs) -> list[float]:
+    """_vocab_lse from one bfloat16 product with lm_head packed for oneDNN (pack_head) instead of upcasting it: the
+    bfloat16 logits, each within 2^-9 of its size, with each row's LSE_EXACT_TOP highest recomputed exactly in FP32
+    from their lm_head rows. What is left of the rounding moves the log-sum-exp by at most 2^-9 x the largest |logit|
+    x the probability outside those tokens (hs, read from a bfloat16 model, is exact in bfloat16)."""
+    import torch
+
+    logits = torch.ops.mkldnn._linear_pointwise(hs.to(packed.dtype), packed, None, "none", [], "")
+    top = logits.topk(min(LSE_EXACT_TOP, logits.shape[-1]), dim=-1).indices
+    exact = torch.einsum("rd,rkd->rk", hs, head[top].float())
+    return torch.logsumexp(logits.float().scatter_(-1, top, exact), dim=-1).tolist()
+
+
+def pack_head(model, matmul: str):
+    """A bfloat16 lm_head on a CPU whose linear layers oneDNN runs (cpu_matmul), packed for oneDNN once at load for
+    the full-vocabulary log-sum-exp (_packed_lse): a copy of it (its size in memory again), which the readout
+    reads once per forward instead of upcasting every chunk of it to FP32. None anywhere else."""
+    import torch
+
+    head = model.lm_head.weight
+    if matmul != "onednn" or head.dtype != torch.bfloat16 or head.device.type != "cpu":
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(head.detach(), 1)
 
 
 @functools.cache
@@ -3192,7 +3221,7 @@ def _run_batches(
             h = backbone(input_ids=ids, cache=past, use_cache=True).last_hidden_state
         hs = _last_hidden(h, [len(seqs[i]) for i in b])
         rows = read(head, hs, [cands[i] for i in b])
-        for i, row, lse in zip(b, rows, _vocab_lse(head, hs)):
+        for i, row, lse in zip(b, rows, _vocab_lse(head, hs, engine.packed_head)):
             out[i] = (row, lse)
 
 
@@ -3322,7 +3351,7 @@ def _forward_images(key: int, pixel_values, grids, work: list[Prompt]) -> tuple[
             ).last_hidden_state
             lm_ms += (_stamp(device, sync) - start) * 1000
             hs = _last_hidden(h, [len(p.ids)])
-            out.append((read(head, hs, [p.cand])[0], _vocab_lse(head, hs)[0]))
+            out.append((read(head, hs, [p.cand])[0], _vocab_lse(head, hs, engine.packed_head)[0]))
     return out, round((time.perf_counter() - t0) * 1000, 1), round(encoder_ms, 3), round(lm_ms, 3)
 
 

@@ -363,3 +363,30 @@ def test_decide_meta_on_the_live_engine(standin, served):
     assert meta["model_ms"] > 0 and meta["latency_ms"] >= meta["model_ms"]
     assert out["answers"]["currency"]["type"] == "choice"
     assert set(out["answers"]["currency"]["probabilities"]) == {"EUR", "USD", "SEK", "GBP"}
+
+
+@pytest.mark.parametrize("model", [blink.STANDIN_MODEL, "tiny_qwen"])
+def test_a_packed_bfloat16_head_reads_the_vocabulary_as_the_upcast_one_does(model, tiny_qwen_dir):
+    # A bfloat16 engine on a CPU keeps lm_head packed for oneDNN and reads the label mass's denominator from one
+    # bfloat16 product, its highest logits recomputed in float32: within its stated bound of the upcast FP32 product.
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    eng = blink.TorchEngine(tiny_qwen_dir if model == "tiny_qwen" else model, settings=blink.Settings(dtype="bfloat16"))
+    assert eng.packed_head is not None and eng.packed_head.is_mkldnn
+    head = eng.model.lm_head.weight
+    prompts = eng.render(req(DOC, QUESTIONS))
+    with torch.no_grad():
+        hs = torch.cat(
+            [
+                blink._last_hidden(eng.backbone()(input_ids=torch.tensor([p.ids])).last_hidden_state, [len(p.ids)])
+                for p in prompts
+            ]
+        )
+    upcast = torch.tensor(blink._vocab_lse(head, hs), dtype=torch.float64)
+    packed = torch.tensor(blink._vocab_lse(head, hs, eng.packed_head), dtype=torch.float64)
+    logits = hs.double() @ head.double().T
+    outside = 1 - torch.softmax(logits, -1).sort(-1, descending=True).values[:, : blink.LSE_EXACT_TOP].sum(-1)
+    bound = 2.0**-9 * logits.abs().max(-1).values * outside + 1e-5
+    assert ((packed - upcast).abs() <= bound).all() and (packed - upcast).abs().max() < 1e-3
+    assert (upcast - torch.logsumexp(logits, -1)).abs().max() < 1e-4  # the upcast product: exact in FP32
+    assert blink.pack_head(eng.model, "torch") is None  # BLINK_CPU_MATMUL=torch: the upcast readout
