@@ -3008,8 +3008,7 @@ def prefix_attention(module, query, key, value, attention_mask, dropout: float =
     """transformers' SDPA attention, and for a layer read against a kept prefix ((prefix, new) pairs from
     _split_update) the same attention without the prefix copied per row: on a CPU, where the prefix is long enough,
     every row's queries read it once (_merged_attention); else it is joined to each row's new keys under the causal
-    mask that ends at the bottom right. The models run without masks (right-padded rows, every layer causal), so
-    transformers makes none for this implementation."""
+    mask that ends at the bottom right (the tails are right-padded, so no other mask applies to them)."""
     import torch
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
@@ -3026,9 +3025,19 @@ def prefix_attention(module, query, key, value, attention_mask, dropout: float =
         per = heads // prefix_k.shape[1]
         k = repeat_kv(torch.cat([prefix_k.expand(rows, -1, -1, -1), new_k], dim=-2), per)
         v = repeat_kv(torch.cat([prefix_v.expand(rows, -1, -1, -1), new_v], dim=-2), per)
-        allowed = torch.ones(length, past + length, dtype=torch.bool, device=query.device).tril(past)
-        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=allowed, scale=scaling)
+        mask = _bottom_right_mask(length, past, query.dtype, query.device)
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=64)
+def _bottom_right_mask(length: int, past: int, dtype, device):
+    """The additive causal mask of `length` new tokens after `past` kept ones (0 where a query may look, -inf after
+    its own position), made once per shape and shared by every layer and forward (never written)."""
+    import torch
+
+    allowed = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def _merged_attention(query, prefix_k, prefix_v, new_k, new_v, scale):
@@ -3055,10 +3064,13 @@ def _merged_attention(query, prefix_k, prefix_v, new_k, new_v, scale):
 
 
 def use_prefix_attention(backbone) -> None:
-    """Run a decoder stack's attention by prefix_attention (registered with transformers under PREFIX_ATTENTION)."""
+    """Run a decoder stack's attention by prefix_attention, registered with transformers under PREFIX_ATTENTION with
+    SDPA's masks: whoever else calls the model (with padding, say) gets what SDPA gives."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(PREFIX_ATTENTION, prefix_attention)
+    AttentionMaskInterface.register(PREFIX_ATTENTION, sdpa_mask)
     backbone.set_attn_implementation(PREFIX_ATTENTION)
 
 

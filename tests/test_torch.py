@@ -390,3 +390,19 @@ def test_a_packed_bfloat16_head_reads_the_vocabulary_as_the_upcast_one_does(mode
     assert ((packed - upcast).abs() <= bound).all() and (packed - upcast).abs().max() < 1e-3
     assert (upcast - torch.logsumexp(logits, -1)).abs().max() < 1e-4  # the upcast product: exact in FP32
     assert blink.pack_head(eng.model, "torch") is None  # BLINK_CPU_MATMUL=torch: the upcast readout
+
+
+def test_blinks_attention_keeps_the_masks_other_callers_give(standin):
+    # The engine's model runs blink's attention (prefix_attention); called by anyone else with a padding mask (here a
+    # left-padded batch), it masks as SDPA does: each row's last logits equal the prompt's alone.
+    assert standin.model.config._attn_implementation == blink.PREFIX_ATTENTION
+    prompts = [p.ids for p in standin.render(req(DOC, SMALL))][:2]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[standin.pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        batch = standin.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        alone = [standin.model(input_ids=torch.tensor([p])).logits[0, -1] for p in prompts]
+    assert len({len(p) for p in prompts}) == 2  # real padding
+    for row, want in enumerate(alone):
+        assert (batch.logits[row, -1] - want).abs().max() < 1e-3
