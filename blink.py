@@ -2996,6 +2996,7 @@ PREFIX_ATTENTION = "blink_prefix"  # the attention implementation torch engines 
 # On a CPU a kept prefix is read in place once for every row (_merged_attention) where it is at least this many times
 # longer than the new tokens; shorter, joining it to each row's tokens under one mask was as fast or faster.
 MERGED_MIN_PREFIX_RATIO = 2
+SMALL_ATTENTION_SCORES = 2**20  # scores a joined tail's attention computes in FP32 products on a CPU, at most
 
 
 def reads_in_place(device, past: int, length: int) -> bool:
@@ -3008,7 +3009,8 @@ def prefix_attention(module, query, key, value, attention_mask, dropout: float =
     """transformers' SDPA attention, and for a layer read against a kept prefix ((prefix, new) pairs from
     _split_update) the same attention without the prefix copied per row: on a CPU, where the prefix is long enough,
     every row's queries read it once (_merged_attention); else it is joined to each row's new keys under the causal
-    mask that ends at the bottom right (the tails are right-padded, so no other mask applies to them)."""
+    mask that ends at the bottom right (the tails are right-padded, so no other mask applies to them), its few
+    scores on a CPU in FP32 products (_float32_attention)."""
     import torch
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
@@ -3022,12 +3024,32 @@ def prefix_attention(module, query, key, value, attention_mask, dropout: float =
     if reads_in_place(query.device, past, length):
         out = _merged_attention(query, prefix_k[:1], prefix_v[:1], new_k, new_v, scaling)
     else:
-        per = heads // prefix_k.shape[1]
-        k = repeat_kv(torch.cat([prefix_k.expand(rows, -1, -1, -1), new_k], dim=-2), per)
-        v = repeat_kv(torch.cat([prefix_v.expand(rows, -1, -1, -1), new_v], dim=-2), per)
-        mask = _bottom_right_mask(length, past, query.dtype, query.device)
-        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scaling)
+        k = torch.cat([prefix_k.expand(rows, -1, -1, -1), new_k], dim=-2)
+        v = torch.cat([prefix_v.expand(rows, -1, -1, -1), new_v], dim=-2)
+        if query.device.type == "cpu" and rows * heads * length * (past + length) <= SMALL_ATTENTION_SCORES:
+            out = _float32_attention(query, k, v, past, scaling)
+        else:
+            per, mask = heads // k.shape[1], _bottom_right_mask(length, past, query.dtype, query.device)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, repeat_kv(k, per), repeat_kv(v, per), attn_mask=mask, scale=scaling
+            )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _float32_attention(query, key, value, past: int, scale):
+    """Attention of `query` [rows, heads, length, dim] over the joined `key`/`value` [rows, key heads, past + length,
+    dim] in FP32 products, each key head's query heads read together, under the bottom-right causal mask: on a CPU,
+    for the few scores of a short tail, faster than the flash kernel (and exact to FP32)."""
+    import torch
+
+    rows, heads, length, dim = query.shape
+    groups = key.shape[1]
+    queries = query.float().reshape(rows, groups, heads // groups * length, dim)
+    scores = torch.matmul(queries, key.float().transpose(-1, -2)).mul_(scale if scale is not None else dim**-0.5)
+    scores = scores.view(rows, groups, heads // groups, length, -1)
+    scores.add_(_bottom_right_mask(length, past, torch.float32, query.device))
+    weights = torch.softmax(scores, dim=-1).view(rows, groups, heads // groups * length, -1)
+    return torch.matmul(weights, value.float()).view(rows, heads, length, dim).to(query.dtype)
 
 
 @functools.lru_cache(maxsize=64)

@@ -493,9 +493,13 @@ def test_merged_attention_reads_the_prefix_once_and_equals_the_joined(
     query = torch.randn(rows, heads, length, 16, dtype=dtype)
     prefix_k, prefix_v = (torch.randn(1, groups, past, 16, dtype=dtype) for _ in range(2))
     new_k, new_v = (torch.randn(rows, groups, length, 16, dtype=dtype) for _ in range(2))
+    want = joined_attention(query, prefix_k, prefix_v, new_k, new_v)
     got = blink._merged_attention(query, prefix_k, prefix_v, new_k, new_v, 16**-0.5)
     assert got.shape == query.shape and got.dtype == dtype
-    assert (got.double() - joined_attention(query, prefix_k, prefix_v, new_k, new_v)).abs().max() < tolerance
+    assert (got.double() - want).abs().max() < tolerance
+    k, v = (torch.cat([p.expand(rows, -1, -1, -1), n], -2) for p, n in ((prefix_k, new_k), (prefix_v, new_v)))
+    small = blink._float32_attention(query, k, v, past, 16**-0.5)  # the joined path's, for a few scores
+    assert small.shape == query.shape and small.dtype == dtype and (small.double() - want).abs().max() < tolerance
 
 
 def test_long_prefixes_are_read_in_place_and_answer_as_when_joined(eng, monkeypatch):
@@ -511,7 +515,9 @@ def test_long_prefixes_are_read_in_place_and_answer_as_when_joined(eng, monkeypa
     assert merged_calls  # the evidence was read in place
     monkeypatch.setattr(blink, "MERGED_MIN_PREFIX_RATIO", 10**9)
     calls = len(merged_calls)
-    joined = forward_rows(eng, seqs, cands, cuts, prefix=True)
+    joined = forward_rows(eng, seqs, cands, cuts, prefix=True)  # few scores: in FP32 products
+    monkeypatch.setattr(blink, "SMALL_ATTENTION_SCORES", 0)
+    flash = forward_rows(eng, seqs, cands, cuts, prefix=True)  # torch's kernel under the bottom-right mask
     assert len(merged_calls) == calls  # every tail joined to the prefix
-    assert rows_gap(read_once, joined) < 1e-4
+    assert rows_gap(read_once, joined) < 1e-4 and rows_gap(read_once, flash) < 1e-4
     assert rows_gap(read_once, forward_rows(eng, seqs, cands, cuts, prefix=False)) < 1e-4
