@@ -2823,6 +2823,11 @@ class BoundedStore:
             self._held.clear()
             self._bytes = 0
 
+    def holds(self, key) -> bool:
+        """Whether a value is kept for this key (it is not touched)."""
+        with self._lock:
+            return key in self._held
+
     def get(self, key):
         """The value kept for this key, or None; a hit becomes the most recently used."""
         with self._lock:
@@ -2907,18 +2912,27 @@ def _batches(lengths: list[int], budget: int, max_rows: int | None = None) -> It
 
 
 def _prefix_groups(
-    seqs: list[list[int]], cuts: list[tuple[int, ...]], settings: Settings, keep: bool
+    seqs: list[list[int]],
+    cuts: list[tuple[int, ...]],
+    settings: Settings,
+    keep: bool,
+    kept: Callable[[tuple[int, ...]], bool] | None = None,
 ) -> list[tuple[list[int], int]]:
     """The prompts (by index) grouped by the prefix they run from, each group with its length: the evidence when it
-    reaches prefix_min_tokens, else the template header when prefixes are kept across calls (`keep`); prompts with
-    neither run whole, together in a group with length 0 (the plain path). Prompts of one request share their
-    evidence; requests packed into one forward (decide_many, the Batcher) each keep their own, and share the header.
-    Without `keep` a prefix that only one prompt reads is not worth encoding apart: that prompt runs whole."""
+    reaches prefix_min_tokens or is kept already (`kept`, the store's lookup), else the template header when prefixes
+    are kept across calls (`keep`); prompts with neither run whole, together in a group with length 0 (the plain
+    path). Prompts of one request share their evidence; requests packed into one forward (decide_many, the Batcher)
+    each keep their own, and share the header. Without `keep` a prefix that only one prompt reads is not worth
+    encoding apart: that prompt runs whole."""
     if not settings.prefix_cache:
         return [(list(range(len(seqs))), 0)] if seqs else []
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (seq, points) in enumerate(zip(seqs, cuts)):
-        usable = [c for c in points if c >= settings.prefix_min_tokens or (keep and c == points[0])]
+        usable = [
+            c
+            for c in points
+            if c >= settings.prefix_min_tokens or (keep and c == points[0]) or (kept and kept(tuple(seq[:c])))
+        ]
         groups.setdefault(tuple(seq[: usable[-1]]) if usable else (), []).append(i)
     plain = groups.pop((), [])
     out = []
@@ -2930,7 +2944,7 @@ def _prefix_groups(
     return out + ([(sorted(plain), 0)] if plain else [])
 
 
-def _copy_cache(cache, repeats: int = 1, keep: bool = True):
+def _copy_cache(cache, repeats: int = 1, keep: bool = True, capture: bool = False):
     """A batch-1 cache made ready for a forward of `repeats` rows that must leave it as it is. Full-attention layers
     (the library's DynamicLayer, whose update joins new keys to the held ones into a new tensor) share the prefix's
     keys and values as a view repeated along the batch axis, copying nothing, and hand them to the attention apart
@@ -2938,9 +2952,9 @@ def _copy_cache(cache, repeats: int = 1, keep: bool = True):
     with keep=False (tails that are read once) nothing is joined at all. Every other per-sequence tensor (Qwen3.5's
     linear-attention conv and recurrent states, which the forward writes into) is a new tensor and every dict of
     flags a new dict. A shallow copy of the rest: a deep copy of 30 layers' structure costs more than a short
-    tail."""
+    tail. With `capture`, each full-attention layer holds on to the new keys and values it was given (_extended)."""
     copied = copy.copy(cache)
-    copied.layers = [_copy_layer(layer, repeats, keep) for layer in cache.layers]
+    copied.layers = [_copy_layer(layer, repeats, keep, capture) for layer in cache.layers]
     return copied
 
 
@@ -2951,13 +2965,16 @@ def _joins_keys(layer) -> bool:
     return getattr(type(layer), "update", None) is DynamicLayer.update
 
 
-def _split_update(self, key_states, value_states, *args, keep: bool = True, **kwargs):
+def _split_update(self, key_states, value_states, *args, keep: bool = True, capture: bool = False, **kwargs):
     """A copied full-attention layer's update (_copy_layer): the held prefix's keys and values and the new ones as
     (prefix, new) pairs, for prefix_attention to read without joining them; the joined keys and values are held only
-    where the copy is kept (`keep`: a prefix encoded further), never for tails that are read once."""
+    where the copy is kept (`keep`: a prefix encoded further), never for tails that are read once, and the new ones
+    alone where they are captured (`capture`: part of them will be kept, _extended)."""
     import torch
 
     prefix = self.keys, self.values
+    if capture:
+        self.captured = key_states, value_states
     if keep:
         rows = key_states.shape[0]
         self.keys = torch.cat([self.keys.expand(rows, *self.keys.shape[1:]), key_states], dim=-2)
@@ -2965,7 +2982,7 @@ def _split_update(self, key_states, value_states, *args, keep: bool = True, **kw
     return (prefix[0], key_states), (prefix[1], value_states)
 
 
-def _copy_layer(layer, repeats: int, keep: bool = True):
+def _copy_layer(layer, repeats: int, keep: bool = True, capture: bool = False):
     """One cache layer copied (see _copy_cache): a joining layer's keys and values repeated as views; other tensors
     of two or more dimensions (batch first) repeated, other tensors cloned, dicts and lists of them rebuilt."""
     import torch
@@ -2988,7 +3005,7 @@ def _copy_layer(layer, repeats: int, keep: bool = True):
         else:
             setattr(copied, name, fresh(value))
     if shares:
-        copied.update = types.MethodType(functools.partial(_split_update, keep=keep), copied)
+        copied.update = types.MethodType(functools.partial(_split_update, keep=keep, capture=capture), copied)
     return copied
 
 
@@ -3094,6 +3111,30 @@ def use_prefix_attention(backbone) -> None:
     AttentionInterface.register(PREFIX_ATTENTION, prefix_attention)
     AttentionMaskInterface.register(PREFIX_ATTENTION, sdpa_mask)
     backbone.set_attn_implementation(PREFIX_ATTENTION)
+
+
+def full_attention_only(cache) -> bool:
+    """Whether every layer of a cache holds keys and values alone (no linear-attention state), so a prefix of any
+    length can be cut out of it."""
+    return all(_joins_keys(layer) for layer in cache.layers)
+
+
+def _extended(cache, used, row: int, tokens: int):
+    """A batch-1 snapshot of `cache` followed by the first `tokens` new keys and values of row `row` of a forward run
+    against a copy of it (`used`, copied with capture): the prefix those tokens end, kept without a pass of its own.
+    Only for a cache of full-attention layers (full_attention_only); the keys are copied, so the forward's own tensors
+    are not kept alive."""
+    import torch
+
+    snapshot = copy.copy(cache)
+    snapshot.layers = []
+    for base, layer in zip(cache.layers, used.layers):
+        new_k, new_v = layer.captured
+        kept = copy.copy(base)
+        kept.keys = torch.cat([base.keys, new_k[row : row + 1, :, :tokens]], dim=-2)
+        kept.values = torch.cat([base.values, new_v[row : row + 1, :, :tokens]], dim=-2)
+        snapshot.layers.append(kept)
+    return snapshot
 
 
 def _state_tensors(layer) -> list:
@@ -3240,23 +3281,28 @@ def _run_batches(
     out: list,
     cache=None,
     max_rows: int | None = None,
-) -> None:
+    extend: dict[int, int] | None = None,
+) -> dict[int, object]:
     """Pack seqs under the token budget, run each batch (against copies of `cache` if given), read the labels and
-    the full-vocabulary log-sum-exp: out[i] = (label logits, lse)."""
+    the full-vocabulary log-sum-exp: out[i] = (label logits, lse). `extend` {i: tokens}: seqs[i]'s first tokens
+    after `cache`, kept as snapshots of their own (_extended), returned by i."""
     backbone, head = engine.backbone(), engine.model.lm_head.weight
     device = head.device
     read = _READERS[engine.settings.readout]
+    extend, snapshots = extend or {}, {}
     for b in _batches([len(s) for s in seqs], engine.settings.token_budget, max_rows):
         ids = _padded(seqs, b, engine.pad_id).to(device)
         if cache is None:
             h = backbone(input_ids=ids, use_cache=False).last_hidden_state
         else:
-            past = _copy_cache(cache, len(b), keep=False)
+            past = _copy_cache(cache, len(b), keep=False, capture=any(i in extend for i in b))
             h = backbone(input_ids=ids, cache=past, use_cache=True).last_hidden_state
+            snapshots.update({i: _extended(cache, past, r, extend[i]) for r, i in enumerate(b) if i in extend})
         hs = _last_hidden(h, [len(seqs[i]) for i in b])
         rows = read(head, hs, [cands[i] for i in b])
         for i, row, lse in zip(b, rows, _vocab_lse(head, hs, engine.packed_head)):
             out[i] = (row, lse)
+    return snapshots
 
 
 def _encode(engine: TorchEngine, ids: list[int], cache=None):
@@ -3275,6 +3321,22 @@ def tail_rows(engine: TorchEngine, shared: int, longest: int) -> int | None:
     if reads_in_place(engine.model.lm_head.weight.device, shared, longest):
         return None
     return max(1, engine.settings.prefix_kv_tokens // (shared + longest))
+
+
+def _short_evidence(store: PrefixStore, cache, shared: int, group: list[list[int]], cuts: list[tuple[int, ...]]):
+    """Which prompts of a group run from the template header (`shared` tokens) should leave their evidence kept
+    behind (by position in the group, the evidence's tokens after the header): evidence under prefix_min_tokens,
+    not kept yet, one prompt per evidence, where the cache is all full attention (a linear-attention state cannot be
+    cut back to the evidence's end, so keeping it there would take a pass of its own)."""
+    if not store.keeps or not full_attention_only(cache):
+        return {}
+    extend, seen = {}, set()
+    for j, (seq, points) in enumerate(zip(group, cuts)):
+        end = points[-1] if points else 0
+        if end > shared and end < len(seq) and tuple(seq[:end]) not in seen and not store.holds(tuple(seq[:end])):
+            seen.add(tuple(seq[:end]))
+            extend[j] = end - shared
+    return extend
 
 
 @dataclass
@@ -3322,8 +3384,9 @@ def _forward(
     cached = [0] * len(seqs)
     computed = 0
     t0 = time.perf_counter()
+    kept = store.holds if store.keeps else None
     with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
-        for rows, shared in _prefix_groups(seqs, cuts, engine.settings, store.keeps):
+        for rows, shared in _prefix_groups(seqs, cuts, engine.settings, store.keeps, kept):
             part: list = [None] * len(rows)
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
             if shared:
@@ -3331,7 +3394,10 @@ def _forward(
                 cache, read, encoded = store.prefix(engine, group[0][:shared], points)
                 tails = [s[shared:] for s in group]
                 cap = tail_rows(engine, shared, max(map(len, tails)))
-                _run_batches(engine, tails, group_cands, part, cache=cache, max_rows=cap)
+                extend = _short_evidence(store, cache, shared, group, [cuts[i] for i in rows])
+                snapshots = _run_batches(engine, tails, group_cands, part, cache=cache, max_rows=cap, extend=extend)
+                for j, snapshot in snapshots.items():
+                    store.put(tuple(group[j][: shared + extend[j]]), snapshot)
                 computed += encoded + sum(map(len, tails))
             else:
                 read = 0
