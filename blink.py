@@ -2009,8 +2009,8 @@ def _packed_forward(self, x):
 def pack_linear(layer) -> None:
     """A bfloat16 linear layer's weight replaced by oneDNN's packed layout of it, run by oneDNN's product
     (_packed_forward). torch's own bfloat16 product is oneDNN's too, but it lays the weight out anew on every call,
-    reading it twice from memory; packed once at load, the product reads it once (bit-identical results, the same
-    memory)."""
+    reading it twice from memory; packed once at load, the product reads it once (the same product, the same
+    memory: the plain weight is dropped)."""
     import torch
 
     packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), KERNEL_ROWS)
