@@ -14,6 +14,7 @@ BENCHMARKS = (
     "drift",
     "budget",
     "overhead",
+    "engine_ab",
     "order",
     "models",
     "batch",

@@ -15,6 +15,7 @@ Writes bench/results/overhead.json; the last line printed is a summary.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -119,10 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     run.probe()
     rows = {}
     for name, eng in engines.items():
-        rows[name] = {"linear_layers": eng.matmul, **steps(blink.Deployment.serving(eng), reps)}
+        # the same request again and again: no answer cache, so each decide() runs the model
+        serving = blink.Deployment.serving(eng, replace(eng.settings, answer_cache_mb=0))
+        rows[name] = {"linear_layers": eng.matmul, **steps(serving, reps)}
         print(f"{name:>13}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()), flush=True)
     engine, d = engines["defaults"], rows["defaults"]
-    profiled = forward_profile(blink.Deployment.serving(engine), reps, d["forward_ms"], d["computed_tokens"])
+    profiled = forward_profile(
+        blink.Deployment.serving(engine, replace(engine.settings, answer_cache_mb=0)),
+        reps,
+        d["forward_ms"],
+        d["computed_tokens"],
+    )
     print(f"   profile: {profiled}", flush=True)
     kernels = kernel_gflops(engine, d["computed_tokens"], reps)
     print(f"   kernels: {kernels}", flush=True)

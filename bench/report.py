@@ -710,6 +710,27 @@ def memory_summary(res: dict, path: str) -> str:
 
 # Each kind of results file: what prints its tables, and the fields those tables show (every other field prints
 # after them, so a file prints whole).
+def engine_ab_table(res: dict) -> list[str]:
+    """CPU ms per request of blink.py at a base revision against the working tree's, the per-pair ratio, and both
+    sides' answers against the float32 path."""
+    base = res["base"]
+    lines = [
+        f"| case | {base} (ms) | working tree (ms) | {base} / working tree (quartiles) | pairs "
+        "| vs float32: largest gap, picks changed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case, row in res["rows"].items():
+        ms, q = row["cpu_ms"], row["ratio_quartiles"]
+        gaps = "; ".join(
+            f"{name} {c['max_prob_diff']:.4f}, {len(c['picks_differ'])}" for name, c in row["vs_float32"].items()
+        )
+        lines.append(
+            f"| {case} | {ms[base]} | {ms['working tree']} | {row['ratio_median']} ({q[0]}-{q[1]}) "
+            f"| {row['pairs']} | {gaps} |"
+        )
+    return lines
+
+
 REPORTS = {
     "run": (
         run_report,
@@ -718,6 +739,7 @@ REPORTS = {
     ),
     "budget": (budget_table, ("rows",)),
     "overhead": (overhead_table, ("rows",)),
+    "engine_ab": (engine_ab_table, ("rows", "base")),
     "drift": (drift_table, ("rows",)),
     "gpu": (gpu_table, ("rows",)),
     "memory": (memory_table, ("runs", "config", "target_mb")),

@@ -19,12 +19,14 @@ def serving(
     engine: blink.TorchEngine, window_ms: float = 0.0, max_requests: int = 1, max_queued: int | None = None
 ) -> blink.Deployment:
     """A deployment whose only model is the loaded engine, its Batcher gathering up to `max_requests` requests
-    within `window_ms` (BLINK_BATCH_WINDOW_MS, BLINK_BATCH_MAX_REQUESTS, BLINK_BATCH_MAX_QUEUED)."""
+    within `window_ms` (BLINK_BATCH_WINDOW_MS, BLINK_BATCH_MAX_REQUESTS, BLINK_BATCH_MAX_QUEUED), and every request
+    running the model (no answer cache: the warm-up request comes again in the timed ones)."""
     settings = replace(
         engine.settings,
         batch_window_ms=window_ms,
         batch_max_requests=max_requests,
         batch_max_queued=max_queued or engine.settings.batch_max_queued,
+        answer_cache_mb=0,
     )
     return blink.Deployment.serving(engine, settings)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +14,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # apps and CLI runs in subprocesses) runs the exact path; the default dtype rule is tested on its own
 # (test_torch.py: test_one_dtype_rule_for_every_backend_on_every_device, test_the_default_dtype_answers_and_says_so).
 os.environ.setdefault("BLINK_DTYPE", "float32")
+# and every request they send runs the model, so two runs of one request can be compared (the answer cache, on by
+# default, is tested on its own in test_answer_cache.py; in-process deployments turn it off in `served`)
+os.environ.setdefault("BLINK_ANSWER_CACHE_MB", "0")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -30,10 +34,16 @@ def standin() -> blink.TorchEngine:
     return blink.TorchEngine(blink.STANDIN_MODEL, settings=DEFAULTS)
 
 
+def serving_without_answer_cache(engine: blink.Engine, settings: blink.Settings | None = None) -> blink.Deployment:
+    """A deployment that serves one ready engine as its only model, its answer cache off: a request asked twice runs
+    the model twice (the tests compare such runs; tests/test_answer_cache.py serves with the cache on)."""
+    return blink.Deployment.serving(engine, replace(settings or engine.settings, answer_cache_mb=0))
+
+
 @pytest.fixture()
 def served():
-    """A deployment that serves one ready engine as its only model: served(engine) -> blink.Deployment."""
-    return blink.Deployment.serving
+    """served(engine[, settings]) -> a blink.Deployment serving that engine alone (serving_without_answer_cache)."""
+    return serving_without_answer_cache
 
 
 @pytest.fixture(scope="session")

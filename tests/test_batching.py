@@ -82,40 +82,53 @@ def test_decide_many_refuses_a_bad_temperature(live):
         live.decide_many([(STATES[0], QS)], temperature=float("nan"))
 
 
-def test_batcher_groups_concurrent_requests(live, standin, served, monkeypatch):
-    # The worker is held inside a first forward (a plug request) until the three requests wait in its queue; released,
-    # it gathers all three (window 0: whatever is queued) into one forward, however the threads were scheduled.
-    dep = served(standin, blink.Settings(batch_window_ms=0, batch_max_requests=3))
+def held_batcher(dep: blink.Deployment) -> tuple[blink.Batcher, list[int], threading.Event, threading.Event]:
+    """The deployment's Batcher with its first call of the model held until `release` is set: (batcher, the number
+    of jobs of each call, entered (set once the first call holds), release)."""
     batcher = dep.batcher()
-    inside, release = threading.Event(), threading.Event()
-    real = batcher.run
+    real, sizes = batcher.run, []
+    entered, release = threading.Event(), threading.Event()
 
-    def run(jobs):
-        if not inside.is_set():  # the plug's forward: hold the worker here
-            inside.set()
-            release.wait(120)
+    def held(jobs):
+        sizes.append(len(jobs))
+        if len(sizes) == 1:
+            entered.set()
+            assert release.wait(120)
         return real(jobs)
 
-    monkeypatch.setattr(batcher, "run", run)
+    batcher.run = held
+    return batcher, sizes, entered, release
+
+
+def test_requests_that_arrive_during_a_forward_join_the_next_one_together(live, standin, served):
+    dep = served(standin, blink.Settings(batch_max_requests=4))  # continuous batching: no window
+    batcher, sizes, entered, release = held_batcher(dep)
     results: dict = {}
 
-    def call(i) -> None:
-        results[i] = dep.submit(dep.request(STATES[i] if i != "plug" else "plug", QS))
+    def call(i: int) -> None:
+        results[i] = dep.submit(dep.request(STATES[i % len(STATES)], QS))
 
-    threads = [threading.Thread(target=call, args=("plug",))]
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
     threads[0].start()
-    assert inside.wait(120)
-    threads += [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    assert entered.wait(120)  # the worker runs the first request, alone, while the others have not arrived
     for t in threads[1:]:
         t.start()
-    assert wait_until(lambda: batcher.q.qsize() == 3)
+    assert wait_until(lambda: batcher.q.qsize() == 3)  # they wait while the model is busy
     release.set()
     for t in threads:
         t.join(timeout=120)
-    assert results["plug"]["meta"]["batched_requests"] == 1
-    assert [results[i]["meta"]["batched_requests"] for i in range(3)] == [3, 3, 3]
-    for i, state in enumerate(STATES):
-        assert close(results[i]["answers"], answers_alone(live, state))
+    assert sizes == [1, 3]  # everything that waited, in one call
+    assert [results[i]["meta"]["batched_requests"] for i in range(4)] == [1, 3, 3, 3]
+    for i in range(4):
+        assert close(results[i]["answers"], answers_alone(live, STATES[i % len(STATES)]))
+
+
+def test_a_callers_requests_are_taken_together(live, standin, served):
+    dep = served(standin)
+    batcher, sizes, entered, release = held_batcher(dep)
+    release.set()  # nothing held: the worker is idle when the caller's three requests arrive
+    out = dep.submit_many([dep.request(s, QS) for s in STATES])
+    assert sizes == [3] and all(r["meta"]["batched_requests"] == 3 for r in out)
 
 
 def test_batcher_refuses_bad_input_before_queueing(live):
