@@ -739,7 +739,7 @@ REPORTS = {
     ),
     "budget": (budget_table, ("rows",)),
     "overhead": (overhead_table, ("rows",)),
-    "engine_ab": (engine_ab_table, ("rows", "base")),
+    "engine_ab": (engine_ab_table, ("rows", "base", "dtype", "model")),
     "drift": (drift_table, ("rows",)),
     "gpu": (gpu_table, ("rows",)),
     "memory": (memory_table, ("runs", "config", "target_mb")),
