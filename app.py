@@ -281,6 +281,9 @@ def render_meta(meta: dict) -> str:
             f'<div class="bk-source bk-replay">Recorded{when} on {esc(meta.get("recorded_on", "unknown hardware"))}'
             f" — served from the recording, no model call.</div>"
         )
+    elif meta.get("answer_cache"):  # an exact repeat: the live model's first answer, kept
+        parts.append(f"{meta['latency_ms']:,.0f} ms")
+        line = '<div class="bk-source bk-live">Repeat: answered from the answer cache, no model call.</div>'
     elif "model_ms" in meta:  # a live model ran (the torch or the vllm backend)
         parts.append(f"{meta['latency_ms']:,.0f} ms ({meta['model_ms']:,.0f} ms model)")
         if meta.get("cached_tokens"):

@@ -4,7 +4,8 @@ A request is a `state` (the evidence) plus a map of typed questions (choice, nou
 with the fixed template the model was trained on, all questions run as right-padded prefills packed into batches of
 at most BLINK_TOKEN_BUDGET padded tokens, and each answer is read from the next-token distribution over the offered
 option labels; no tokens are generated. The template header and each request's evidence are encoded once and kept
-across requests (BLINK_PREFIX_CACHE, BLINK_PREFIX_CACHE_MB). Every answer carries `label_mass`, the share of the
+across requests (BLINK_PREFIX_CACHE, BLINK_PREFIX_CACHE_MB), and an exact repeat of a request is answered from what
+the model returned the first time (BLINK_ANSWER_CACHE_MB). Every answer carries `label_mass`, the share of the
 whole next-token distribution on the offered labels; `permute`, `multi` and `abstain` are opt-in per question.
 
 One request takes one straight path: parse_request() checks it once, the same for every entry, into a Request of
@@ -13,10 +14,10 @@ and meta. A Deployment owns the settings, one engine per served model (BLINK_ENG
 BLINK_BACKEND: torch or vllm) and the Batcher; Deployment.answer_all is the one prepare -> run -> answer loop.
 
 Sections, in order: errors · settings · request schema · rendering · answers · images · engines (the interface,
-mock, replay, torch, vLLM, hybrid) · prefix cache · forward pass · deployment · batching · calibration (applied) ·
-command line. What adapts the engine to the outside lives in adapters/ and imports blink, never the reverse: wire.py
-(System One and OpenAI Decisions, served by app.py), bulk.py (`batch`, Ray), export.py (a transformers decision
-config), calibrate.py (fitting) and record.py (writing the presets' recording).
+mock, replay, torch, vLLM, hybrid) · prefix cache · forward pass · answer cache · deployment · batching · calibration
+(applied) · command line. What adapts the engine to the outside lives in adapters/ and imports blink, never the
+reverse: wire.py (System One and OpenAI Decisions, served by app.py), bulk.py (`batch`, Ray), export.py (a
+transformers decision config), calibrate.py (fitting) and record.py (writing the presets' recording).
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call or 
 MAX_INT_DIGITS = 4000  # longest integer a request may hold (Python refuses to print integers past 4300 digits)
 LSE_CHUNK = 32768  # vocabulary rows of lm_head upcast to FP32 at a time for the full-vocabulary log-sum-exp (GPU)
 # On a CPU by bytes: under glibc's largest mmap threshold (32 MB) a chunk reuses freed heap pages; a larger one is
-# mapped and faulted in anew on every call (75 MB chunks cost the bfloat16 stand-in 40 ms of a 118 ms question).
+# mapped and faulted in anew on every call.
 LSE_CHUNK_CPU_BYTES = 8 * 2**20
+LSE_EXACT_TOP = 64  # a packed bfloat16 lm_head's highest logits per row recomputed exactly in FP32 (_packed_lse)
 ENGINE_KINDS = ("torch", "replay", "hybrid", "mock")
 BACKENDS = ("torch", "vllm")  # what runs a live model: transformers in this process, or a vLLM engine
 READOUTS = ("rows", "batched")
@@ -327,6 +329,7 @@ class Settings:
     prefix_kv_tokens: int | None = setting("BLINK_PREFIX_KV_TOKENS", None, 1, kind=int)  # prefix copies x length
     # held at once: bounds how many tails run against one prefix per forward
     prefix_cache_mb: int | None = setting("BLINK_PREFIX_CACHE_MB", None, 0, kind=int)  # prefixes kept across requests
+    answer_cache_mb: int = setting("BLINK_ANSWER_CACHE_MB", 64, 0)  # answers of exact repeats kept (0: none)
     release_memory: bool = setting("BLINK_RELEASE_MEMORY", True)  # freed pages to the OS after each forward; 1 arena
     readout: str = setting("BLINK_READOUT", "rows", choices=READOUTS)  # per-question GEMVs, or one matmul
     cpu_matmul: str = setting("BLINK_CPU_MATMUL", "auto", choices=CPU_MATMULS)  # auto: the faster one, measured
@@ -345,7 +348,7 @@ class Settings:
     calibration_path: str = setting("BLINK_CALIBRATION", os.path.join(HERE, "calibration.json"))
     cache_dir: str = setting("BLINK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "blink"))
     # the Batcher in front of the model (the server's own settings, adapters/http.py ServerSettings, are apart)
-    batch_window_ms: float = setting("BLINK_BATCH_WINDOW_MS", 25.0, 0.0, 1000.0)  # how long a batch waits
+    batch_window_ms: float = setting("BLINK_BATCH_WINDOW_MS", 0.0, 0.0, 1000.0)  # an idle worker's wait for more
     batch_max_requests: int = setting("BLINK_BATCH_MAX_REQUESTS", 32, 1, MAX_BATCH_REQUESTS)  # per forward call
     batch_max_queued: int = setting("BLINK_BATCH_MAX_QUEUED", 256, 1)  # requests waiting for the model
     # hardware, found rather than set
@@ -1431,6 +1434,7 @@ class Forward:
     recorded_on: str | None = None
     recorded_ms: float | None = None
     extra: dict = field(default_factory=dict)  # image requests: pixels, visual tokens, timings
+    recalled: bool = False  # answered from the answer cache: the model did not run for it
 
 
 @dataclass
@@ -1479,6 +1483,11 @@ class Engine:
         if not self.reads_images:
             raise ImageError("this model reads text only", request.located.loc)
         return replace(request.located, limits=self.image_limits)
+
+    def runs_live(self, request: Request) -> bool:
+        """Whether this engine runs its model for the request (a hybrid engine answers a saved example from its
+        recording)."""
+        return self.runs_model
 
     def prepare(self, request: Request) -> Job:
         """The request made ready to run (or its error raised)."""
@@ -1992,11 +2001,31 @@ def kernel_verdicts() -> dict[str, dict]:
     return dict(_KERNEL_VERDICTS)
 
 
-def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> tuple[str, dict | None]:
-    """Run the model's linear layers (but lm_head) by oneDNN where `choice` (BLINK_CPU_MATMUL) says so or, under
-    "auto", where it is faster on a product of the model's MLP shape, hidden size to intermediate size
-    (kernel_verdict, kept under cache_dir); only for a float32 model on a CPU with oneDNN in torch. Returns what runs
-    them ("onednn" or "torch") and auto's verdict (None where nothing was measured)."""
+def _packed_forward(self, x):
+    """nn.Linear.forward on a weight oneDNN packed at load (pack_linear)."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def pack_linear(layer) -> None:
+    """A bfloat16 linear layer's weight replaced by oneDNN's packed layout of it, run by oneDNN's product
+    (_packed_forward). torch's own bfloat16 product is oneDNN's too, but it lays the weight out anew on every call,
+    reading it twice from memory; packed once at load, the product reads it once (the same product, the same
+    memory: the plain weight is dropped)."""
+    import torch
+
+    packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), KERNEL_ROWS)
+    layer.weight = torch.nn.Parameter(packed, requires_grad=False)
+    layer.forward = types.MethodType(_packed_forward, layer)
+
+
+def cpu_matmul(model, choice: str, cache_dir: str | None = None, backbone=None) -> tuple[str, dict | None]:
+    """What runs the model's linear layers (but lm_head) on a CPU with oneDNN in torch, unless `choice`
+    (BLINK_CPU_MATMUL) is "torch". bfloat16: the decoder stack's (`backbone`) weights packed for oneDNN at load
+    (pack_linear). float32: oneDNN on the same weights where `choice` says so or, under "auto", where it is faster on
+    a product of the model's MLP shape, hidden size to intermediate size (kernel_verdict, kept under cache_dir).
+    Returns what runs them ("onednn" or "torch") and auto's verdict (None where nothing was measured)."""
     import torch
 
     weight, head = model.get_input_embeddings().weight, model.get_output_embeddings()
@@ -2006,10 +2035,14 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None) -> tuple[str, d
         choice == "torch"
         or not linears
         or weight.device.type != "cpu"
-        or weight.dtype != torch.float32
+        or weight.dtype not in (torch.float32, torch.bfloat16)
         or not torch.backends.mkldnn.is_available()
     ):
         return "torch", None
+    if weight.dtype == torch.bfloat16:
+        for layer in (m for m in (backbone or model).modules() if type(m) is torch.nn.Linear and m is not head):
+            pack_linear(layer)
+        return "onednn", None
     verdict = kernel_verdict(*mlp_shape(model), cache_dir) if choice == "auto" else None
     if verdict is not None and verdict["kernel"] != "onednn":
         return "torch", verdict
@@ -2120,7 +2153,7 @@ def _image_content(user: str, markers: tuple[str, ...], images: tuple, layout: s
     return content, tuple(order)
 
 
-def _readouts(prompts: list[Prompt], rows: list[tuple[list[float], float]]) -> dict[str, Readout]:
+def question_readouts(prompts: list[Prompt], rows: list[tuple[list[float], float]]) -> dict[str, Readout]:
     """The forward's (label logits, lse) per prompt, gathered into each question's readout in prompt order."""
     raw: dict[str, Readout] = {}
     for p, (row, lse) in zip(prompts, rows):
@@ -2275,7 +2308,11 @@ class TorchEngine(PromptEngine):
 
             self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
         self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
-        self.matmul, self.matmul_verdict = cpu_matmul(self.model, self.settings.cpu_matmul, self.settings.cache_dir)
+        use_prefix_attention(self.backbone())
+        self.matmul, self.matmul_verdict = cpu_matmul(
+            self.model, self.settings.cpu_matmul, self.settings.cache_dir, self.backbone()
+        )
+        self.packed_head = pack_head(self.model, self.matmul)
         self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)
@@ -2455,7 +2492,7 @@ class TorchEngine(PromptEngine):
             meta.update(vision_encoder_ms=encoder_ms, lm_prefill_ms=prefill_ms)
         n_tokens = sum(len(p.ids) for p in work.prompts)
         return Forward(
-            _readouts(work.prompts, rows),
+            question_readouts(work.prompts, rows),
             n_tokens,
             self.name,
             LIVE,
@@ -2506,7 +2543,7 @@ def _split_forwards(
         n = len(job.work)
         out.append(
             Forward(
-                _readouts(job.work, rows[k : k + n]),
+                question_readouts(job.work, rows[k : k + n]),
                 sum(len(p.ids) for p in job.work),
                 engine,
                 LIVE,
@@ -2668,16 +2705,18 @@ class HybridEngine(Engine):
         """The live model's."""
         return self.live.compute
 
-    def prepare(self, request: Request) -> Job:
-        """The recording's job when asked for (prefer="saved") and present, else the live model's."""
-        if (
+    def runs_live(self, request: Request) -> bool:
+        """False when the recording answers: asked for (prefer="saved") and present."""
+        return not (
             request.prefer == "saved"
             and self.replay is not None
             and not request.holds_images()
             and self.recording.has(request)
-        ):
-            return self.replay.prepare(request)
-        return self._live.prepare(request)
+        )
+
+    def prepare(self, request: Request) -> Job:
+        """The live model's job, or the recording's when it answers (runs_live)."""
+        return self._live.prepare(request) if self.runs_live(request) else self.replay.prepare(request)
 
     @property
     def live(self) -> PromptEngine:
@@ -2761,22 +2800,18 @@ def encode_plan(cost: PrefillCost, start: int, ends: list[int]) -> list[tuple[in
     return spans
 
 
-class PrefixStore:
-    """Encoded prefixes of one engine, by token ids, least recently used dropped first past `budget` bytes."""
+class BoundedStore:
+    """Values by key, least recently used dropped first once their sizes pass `budget` bytes. The table is guarded by
+    a lock; a value is never written once stored, so readers need none."""
 
     def __init__(self, budget: int):
         self.budget = budget
-        self._held: collections.OrderedDict[tuple[int, ...], tuple[object, int]] = collections.OrderedDict()
+        self._held: collections.OrderedDict[object, tuple[object, int]] = collections.OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    @property
-    def keeps(self) -> bool:
-        """True when prefixes outlive the call that encoded them."""
-        return self.budget > 0
-
     def held_bytes(self) -> int:
-        """Memory the kept snapshots hold."""
+        """Memory the kept values hold."""
         with self._lock:
             return self._bytes
 
@@ -2785,37 +2820,53 @@ class PrefixStore:
             return len(self._held)
 
     def clear(self) -> None:
-        """Drop every kept prefix (the next request runs cold)."""
+        """Drop every kept value."""
         with self._lock:
             self._held.clear()
             self._bytes = 0
 
-    def get(self, ids: tuple[int, ...]):
-        """The snapshot of exactly these token ids, or None; a hit becomes the most recently used."""
+    def holds(self, key) -> bool:
+        """Whether a value is kept for this key (it is not touched)."""
         with self._lock:
-            entry = self._held.get(ids)
+            return key in self._held
+
+    def get(self, key):
+        """The value kept for this key, or None; a hit becomes the most recently used."""
+        with self._lock:
+            entry = self._held.get(key)
             if entry is None:
                 return None
-            self._held.move_to_end(ids)
+            self._held.move_to_end(key)
             return entry[0]
 
-    def put(self, ids: tuple[int, ...], cache) -> None:
-        """Keep a snapshot (never written to again), dropping the least recently used ones to make room; one
-        larger than the whole budget is not kept."""
-        if not self.keeps:
-            return
-        size = cache_bytes(cache)
+    def hold(self, key, value, size: int) -> None:
+        """Keep a value of `size` bytes, dropping the least recently used ones to make room; one larger than the
+        whole budget is not kept, and a key kept already keeps its first value."""
         if size > self.budget:
             return
         with self._lock:
-            if ids in self._held:
-                self._held.move_to_end(ids)
+            if key in self._held:
+                self._held.move_to_end(key)
                 return
             while self._bytes + size > self.budget:
                 _, (_, dropped) = self._held.popitem(last=False)
                 self._bytes -= dropped
-            self._held[ids] = (cache, size)
+            self._held[key] = (value, size)
             self._bytes += size
+
+
+class PrefixStore(BoundedStore):
+    """Encoded prefixes of one engine, by token ids, least recently used dropped first past `budget` bytes."""
+
+    @property
+    def keeps(self) -> bool:
+        """True when prefixes outlive the call that encoded them."""
+        return self.budget > 0
+
+    def put(self, ids: tuple[int, ...], cache) -> None:
+        """Keep a snapshot (never written to again) of exactly these token ids."""
+        if self.keeps:
+            self.hold(ids, cache, cache_bytes(cache))
 
     def prefix(self, engine: TorchEngine, ids: list[int], points: list[int]) -> tuple[object, int, int]:
         """A cache holding exactly `ids`: kept, or encoded from the longest kept one of the shorter cut points
@@ -2862,19 +2913,28 @@ def _batches(lengths: list[int], budget: int, max_rows: int | None = None) -> It
         yield batch
 
 
-def _prefix_groups(
-    seqs: list[list[int]], cuts: list[tuple[int, ...]], settings: Settings, keep: bool
+def prefix_groups(
+    seqs: list[list[int]],
+    cuts: list[tuple[int, ...]],
+    settings: Settings,
+    keep: bool,
+    kept: Callable[[tuple[int, ...]], bool] | None = None,
 ) -> list[tuple[list[int], int]]:
     """The prompts (by index) grouped by the prefix they run from, each group with its length: the evidence when it
-    reaches prefix_min_tokens, else the template header when prefixes are kept across calls (`keep`); prompts with
-    neither run whole, together in a group with length 0 (the plain path). Prompts of one request share their
-    evidence; requests packed into one forward (decide_many, the Batcher) each keep their own, and share the header.
-    Without `keep` a prefix that only one prompt reads is not worth encoding apart: that prompt runs whole."""
+    reaches prefix_min_tokens or is kept already (`kept`, the store's lookup), else the template header when prefixes
+    are kept across calls (`keep`); prompts with neither run whole, together in a group with length 0 (the plain
+    path). Prompts of one request share their evidence; requests packed into one forward (decide_many, the Batcher)
+    each keep their own, and share the header. Without `keep` a prefix that only one prompt reads is not worth
+    encoding apart: that prompt runs whole."""
     if not settings.prefix_cache:
         return [(list(range(len(seqs))), 0)] if seqs else []
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (seq, points) in enumerate(zip(seqs, cuts)):
-        usable = [c for c in points if c >= settings.prefix_min_tokens or (keep and c == points[0])]
+        usable = [
+            c
+            for c in points
+            if c >= settings.prefix_min_tokens or (keep and c == points[0]) or (kept and kept(tuple(seq[:c])))
+        ]
         groups.setdefault(tuple(seq[: usable[-1]]) if usable else (), []).append(i)
     plain = groups.pop((), [])
     out = []
@@ -2886,17 +2946,17 @@ def _prefix_groups(
     return out + ([(sorted(plain), 0)] if plain else [])
 
 
-def _copy_cache(cache, repeats: int = 1, keep: bool = True):
+def _copy_cache(cache, repeats: int = 1, keep: bool = True, capture: bool = False):
     """A batch-1 cache made ready for a forward of `repeats` rows that must leave it as it is. Full-attention layers
-    (the library's DynamicLayer.update, which joins new keys to the held ones into a new tensor and never writes
-    into the held one) share the prefix's keys and values as a view repeated along the batch axis, copying nothing;
-    with keep=False (tails that are read once) they do not hold the joined keys either, so a forward holds one
-    layer's joined keys at a time instead of every layer's copy of the prefix per row. Every other per-sequence
-    tensor (Qwen3.5's linear-attention conv and recurrent states, which the forward writes into) is a new tensor
-    and every dict of flags a new dict. A shallow copy of the rest: a deep copy of 30 layers' structure costs more
-    than a short tail."""
+    (the library's DynamicLayer, whose update joins new keys to the held ones into a new tensor) share the prefix's
+    keys and values as a view repeated along the batch axis, copying nothing, and hand them to the attention apart
+    from the new ones (_split_update, read by prefix_attention: on a CPU a long prefix is read once for every row);
+    with keep=False (tails that are read once) nothing is joined at all. Every other per-sequence tensor (Qwen3.5's
+    linear-attention conv and recurrent states, which the forward writes into) is a new tensor and every dict of
+    flags a new dict. A shallow copy of the rest: a deep copy of 30 layers' structure costs more than a short
+    tail. With `capture`, each full-attention layer holds on to the new keys and values it was given (_extended)."""
     copied = copy.copy(cache)
-    copied.layers = [_copy_layer(layer, repeats, keep) for layer in cache.layers]
+    copied.layers = [_copy_layer(layer, repeats, keep, capture) for layer in cache.layers]
     return copied
 
 
@@ -2907,14 +2967,24 @@ def _joins_keys(layer) -> bool:
     return getattr(type(layer), "update", None) is DynamicLayer.update
 
 
-def _joined(self, key_states, value_states, *args, **kwargs):
-    """DynamicLayer.update that keeps nothing: the held prefix joined with the new keys and values, returned."""
+def _split_update(self, key_states, value_states, *args, keep: bool = True, capture: bool = False, **kwargs):
+    """A copied full-attention layer's update (_copy_layer): the held prefix's keys and values and the new ones as
+    (prefix, new) pairs, for prefix_attention to read without joining them; the joined keys and values are held only
+    where the copy is kept (`keep`: a prefix encoded further), never for tails that are read once, and the new ones
+    alone where they are captured (`capture`: part of them will be kept, _extended)."""
     import torch
 
-    return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+    prefix = self.keys, self.values
+    if capture:
+        self.captured = key_states, value_states
+    if keep:
+        rows = key_states.shape[0]
+        self.keys = torch.cat([self.keys.expand(rows, *self.keys.shape[1:]), key_states], dim=-2)
+        self.values = torch.cat([self.values.expand(rows, *self.values.shape[1:]), value_states], dim=-2)
+    return (prefix[0], key_states), (prefix[1], value_states)
 
 
-def _copy_layer(layer, repeats: int, keep: bool = True):
+def _copy_layer(layer, repeats: int, keep: bool = True, capture: bool = False):
     """One cache layer copied (see _copy_cache): a joining layer's keys and values repeated as views; other tensors
     of two or more dimensions (batch first) repeated, other tensors cloned, dicts and lists of them rebuilt."""
     import torch
@@ -2936,9 +3006,137 @@ def _copy_layer(layer, repeats: int, keep: bool = True):
             setattr(copied, name, [fresh(v) for v in value])
         else:
             setattr(copied, name, fresh(value))
-    if shares and not keep:
-        copied.update = types.MethodType(_joined, copied)
+    if shares:
+        copied.update = types.MethodType(functools.partial(_split_update, keep=keep, capture=capture), copied)
     return copied
+
+
+PREFIX_ATTENTION = "blink_prefix"  # the attention implementation torch engines run (prefix_attention)
+# On a CPU a kept prefix is read in place once for every row (_merged_attention) where it is at least this many times
+# longer than the new tokens; shorter, joining it to each row's tokens under one mask was as fast or faster.
+MERGED_MIN_PREFIX_RATIO = 2
+SMALL_ATTENTION_SCORES = 2**20  # scores a joined tail's attention computes in FP32 products on a CPU, at most
+
+
+def reads_in_place(device, past: int, length: int) -> bool:
+    """Whether tails of `length` tokens read a kept prefix of `past` tokens in place (_merged_attention): on a CPU,
+    where the prefix is at least MERGED_MIN_PREFIX_RATIO times longer; else it is joined to each row's tokens."""
+    return device.type == "cpu" and past >= MERGED_MIN_PREFIX_RATIO * length
+
+
+def prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention, and for a layer read against a kept prefix ((prefix, new) pairs from
+    _split_update) the same attention without the prefix copied per row: on a CPU, where the prefix is long enough,
+    every row's queries read it once (_merged_attention); else it is joined to each row's new keys under the causal
+    mask that ends at the bottom right (the tails are right-padded, so no other mask applies to them), its few
+    scores on a CPU in FP32 products (_float32_attention)."""
+    import torch
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if not isinstance(key, tuple):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    (prefix_k, new_k), (prefix_v, new_v) = key, value
+    rows, heads, length, _ = query.shape
+    past = prefix_k.shape[-2]
+    if reads_in_place(query.device, past, length):
+        out = _merged_attention(query, prefix_k[:1], prefix_v[:1], new_k, new_v, scaling)
+    else:
+        k = torch.cat([prefix_k.expand(rows, -1, -1, -1), new_k], dim=-2)
+        v = torch.cat([prefix_v.expand(rows, -1, -1, -1), new_v], dim=-2)
+        if query.device.type == "cpu" and rows * heads * length * (past + length) <= SMALL_ATTENTION_SCORES:
+            out = _float32_attention(query, k, v, past, scaling)
+        else:
+            per, mask = heads // k.shape[1], _bottom_right_mask(length, past, query.dtype, query.device)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, repeat_kv(k, per), repeat_kv(v, per), attn_mask=mask, scale=scaling
+            )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _float32_attention(query, key, value, past: int, scale):
+    """Attention of `query` [rows, heads, length, dim] over the joined `key`/`value` [rows, key heads, past + length,
+    dim] in FP32 products, each key head's query heads read together, under the bottom-right causal mask: on a CPU,
+    for the few scores of a short tail, faster than the flash kernel (and exact to FP32)."""
+    import torch
+
+    rows, heads, length, dim = query.shape
+    groups = key.shape[1]
+    queries = query.float().reshape(rows, groups, heads // groups * length, dim)
+    scores = torch.matmul(queries, key.float().transpose(-1, -2)).mul_(scale if scale is not None else dim**-0.5)
+    scores = scores.view(rows, groups, heads // groups, length, -1)
+    scores.add_(_bottom_right_mask(length, past, torch.float32, query.device))
+    weights = torch.softmax(scores, dim=-1).view(rows, groups, heads // groups * length, -1)
+    return torch.matmul(weights, value.float()).view(rows, heads, length, dim).to(query.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _bottom_right_mask(length: int, past: int, dtype, device):
+    """The additive causal mask of `length` new tokens after `past` kept ones (0 where a query may look, -inf after
+    its own position), made once per shape and shared by every layer and forward (never written)."""
+    import torch
+
+    allowed = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def _merged_attention(query, prefix_k, prefix_v, new_k, new_v, scale):
+    """Attention of `query` [rows, heads, length, dim] over one batch-1 prefix and each row's new keys, on a CPU:
+    the queries of all rows that share a key head are folded into one sequence that reads the prefix once (no mask,
+    no copy of it per row), each row's new tokens are read causally on their own, and the two parts are merged by
+    their log-sum-exps (as flash attention merges blocks). Returns [rows, heads, length, dim]."""
+    import torch
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    rows, heads, length, dim = query.shape
+    groups = prefix_k.shape[1]
+    per = heads // groups
+    folded = query.reshape(rows, groups, per, length, dim).permute(1, 2, 0, 3, 4).reshape(1, groups, -1, dim)
+    out_p, lse_p = flash(folded, prefix_k, prefix_v, scale=scale)[:2]
+    out_p = out_p.reshape(groups, per, rows, length, dim).permute(2, 0, 1, 3, 4).reshape(query.shape)
+    lse_p = lse_p.reshape(groups, per, rows, length).permute(2, 0, 1, 3).reshape(rows, heads, length)
+    out_n, lse_n = flash(
+        query, new_k.repeat_interleave(per, 1), new_v.repeat_interleave(per, 1), is_causal=True, scale=scale
+    )[:2]
+    lse = torch.logaddexp(lse_p, lse_n)
+    out = out_p.float() * torch.exp(lse_p - lse).unsqueeze(-1) + out_n.float() * torch.exp(lse_n - lse).unsqueeze(-1)
+    return out.to(query.dtype)
+
+
+def use_prefix_attention(backbone) -> None:
+    """Run a decoder stack's attention by prefix_attention, registered with transformers under PREFIX_ATTENTION with
+    SDPA's masks: whoever else calls the model (with padding, say) gets what SDPA gives."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PREFIX_ATTENTION, prefix_attention)
+    AttentionMaskInterface.register(PREFIX_ATTENTION, sdpa_mask)
+    backbone.set_attn_implementation(PREFIX_ATTENTION)
+
+
+def full_attention_only(cache) -> bool:
+    """Whether every layer of a cache holds keys and values alone (no linear-attention state), so a prefix of any
+    length can be cut out of it."""
+    return all(_joins_keys(layer) for layer in cache.layers)
+
+
+def _extended(cache, used, row: int, tokens: int):
+    """A batch-1 snapshot of `cache` followed by the first `tokens` new keys and values of row `row` of a forward run
+    against a copy of it (`used`, copied with capture): the prefix those tokens end, kept without a pass of its own.
+    Only for a cache of full-attention layers (full_attention_only); the keys are copied, so the forward's own tensors
+    are not kept alive."""
+    import torch
+
+    snapshot = copy.copy(cache)
+    snapshot.layers = []
+    for base, layer in zip(cache.layers, used.layers):
+        new_k, new_v = layer.captured
+        kept = copy.copy(base)
+        kept.keys = torch.cat([base.keys, new_k[row : row + 1, :, :tokens]], dim=-2)
+        kept.values = torch.cat([base.values, new_v[row : row + 1, :, :tokens]], dim=-2)
+        snapshot.layers.append(kept)
+    return snapshot
 
 
 def _state_tensors(layer) -> list:
@@ -2991,12 +3189,14 @@ def _read_batched(head, hs, cands: list[list[int]]) -> list[list[float]]:
 _READERS = {"rows": _read_rows, "batched": _read_batched}
 
 
-def _vocab_lse(head, hs) -> list[float]:
+def _vocab_lse(head, hs, packed=None) -> list[float]:
     """Per row, the log-sum-exp of the full FP32 vocabulary logits hs @ lm_head.T (the label mass denominator),
     upcasting a chunk of lm_head at a time so a large vocabulary never needs a whole FP32 copy (an FP32 lm_head
-    is read in one product)."""
+    is read in one product); from lm_head `packed` for oneDNN where the engine keeps it so (_packed_lse)."""
     import torch
 
+    if packed is not None:
+        return _packed_lse(head, packed, hs)
     step = (
         head.shape[0]
         if head.dtype == torch.float32
@@ -3006,6 +3206,31 @@ def _vocab_lse(head, hs) -> list[float]:
     )  # on a CPU by bytes; an FP32 head: one product
     parts = [torch.logsumexp(hs @ head[i : i + step].float().T, dim=-1) for i in range(0, head.shape[0], step)]
     return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1).tolist()
+
+
+def _packed_lse(head, packed, hs) -> list[float]:
+    """_vocab_lse from one bfloat16 product with lm_head packed for oneDNN (pack_head) instead of upcasting it: the
+    bfloat16 logits, each within 2^-9 of its size, with each row's LSE_EXACT_TOP highest recomputed exactly in FP32
+    from their lm_head rows. What is left of the rounding moves the log-sum-exp by at most 2^-9 x the largest |logit|
+    x the probability outside those tokens (hs, read from a bfloat16 model, is exact in bfloat16)."""
+    import torch
+
+    logits = torch.ops.mkldnn._linear_pointwise(hs.to(packed.dtype), packed, None, "none", [], "")
+    top = logits.topk(min(LSE_EXACT_TOP, logits.shape[-1]), dim=-1).indices
+    exact = torch.einsum("rd,rkd->rk", hs, head[top].float())
+    return torch.logsumexp(logits.float().scatter_(-1, top, exact), dim=-1).tolist()
+
+
+def pack_head(model, matmul: str):
+    """A bfloat16 lm_head on a CPU whose linear layers oneDNN runs (cpu_matmul), packed for oneDNN once at load for
+    the full-vocabulary log-sum-exp (_packed_lse): a copy of it (its size in memory again), which the readout
+    reads once per forward instead of upcasting every chunk of it to FP32. None anywhere else."""
+    import torch
+
+    head = model.lm_head.weight
+    if matmul != "onednn" or head.dtype != torch.bfloat16 or head.device.type != "cpu":
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(head.detach(), 1)
 
 
 @functools.cache
@@ -3023,7 +3248,8 @@ def _libc(name: str) -> Callable | None:
 def share_malloc_arenas() -> bool:
     """Threads that first allocate from now on share glibc's malloc arenas instead of each making its own (mallopt
     M_ARENA_MAX = 1): pages one thread's arena freed cannot serve another's, so the app, whose forwards run on the
-    Batcher's thread, peaked 135 MB higher on 9 long documents than with one arena (bench/memory.py). True on glibc."""
+    Batcher's thread, peaked 268 MB above decide() over 24 long documents before they shared one, and 3 MB below it
+    after (`python -m bench memory`: bench/results/memory.json, and as of e99584c). True on glibc."""
     opt = _libc("mallopt")
     return bool(opt and opt(-8, 1))  # -8: M_ARENA_MAX in glibc's malloc.h
 
@@ -3058,23 +3284,28 @@ def _run_batches(
     out: list,
     cache=None,
     max_rows: int | None = None,
-) -> None:
+    extend: dict[int, int] | None = None,
+) -> dict[int, object]:
     """Pack seqs under the token budget, run each batch (against copies of `cache` if given), read the labels and
-    the full-vocabulary log-sum-exp: out[i] = (label logits, lse)."""
+    the full-vocabulary log-sum-exp: out[i] = (label logits, lse). `extend` {i: tokens}: seqs[i]'s first tokens
+    after `cache`, kept as snapshots of their own (_extended), returned by i."""
     backbone, head = engine.backbone(), engine.model.lm_head.weight
     device = head.device
     read = _READERS[engine.settings.readout]
+    extend, snapshots = extend or {}, {}
     for b in _batches([len(s) for s in seqs], engine.settings.token_budget, max_rows):
         ids = _padded(seqs, b, engine.pad_id).to(device)
         if cache is None:
             h = backbone(input_ids=ids, use_cache=False).last_hidden_state
         else:
-            past = _copy_cache(cache, len(b), keep=False)
+            past = _copy_cache(cache, len(b), keep=False, capture=any(i in extend for i in b))
             h = backbone(input_ids=ids, cache=past, use_cache=True).last_hidden_state
+            snapshots.update({i: _extended(cache, past, r, extend[i]) for r, i in enumerate(b) if i in extend})
         hs = _last_hidden(h, [len(seqs[i]) for i in b])
         rows = read(head, hs, [cands[i] for i in b])
-        for i, row, lse in zip(b, rows, _vocab_lse(head, hs)):
+        for i, row, lse in zip(b, rows, _vocab_lse(head, hs, engine.packed_head)):
             out[i] = (row, lse)
+    return snapshots
 
 
 def _encode(engine: TorchEngine, ids: list[int], cache=None):
@@ -3084,6 +3315,31 @@ def _encode(engine: TorchEngine, ids: list[int], cache=None):
     ids_t = torch.tensor([ids], dtype=torch.long, device=engine.model.lm_head.weight.device)
     past = _copy_cache(cache) if cache is not None else None
     return engine.backbone()(input_ids=ids_t, cache=past, use_cache=True).cache
+
+
+def tail_rows(engine: TorchEngine, shared: int, longest: int) -> int | None:
+    """The most tails (the longest `longest` tokens) one forward runs against a prefix of `shared` tokens: where the
+    prefix is joined to each row, BLINK_PREFIX_KV_TOKENS bounds the copies x length held at once; a prefix read in
+    place is never copied, so only the token budget bounds them (None)."""
+    if reads_in_place(engine.model.lm_head.weight.device, shared, longest):
+        return None
+    return max(1, engine.settings.prefix_kv_tokens // (shared + longest))
+
+
+def _short_evidence(store: PrefixStore, cache, shared: int, group: list[list[int]], cuts: list[tuple[int, ...]]):
+    """Which prompts of a group run from the template header (`shared` tokens) should leave their evidence kept
+    behind (by position in the group, the evidence's tokens after the header): evidence under prefix_min_tokens,
+    not kept yet, one prompt per evidence, where the cache is all full attention (a linear-attention state cannot be
+    cut back to the evidence's end, so keeping it there would take a pass of its own)."""
+    if not store.keeps or not full_attention_only(cache):
+        return {}
+    extend, seen = {}, set()
+    for j, (seq, points) in enumerate(zip(group, cuts)):
+        end = points[-1] if points else 0
+        if end > shared and end < len(seq) and tuple(seq[:end]) not in seen and not store.holds(tuple(seq[:end])):
+            seen.add(tuple(seq[:end]))
+            extend[j] = end - shared
+    return extend
 
 
 @dataclass
@@ -3121,7 +3377,7 @@ def _forward(
 ) -> tuple[list[tuple[list[float], float]], Prefill]:
     """Right-padded maskless prefill; every layer is causal, so padding cannot reach the last real position.
     Prompts that share a prefix (the header, a request's evidence) run only their tails against copies of that
-    prefix's cache, taken from the engine's prefix store or encoded once here (see _prefix_groups). lm_head is
+    prefix's cache, taken from the engine's prefix store or encoded once here (see prefix_groups). lm_head is
     applied in FP32. Returns per sequence (label logits, full-vocabulary log-sum-exp), and what the call did."""
     import torch
 
@@ -3131,16 +3387,20 @@ def _forward(
     cached = [0] * len(seqs)
     computed = 0
     t0 = time.perf_counter()
+    kept = store.holds if store.keeps else None
     with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
-        for rows, shared in _prefix_groups(seqs, cuts, engine.settings, store.keeps):
+        for rows, shared in prefix_groups(seqs, cuts, engine.settings, store.keeps, kept):
             part: list = [None] * len(rows)
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
             if shared:
                 points = [c for c in cuts[rows[0]] if c < shared] if store.keeps else []
                 cache, read, encoded = store.prefix(engine, group[0][:shared], points)
                 tails = [s[shared:] for s in group]
-                cap = max(1, engine.settings.prefix_kv_tokens // (shared + max(map(len, tails))))
-                _run_batches(engine, tails, group_cands, part, cache=cache, max_rows=cap)
+                cap = tail_rows(engine, shared, max(map(len, tails)))
+                extend = _short_evidence(store, cache, shared, group, [cuts[i] for i in rows])
+                snapshots = _run_batches(engine, tails, group_cands, part, cache=cache, max_rows=cap, extend=extend)
+                for j, snapshot in snapshots.items():
+                    store.put(tuple(group[j][: shared + extend[j]]), snapshot)
                 computed += encoded + sum(map(len, tails))
             else:
                 read = 0
@@ -3194,8 +3454,82 @@ def _forward_images(key: int, pixel_values, grids, work: list[Prompt]) -> tuple[
             ).last_hidden_state
             lm_ms += (_stamp(device, sync) - start) * 1000
             hs = _last_hidden(h, [len(p.ids)])
-            out.append((read(head, hs, [p.cand])[0], _vocab_lse(head, hs)[0]))
+            out.append((read(head, hs, [p.cand])[0], _vocab_lse(head, hs, engine.packed_head)[0]))
     return out, round((time.perf_counter() - t0) * 1000, 1), round(encoder_ms, 3), round(lm_ms, 3)
+
+
+# ==================================================================================================================
+# Answer cache: exact repeats answered without the model
+# ==================================================================================================================
+# What a live model returns for a request (each prompt's label logits and log-sum-exp) is a function of the request
+# alone (its key: state and questions; and its listed images) once the engine is fixed (one model, revision, dtype
+# and backend); the temperature and a calibration apply afterwards, in answer(). So a Deployment keeps the Forward of
+# each live request per served engine, least recently used dropped past BLINK_ANSWER_CACHE_MB, and answers an exact
+# repeat (agents re-ask, clients retry) from it without tokenizing or running anything. Its meta says so
+# (answer_cache true) and counts honestly: model_ms 0, prefill_tokens 0, every prompt token in cached_tokens,
+# batched_requests 0. A new engine (Deployment.install) starts with an empty cache.
+
+ANSWER_ENTRY_BYTES = 1024  # the Forward, its key and table slot (an estimate of Python's object sizes)
+ANSWER_QUESTION_BYTES = 256  # a question's Readout, its lists and its dict entry
+ANSWER_NUMBER_BYTES = 32  # one float in a list: the object and its slot
+
+
+def answer_key(request: Request) -> str:
+    """What a repeat must share with the request it repeats: its recording key, and its listed images' bytes (data
+    URIs inside the state are in the key already)."""
+    if not request.images:
+        return request.key
+    digest = hashlib.sha256()
+    for uri in request.images:
+        digest.update(str(uri).encode("utf-8", "surrogatepass") + b"\0")
+    return f"{request.key}:{digest.hexdigest()[:32]}"
+
+
+def forward_bytes(forward: Forward) -> int:
+    """Memory one kept Forward holds, estimated from its counts of questions and numbers."""
+    numbers = sum(len(row) + 1 for r in forward.readouts.values() for row in r.logits)
+    return ANSWER_ENTRY_BYTES + ANSWER_QUESTION_BYTES * len(forward.readouts) + ANSWER_NUMBER_BYTES * numbers
+
+
+class AnswerCache(Engine):
+    """The Forwards of one live engine's answered requests by answer_key (`kept`, within `budget` bytes); as an engine
+    it answers a recalled job at once (runs_model False) with what the live one computed."""
+
+    name = "answer-cache"
+
+    def __init__(self, live: Engine, budget: int):
+        super().__init__(live.model_id, live.settings)
+        self.origin = live  # the live engine whose answers these are
+        self.kept = BoundedStore(budget)
+
+    @property
+    def compute(self) -> dict:
+        """The live engine's: it computed every kept answer."""
+        return self.origin.compute
+
+    def recall(self, request: Request) -> Job | None:
+        """A job answered from the Forward kept for this exact request (it becomes the most recently used), or None."""
+        kept = self.kept.get(answer_key(request))
+        if kept is None:
+            return None
+        recalled = replace(
+            kept,
+            model_ms=0.0,
+            prefill_tokens=0,
+            cached_tokens=kept.input_tokens,
+            batched_requests=0,
+            extra={k: v for k, v in kept.extra.items() if not k.endswith("_ms")},  # timings of the first run
+            recalled=True,
+        )
+        return Job(request, self, recalled)
+
+    def keep(self, request: Request, forward: Forward) -> None:
+        """Keep a live Forward for this request."""
+        self.kept.hold(answer_key(request), forward, forward_bytes(forward))
+
+    def run(self, jobs: list[Job]) -> list[Forward | Exception]:
+        """Each recalled job's Forward."""
+        return [job.work for job in jobs]
 
 
 # ==================================================================================================================
@@ -3217,8 +3551,8 @@ def answer_meta(
 ) -> dict:
     """The meta block every answer carries: which model and engine answered, the temperature (one value when every
     question used the same, else a {question: value} map) and its source, tokens and time; for a live model what
-    computed it (META_COMPUTE: backend, dtype, the CPU's kernel); a fabricated-numbers notice for the mock engine;
-    the recording's hardware and latency for a recorded answer."""
+    computed it (META_COMPUTE: backend, dtype, the CPU's kernel) and whether the answer cache answered it; a
+    fabricated-numbers notice for the mock engine; the recording's hardware and latency for a recorded answer."""
     meta = {
         "model": engine.model_id,
         "engine": forward.engine,
@@ -3241,6 +3575,7 @@ def answer_meta(
             prefill_tokens=forward.prefill_tokens,
             cached_tokens=forward.cached_tokens,
             batched_requests=forward.batched_requests,
+            answer_cache=forward.recalled,
         )
         meta.update({k: v for k, v in engine.compute.items() if k in META_COMPUTE})
     return {**meta, **forward.extra}
@@ -3262,6 +3597,7 @@ class Deployment:
         self._recordings: dict[str, Recording | None] = {}
         self._batchers: dict[str, Batcher] = {}
         self._watchers: list[Callable[[str, list[Job], list], None]] = []
+        self._answers: dict[str, AnswerCache] = {}  # by model id: its engine's answers of live requests
         self._lock = threading.RLock()
 
     @classmethod
@@ -3280,6 +3616,7 @@ class Deployment:
         with self._lock:
             previous = self._engines.get(mid)
             self._engines[mid] = engine
+            self._answers.pop(mid, None)  # answers the replaced engine computed are not this one's
             return previous
 
     @property
@@ -3360,7 +3697,7 @@ class Deployment:
     def instant(self, request: Request, model: str | None = None) -> bool:
         """True when the request is answered without running a model: by the mock, from a recording, or refused."""
         try:
-            return not self.engine(model).prepare(request).engine.runs_model
+            return not self.prepare(request, model).engine.runs_model
         except BlinkError:
             return True
 
@@ -3371,6 +3708,26 @@ class Deployment:
             if mid not in self._engines:
                 self._engines[mid] = self._build(mid)
             return self._engines[mid]
+
+    def answers(self, model: str | None = None) -> AnswerCache | None:
+        """The answer cache of a served model's engine (None when BLINK_ANSWER_CACHE_MB is 0 or the engine runs no
+        model), made with the engine."""
+        mid = self.model_id(model)
+        eng = self.engine(mid)
+        if not eng.runs_model or self.settings.answer_cache_mb <= 0:
+            return None
+        with self._lock:
+            cache = self._answers.get(mid)
+            if cache is None or cache.origin is not eng.live:
+                cache = self._answers[mid] = AnswerCache(eng.live, self.settings.answer_cache_mb * 2**20)
+            return cache
+
+    def prepare(self, request: Request, model: str | None = None) -> Job:
+        """A parsed request made ready: answered from the answer cache when it repeats a live request exactly, else
+        by its engine's prepare (rendered, tokenized, images decoded)."""
+        eng, answers = self.engine(model), self.answers(model)
+        recalled = answers.recall(request) if answers is not None and eng.runs_live(request) else None
+        return recalled or eng.prepare(request)
 
     def request(self, state, questions, **options) -> Request:
         """A request checked and parsed under this deployment's limits (options: images, temperature, prefer,
@@ -3406,16 +3763,16 @@ class Deployment:
     def answer_all(self, items: list, model: str | None, run_live: Callable[[list[Job]], list] = run_jobs) -> list:
         """The one request path: parsed requests (or the error parsing each raised) prepared in the caller's thread
         (tokenizing and image decoding never hold up the model), run, and answered; one result or exception per
-        item, in order. A recording or the mock answers at once; live jobs go to `run_live` together (run_jobs in
-        this thread, or a Batcher that packs them with other callers'). One request's failure never reaches
-        another."""
-        eng = self.engine(model)
+        item, in order. A recording, the mock or the answer cache answers at once; live jobs go to `run_live`
+        together (run_jobs in this thread, or a Batcher that packs them with other callers'), and what they return
+        is kept in the answer cache. One request's failure never reaches another."""
         started = time.perf_counter()
+        answers = self.answers(model)
         out: list = list(items)
         jobs: dict[int, Job] = {}
         for i, item in enumerate(items):
             if not isinstance(item, Exception):
-                out[i] = _or_error(eng.prepare, item)
+                out[i] = _or_error(self.prepare, item, model)
                 if isinstance(out[i], Job):
                     jobs[i] = out[i]
         instant = [i for i, job in jobs.items() if not job.engine.runs_model]
@@ -3423,6 +3780,9 @@ class Deployment:
         results = dict(zip(instant, run_jobs([jobs[i] for i in instant]))) if instant else {}
         if live:
             results.update(zip(live, run_live([jobs[i] for i in live])))
+            for i in live:
+                if answers is not None and isinstance(results[i], Forward) and jobs[i].engine is answers.origin:
+                    answers.keep(jobs[i].request, results[i])
         for i, job in jobs.items():
             out[i] = _answer_or_error(self, job, results[i], started)
         return out
@@ -3591,9 +3951,12 @@ def decide_many(requests: list, temperature: float | list | None = None, model: 
 
 
 class Batcher:
-    """Cross-request batching for a serving process. One worker thread takes the oldest waiting job, waits up to
-    `window_s` for more (at most `max_requests`), and runs them together with `run` (run_jobs). At most `max_queued`
-    jobs wait; past that a job is refused with BlinkBusy at once. A dead worker is restarted."""
+    """Continuous batching for a serving process: one worker thread runs `run` (run_jobs) on everything waiting
+    whenever it is free (at most `max_requests`), so requests that arrive during a forward join the next one and a
+    lone request on an idle worker runs at once; `window_s` (BLINK_BATCH_WINDOW_MS, 0 by default) makes the worker
+    wait up to that long after the first job for more. A caller's jobs enter the queue together and are taken
+    together. At most `max_queued` jobs wait; past that a job is refused with BlinkBusy at once. A dead worker is
+    restarted."""
 
     MAX_WINDOW_S = 1.0
     MAX_REQUESTS = MAX_BATCH_REQUESTS
@@ -3601,7 +3964,7 @@ class Batcher:
     def __init__(
         self,
         run: Callable[[list[Job]], list],
-        window_s: float,
+        window_s: float = 0.0,
         max_requests: int = 16,
         max_queued: int = 64,
         report: Callable[[list[Job], list], None] | None = None,
@@ -3618,6 +3981,7 @@ class Batcher:
         self.q: queue.Queue = queue.Queue(maxsize=max_queued)
         self.restarts = 0
         self._lock = threading.Lock()
+        self._putting = threading.Lock()  # held while a caller puts its jobs, and while the worker takes what waits
         self._start_worker()
 
     def _start_worker(self) -> None:
@@ -3642,13 +4006,14 @@ class Batcher:
         self._ensure_worker()
         context = contextvars.copy_context()  # a ZeroGPU caller's quota token travels with its jobs to the GPU
         futures = []
-        for job in jobs:
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                self.q.put_nowait((job, context, fut))
-            except queue.Full:
-                fut.set_exception(BlinkBusy(f"busy: {self.max_queued} requests are already waiting; retry shortly"))
-            futures.append(fut)
+        with self._putting:  # the caller's jobs go in together, so the worker takes them together
+            for job in jobs:
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                try:
+                    self.q.put_nowait((job, context, fut))
+                except queue.Full:
+                    fut.set_exception(BlinkBusy(f"busy: {self.max_queued} requests are already waiting; retry shortly"))
+                futures.append(fut)
         while not all(f.done() for f in futures):
             concurrent.futures.wait(futures, timeout=1.0)
             if not all(f.done() for f in futures):
@@ -3663,13 +4028,22 @@ class Batcher:
         return result
 
     def _gather(self) -> list:
-        """The oldest waiting job and whatever else arrives within the window."""
+        """The oldest waiting job (waited for) and everything else waiting, taken at once; with a window, then
+        whatever arrives within it."""
         batch = [self.q.get()]
         deadline = time.monotonic() + self.window_s
         while len(batch) < self.max_requests:
+            with self._putting:  # a caller still putting its jobs finishes first
+                waiting = self.q.qsize() > 0
+                if waiting:
+                    batch.append(self.q.get_nowait())
+            if waiting:
+                continue
             left = deadline - time.monotonic()
+            if left <= 0:
+                break
             try:
-                batch.append(self.q.get(timeout=left) if left > 0 else self.q.get_nowait())
+                batch.append(self.q.get(timeout=left))
             except queue.Empty:
                 break
         return batch

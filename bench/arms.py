@@ -1,325 +1,274 @@
-"""The ways of getting a choice out of a causal LM that the benchmark runs side by side, on one loaded model.
-
-blink (plain and shared-prefix) answers a whole request at once. The peers answer one question at a time, as their
-users write them: one forward per question reading the label logits by hand, per-option continuation
-log-likelihood (lm-evaluation-harness multiple choice, SGLang `select`), and generate-then-parse.
-"""
+"""Every arm of every benchmark, in one registry: the name its results file gives it, the name tables and the figure
+give it, what it runs, and what makes it that arm: blink's settings it changes (an engine built here, or a server's
+BLINK_* variables), the fields it adds to every question, or the function that runs or starts it. A benchmark takes
+its arms from here; report.py and plot.py name them from here."""
 
 from __future__ import annotations
 
-import math
-import os
-import re
-import threading
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-
-import clock
-import torch
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 
 import blink
 
 
-@dataclass
-class Run:
-    """What one arm did on one question or one request."""
+@dataclass(frozen=True)
+class Arm:
+    """One arm of one benchmark."""
 
-    wall_s: float
-    cpu_s: float  # this process's CPU time: what contention from other processes cannot inflate much
-    prefill_tokens: int
-    choices: dict[str, str | None]  # question -> option key (None: the output named no offered option)
-    peak_mb: float
-    rows: dict[str, list[float]] = field(default_factory=dict)  # label logits, where the arm reads them
-    extra: dict = field(default_factory=dict)
+    name: str  # as its results file names it
+    title: str  # as tables and the figure name it
+    what: str  # what it runs, in one line
+    settings: dict = field(default_factory=dict)  # blink Settings fields it sets, over its benchmark's base settings
+    question: dict = field(default_factory=dict)  # fields it adds to every question (order: permute)
+    runs: str | None = None  # "module:function" in bench/ that runs or starts it
+    python: str = "project"  # a server arm's environment: the project's (.venv) or vLLM's (.venv-vllm)
+    quantize_int8: bool = False  # every linear layer but lm_head quantized to int8 after loading
+    colour: str | None = None  # in the figure
 
+    def function(self) -> Callable:
+        """The function that runs or starts this arm (`runs`), imported now."""
+        module, name = self.runs.split(":")
+        return getattr(importlib.import_module(f"bench.{module}"), name)
 
-class PeakMemory:
-    """Peak memory above the level at entry: CUDA allocator peak on a GPU, resident set size (sampled) on a CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.peak_mb = 0.0
-        self._stop = threading.Event()
-
-    @staticmethod
-    def _rss() -> int:
-        """Resident bytes of this process."""
-        with open("/proc/self/statm", encoding="ascii") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self) -> None:
-        """Poll the resident set size until stopped."""
-        while not self._stop.wait(0.005):
-            self._top = max(self._top, self._rss())
-
-    def __enter__(self) -> PeakMemory:
-        if self.cuda:
-            torch.cuda.synchronize()
-            self._base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            self._base = self._top = self._rss()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            top = torch.cuda.max_memory_allocated()
-        else:
-            self._stop.set()
-            self._thread.join()
-            top = max(self._top, self._rss())
-        self.peak_mb = max(0.0, (top - self._base) / 2**20)
+    def env(self) -> dict[str, str]:
+        """The BLINK_* variables that give a server this arm's settings."""
+        names = {f.name: f.metadata["env"] for f in fields(blink.Settings) if "env" in f.metadata}
+        return {names[k]: str(v) for k, v in self.settings.items()}
 
 
-def _sync(device: torch.device) -> None:
-    """Wait for queued GPU work, so wall times are complete."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def _named(*arms: Arm) -> dict[str, Arm]:
+    """Arms by name, in the order given."""
+    return {arm.name: arm for arm in arms}
 
 
-def _pick(keys: list[str], scores: list[float]) -> str:
-    """The best-scoring option; ties go to the earlier option, as blink breaks them."""
-    return keys[max(range(len(keys)), key=lambda i: (scores[i], -i))]
+REGISTRY: dict[str, dict[str, Arm]] = {
+    # `python -m bench run`, the grid: the ways of getting a choice out of one loaded causal LM
+    "grid": _named(
+        Arm(
+            "blink_plain",
+            "blink",
+            "TorchEngine.forward: every question a right-padded prefill packed under BLINK_TOKEN_BUDGET",
+            {"prefix_cache": False},
+            colour="#1f77b4",
+        ),
+        Arm(
+            "blink_prefix",
+            "blink prefix",
+            "the same with BLINK_PREFIX_CACHE=1: system prompt and evidence encoded once, each question's tail after",
+            {"prefix_cache": True},
+            colour="#17becf",
+        ),
+        Arm(
+            "unbatched",
+            "forward/question",
+            "model(ids).logits[0, -1] at the label ids, one question at a time: the loop a user writes by hand",
+            runs="grid:unbatched_one",
+            colour="#7f7f7f",
+        ),
+        Arm(
+            "per_option",
+            "per-option LL",
+            "one forward per option of (context + option text)[:-1], continuation log-probs summed "
+            "(lm-evaluation-harness multiple choice, SGLang select)",
+            runs="grid:per_option_one",
+            colour="#d62728",
+        ),
+        Arm(
+            "generate",
+            "generate+parse",
+            "model.generate (greedy, 4 new tokens), then the first offered letter in the text",
+            runs="grid:generate_one",
+            colour="#ff7f0e",
+        ),
+    ),
+    # `python -m bench run`, the decision peers: what a user would pick instead of blink, on the three cases
+    "decision": _named(
+        Arm("blink", "blink", "blink at its defaults (no BLINK_* variable): a Deployment serving the engine, decide()"),
+        Arm(
+            "pipeline",
+            "pipeline",
+            "transformers' pipeline('decision') with its own built-in prompt, on the model as from_pretrained loads "
+            "it: one unbatched forward per question",
+            runs="peers:start_pipeline",
+        ),
+        Arm(
+            "pipeline_export",
+            "pipeline_export",
+            "the same pipeline reading the DecisionConfig `python blink.py export` writes: blink's prompt, token for "
+            "token",
+            runs="peers:start_pipeline_export",
+        ),
+        Arm(
+            "pipeline_bfloat16",
+            "pipeline_bfloat16",
+            "the pipeline with its own prompt on blink's own model where blink computes in bfloat16 and the "
+            "checkpoint is not: the same dtype and kernels on both sides",
+            runs="peers:start_pipeline_bfloat16",
+        ),
+        Arm(
+            "llama.cpp",
+            "llama.cpp",
+            "llama-cpp-python on the stand-in's Q4_1 GGUF file, fed blink's prompt ids, every prompt evaluated from "
+            "nothing",
+            runs="llamacpp:start",
+        ),
+        Arm(
+            "llama.cpp_reuse",
+            "llama.cpp_reuse",
+            "the same keeping the longest common prefix with the previous prompt in its KV cache (as llama-server's "
+            "prompt cache does)",
+            runs="llamacpp:start",
+        ),
+        Arm(
+            "blink_vllm",
+            "blink_vllm",
+            "blink on vLLM: `python app.py` with BLINK_BACKEND=vllm in .venv-vllm, asked over /v1/systemone, its CPU "
+            "time read from the server's process group",
+            {"backend": "vllm"},
+            runs="vllm_arm:start",
+            python="vllm",
+        ),
+    ),
+    # `python -m bench run`, over HTTP
+    "http": _named(
+        Arm(
+            "transformers serve /v1/systemone",
+            "transformers serve /v1/systemone",
+            "`transformers serve --decision-config` (blink's exported prompt where there is one), one inference thread",
+        ),
+        Arm("blink /v1/systemone", "blink /v1/systemone", "`python app.py` with no BLINK_* variable but the model"),
+    ),
+    "drift": _named(
+        Arm(
+            "float32",
+            "float32",
+            "float32 on torch's own kernels: the exact path, the reference",
+            {"dtype": "float32", "cpu_matmul": "torch"},
+        ),
+        Arm(
+            "float32_onednn",
+            "float32_onednn",
+            "float32, the linear layers by oneDNN",
+            {"dtype": "float32", "cpu_matmul": "onednn"},
+        ),
+        Arm("bfloat16", "bfloat16", "bfloat16 weights and activations, shared prefixes on", {"dtype": "bfloat16"}),
+        Arm(
+            "bfloat16_plain",
+            "bfloat16_plain",
+            "the same without shared prefixes (for its drift only)",
+            {"dtype": "bfloat16", "prefix_cache": False},
+        ),
+        Arm(
+            "int8",
+            "int8",
+            "float32 with every linear layer but lm_head quantized to int8 by torch's dynamic quantization",
+            {"dtype": "float32", "cpu_matmul": "torch"},
+            quantize_int8=True,
+        ),
+    ),
+    "gpu": _named(
+        Arm("default", "defaults", "the GPU defaults"),
+        Arm(
+            "kv_32768",
+            "`BLINK_PREFIX_KV_TOKENS=32768`",
+            "fewer prefix copies held at once",
+            {"prefix_kv_tokens": 32768},
+        ),
+        Arm("plain", "`BLINK_PREFIX_CACHE=0`", "every question runs its whole prompt", {"prefix_cache": False}),
+    ),
+    "overhead": _named(
+        Arm("defaults", "defaults", "blink's defaults"),
+        Arm("prefix off", "prefix off", "shared prefixes off (the earlier default)", {"prefix_cache": False}),
+        Arm("torch kernels", "torch kernels", "the linear layers by torch's own kernels", {"cpu_matmul": "torch"}),
+    ),
+    "vllm_check": _named(
+        Arm(
+            "blink torch float32",
+            "torch float32",
+            "blink on torch in float32: the reference",
+            {"backend": "torch", "dtype": "float32"},
+        ),
+        Arm(
+            "blink torch bfloat16",
+            "torch bfloat16",
+            "blink on torch in bfloat16",
+            {"backend": "torch", "dtype": "bfloat16"},
+        ),
+        Arm(
+            "blink vLLM float32",
+            "vLLM float32",
+            "blink on vLLM (BLINK_BACKEND=vllm) in float32",
+            {"backend": "vllm", "dtype": "float32"},
+            python="vllm",
+        ),
+        Arm(
+            "blink vLLM bfloat16",
+            "vLLM bfloat16",
+            "blink on vLLM (BLINK_BACKEND=vllm) in bfloat16",
+            {"backend": "vllm", "dtype": "bfloat16"},
+            python="vllm",
+        ),
+    ),
+    "batch": _named(
+        Arm("loop", "loop of `decide()`", "decide() per row in a process of its own, each answer appended to OUT"),
+        Arm("batch", "`blink.py batch`", "`python blink.py batch IN --out OUT`: rows packed into shared forwards"),
+        Arm(
+            "ray", "`blink.py batch --ray {workers}`", "the same command on a local Ray cluster, one engine per worker"
+        ),
+        Arm(
+            "pipeline",
+            "no model, serial",
+            "`python blink.py batch` on the mock engine: what reading, packing and writing feed at most",
+            {"engine": "mock"},
+        ),
+        Arm("pipeline ray", "no model, `--ray {workers}`", "the same through Ray", {"engine": "mock"}),
+    ),
+    "order": _named(
+        Arm("plain", "plain", "one prompt per question"),
+        Arm("permute=2", "permute=2", "two evenly spaced rotations averaged", question={"permute": 2}),
+        Arm("permute=all", "permute=all", "every rotation averaged", question={"permute": "all"}),
+    ),
+    "memory": _named(
+        Arm("decide", "decide", "blink.decide() in a loop, in a process of its own"),
+        Arm("app", "app", "`python app.py`, sent System One requests over HTTP"),
+    ),
+}
 
 
-_USER_MODELS: dict[int, torch.nn.Module] = {}
+def of(benchmark: str) -> dict[str, Arm]:
+    """A benchmark's arms, by name."""
+    return REGISTRY[benchmark]
 
 
-def user_model(engine: blink.TorchEngine) -> torch.nn.Module:
-    """The engine's model as a user of the peers loads it: from_pretrained at its defaults (the checkpoint's dtype,
-    torch's own kernels). The engine's own model where blink runs exactly that, else a second copy of the same
-    weights, loaded once. blink's choices for a CPU (bfloat16 where it computes it natively, oneDNN for a float32
-    model's linear layers: BLINK_DTYPE, BLINK_CPU_MATMUL) are blink's, not the peers'."""
-    if engine.key not in _USER_MODELS:
-        from transformers import AutoModelForCausalLM
-
-        dtype = checkpoint_dtype(engine)
-        _USER_MODELS[engine.key] = (
-            engine.model
-            if engine.matmul == "torch" and engine.model.dtype == dtype
-            else blink.load_pretrained(
-                AutoModelForCausalLM, engine.source, engine.revision, replace(engine.settings, dtype=dtype_name(dtype))
-            ).eval()
-        )
-    return _USER_MODELS[engine.key]
+def title(benchmark: str, name: str) -> str:
+    """How tables and the figure name an arm (its name where the registry has none: an arm of an older run)."""
+    arm = REGISTRY.get(benchmark, {}).get(name)
+    return arm.title if arm else name
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """A torch dtype as blink's settings name it ("bfloat16" for torch.bfloat16)."""
-    return str(dtype).removeprefix("torch.")
+def quantize_int8(engine: blink.TorchEngine) -> blink.TorchEngine:
+    """The engine with every linear layer but lm_head (blink reads its rows itself) quantized to int8 by torch's
+    dynamic quantization."""
+    import torch
+    from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
 
-
-def checkpoint_dtype(engine: blink.TorchEngine) -> torch.dtype:
-    """The dtype from_pretrained loads the engine's checkpoint in when none is asked for (its config's; float32
-    where the config names none)."""
-    from transformers import AutoConfig
-
-    dtype = AutoConfig.from_pretrained(engine.source, revision=engine.revision).dtype
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
-
-
-def prompt_text(engine: blink.TorchEngine, state, qkey: str, q: dict) -> tuple[str, list[str]]:
-    """The exact prompt blink renders for one question (its single prompt: no permute or multi), and its option
-    keys in shown order."""
-    (row,) = blink.parse_question(qkey, q).rows
-    user = blink.user_message(state, row, engine.labels[: len(row.shown)])
-    return blink.wrap(engine.tok, user), [o.key for o in row.shown]
-
-
-def request(engine: blink.TorchEngine, state, questions: dict) -> blink.Request:
-    """A request parsed under the engine's own settings."""
-    return blink.parse_request(state, questions, settings=engine.settings)
-
-
-def render_ids(engine: blink.TorchEngine, state, questions: dict) -> list[list[int]]:
-    """The token ids of every prompt blink renders for a request."""
-    return [p.ids for p in engine.render(request(engine, state, questions))]
-
-
-@contextmanager
-def prefix_cache(engine: blink.TorchEngine, on: bool):
-    """The engine with shared prefixes on or off (BLINK_PREFIX_CACHE) for the duration: one loaded model serves
-    both arms, so its settings are swapped rather than the weights loaded twice."""
-    before = engine.settings
-    engine.settings = replace(before, prefix_cache=on)
-    try:
-        yield engine
-    finally:
-        engine.settings = before
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# blink
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def blink_request(engine: blink.TorchEngine, state, questions: dict, prefix: bool) -> Run:
-    """One blink request (all its questions), plain or with the shared prefix encoded once."""
-    device = engine.model.lm_head.weight.device
-    with prefix_cache(engine, prefix), PeakMemory(device) as mem:
-        engine.prefixes.clear()  # cold: nothing kept from an earlier measurement
-
-        def run() -> tuple:
-            req = request(engine, state, questions)
-            res = engine.forward(req)
-            _sync(device)
-            return req, res
-
-        wall, cpu, (req, res) = clock.timed(run)
-        settings = engine.settings
-    answers = blink.assemble(req, res.readouts, {k: settings.temperature for k in questions})
-    prompts = engine.render(req)
-    shared = [
-        n
-        for _, n in blink._prefix_groups(
-            [p.ids for p in prompts], [p.cuts for p in prompts], settings, engine.prefixes.keeps
-        )
-        if n
-    ]
-    rows = {k: r.logits[0] for k, r in res.readouts.items()}  # one prompt per question: no permute or multi here
-    return Run(
-        wall,
-        cpu,
-        res.prefill_tokens,
-        {k: a["choice"] for k, a in answers.items()},
-        mem.peak_mb,
-        rows,
-        {"shared_prefix_tokens": shared[0] if shared else 0, "model_ms": res.model_ms},
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Peer: one forward per question, by hand
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def unbatched_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
-    """model(ids).logits[0, -1] at the label ids: the loop a user writes by hand, one question at a time."""
-    model, tok, device = user_model(engine), engine.tok, engine.model.lm_head.weight.device
-    with PeakMemory(device) as mem, torch.no_grad():
-
-        def run() -> tuple:
-            text, keys = prompt_text(engine, state, qkey, q)
-            ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-            last = model(input_ids=ids).logits[0, -1].float()
-            row = last[torch.tensor(engine.label_ids[: len(keys)], device=device)].tolist()
-            _sync(device)
-            return keys, ids, row
-
-        wall, cpu, (keys, ids, row) = clock.timed(run)
-    return Run(wall, cpu, ids.shape[1], {qkey: _pick(keys, row)}, mem.peak_mb, {qkey: row})
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Peer: per-option continuation log-likelihood (lm-evaluation-harness multiple choice, SGLang select)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """lm-evaluation-harness's split: trailing spaces of the context move to the continuation, the whole string is
-    encoded once and the continuation is what follows the context's own encoding."""
-    n_spaces = len(context) - len(context.rstrip())
-    if n_spaces:
-        continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
-    whole = tok(context + continuation, add_special_tokens=False)["input_ids"]
-    ctx = tok(context, add_special_tokens=False)["input_ids"]
-    return ctx, whole[len(ctx) :]
-
-
-def per_option_one(engine: blink.TorchEngine, state, qkey: str, q: dict) -> Run:
-    """Score every option's text as the assistant's continuation: one forward of (context + continuation)[:-1]
-    per option, full-vocabulary log-softmax, the continuation tokens' log-probs summed (lm-eval `acc`), also
-    divided by the continuation's characters (lm-eval `acc_norm`) and averaged per token (SGLang `select`'s
-    default, token_length_normalized)."""
-    model, tok, device = user_model(engine), engine.tok, engine.model.lm_head.weight.device
-    (row,) = blink.parse_question(qkey, q).rows
-    keys = [o.key for o in row.shown]
-    sums, norms, means, spans = [], [], [], []
-    with PeakMemory(device) as mem, torch.no_grad():
-
-        def run() -> None:
-            context, _ = prompt_text(engine, state, qkey, q)
-            for display in (o.text for o in row.shown):
-                ctx, cont = encode_pair(tok, context, display)
-                inp = torch.tensor([(ctx + cont)[:-1]], device=device)
-                logprobs = torch.log_softmax(model(input_ids=inp).logits[0].float(), dim=-1)
-                picked = logprobs[len(ctx) - 1 :, :].gather(1, torch.tensor(cont, device=device)[:, None]).squeeze(1)
-                total = float(picked.sum())
-                sums.append(total)
-                norms.append(total / max(1, len(display)))
-                means.append(total / len(cont))
-                spans.append((0, inp.shape[1]))
-            _sync(device)
-
-        wall, cpu, _ = clock.timed(run)
-    extra = {
-        "choice_acc_norm": _pick(keys, norms),
-        "choice_token_mean": _pick(keys, means),
-        "spans": spans,
-        "sum_logprobs": sums,
+    head = engine.model.get_output_embeddings()
+    names = {
+        name: default_dynamic_qconfig
+        for name, m in engine.model.named_modules()
+        if type(m) is torch.nn.Linear and m is not head
     }
-    return Run(wall, cpu, sum(n for _, n in spans), {qkey: _pick(keys, sums)}, mem.peak_mb, {}, extra)
+    quantize_dynamic(engine.model, names, dtype=torch.qint8, inplace=True)
+    return engine
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Peer: generate, then parse the letter
-# ---------------------------------------------------------------------------------------------------------------
-
-_LETTERS = re.compile(r"\b([A-Z]{1,2})\b")
-
-
-def parse_label(text: str, labels: list[str]) -> str | None:
-    """The first offered label that appears as a word in the generated text."""
-    for match in _LETTERS.finditer(text):
-        if match.group(1) in labels:
-            return match.group(1)
-    return None
+def engine(arm: Arm, model: str, base: blink.Settings) -> blink.TorchEngine:
+    """The model loaded by blink's torch engine under the arm's settings (over `base`)."""
+    loaded = blink.TorchEngine(model, settings=replace(base, **arm.settings))
+    return quantize_int8(loaded) if arm.quantize_int8 else loaded
 
 
-def generate_one(engine: blink.TorchEngine, state, qkey: str, q: dict, max_new_tokens: int = 4) -> Run:
-    """model.generate (greedy, a few new tokens), then read the letter out of the text."""
-    model, tok, device = user_model(engine), engine.tok, engine.model.lm_head.weight.device
-    with PeakMemory(device) as mem, torch.no_grad():
-
-        def run() -> tuple:
-            text, keys = prompt_text(engine, state, qkey, q)
-            ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=engine.pad_id,
-            )
-            reply = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-            _sync(device)
-            return keys, ids, out, reply
-
-        wall, cpu, (keys, ids, out, reply) = clock.timed(run)
-    labels = engine.labels[: len(keys)]
-    label = parse_label(reply, labels)
-    choice = keys[labels.index(label)] if label is not None else None
-    return Run(
-        wall,
-        cpu,
-        ids.shape[1],
-        {qkey: choice},
-        mem.peak_mb,
-        {},
-        {"generated_tokens": int(out.shape[1] - ids.shape[1]), "reply": reply},
-    )
-
-
-PER_QUESTION_ARMS = {"unbatched": unbatched_one, "per_option": per_option_one, "generate": generate_one}
-
-
-def label_logit_gap(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
-    """Largest absolute difference between two arms' label logits over the questions both read."""
-    gaps = [abs(x - y) for k in a.keys() & b.keys() for x, y in zip(a[k], b[k])]
-    return max(gaps) if gaps else math.nan
+def engines(benchmark: str, model: str, base: blink.Settings) -> dict[str, blink.TorchEngine]:
+    """The model loaded once per arm of a benchmark whose arms are blink under other settings."""
+    return {name: engine(arm, model, base) for name, arm in of(benchmark).items()}

@@ -1,11 +1,14 @@
-"""Bulk decisions: rows per second of `python blink.py batch` on one model, serially and on `--ray N` workers,
-beside the loop a user writes by hand (decide() one row at a time), in one run.
+"""Bulk decisions: rows per second of `python blink.py batch`, serially and on `--ray N` workers, beside a loop by hand.
 
-    python bench/batch.py                         # 128 rows on the stand-in (5-10 minutes on a 2-core CPU)
-    python bench/batch.py --rows 256 --workers 4  # more rows, more Ray workers
-    python bench/batch.py --pipeline-rows 0       # skip the no-model runs
+On one model, in one run; the loop is the one a user writes by hand (decide() one row at a time).
 
-Every arm is a fresh process, as a user runs it, over the same rows (a support ticket and one four-way choice each):
+    python -m bench batch                         # 128 rows on the stand-in (5-10 minutes on a 2-core CPU)
+    python -m bench batch --quick                 # 16 rows (4 for the loop), one run each, 2,000 no-model rows
+    python -m bench batch --rows 256 --workers 4  # more rows, more Ray workers
+    python -m bench batch --pipeline-rows 0       # skip the no-model runs
+
+Every arm (the registry's "batch" arms, bench/arms.py) is a fresh process, as a user runs it, over the same rows (a
+support ticket and one four-way choice each):
 
 - loop: `deployment.decide(state, questions)` per row, appending each answer to OUT (no packing across rows); it
   runs the first --loop-rows rows only (one row at a time, its rate does not depend on how many);
@@ -13,12 +16,12 @@ Every arm is a fresh process, as a user runs it, over the same rows (a support t
 - ray: the same command with `--ray N` (a local Ray cluster started by the command; N workers, one engine each).
 
 Each engine runs on --threads CPU threads (default 1, as each Ray worker gets one). The three model arms run
---repeats times (default 2), interleaved, and each arm's fastest run counts (a burst of load from other processes
-should cost one run, not the comparison). Reported per arm: the whole
+--repeats times (default 2), interleaved, and each arm's fastest run counts (a slow run costs one run, not the
+comparison). Reported per arm: the whole
 process's wall time (Python start, model load, Ray start included), the answering time
 and rows/s that the command's summary line prints, when the first rows landed, and the steady rate after them (the
 rows after the first chunk of each worker, over the time after the first chunk landed). The
-pipeline runs (`BLINK_MOCK=1`, many rows, no model) measure what the reading, packing, Ray transport and writing
+pipeline runs (the mock engine, many rows, no model) measure what the reading, packing, Ray transport and writing
 can feed at most. The answers of every arm are compared with the loop's. Writes bench/results/batch.json; the last
 line printed is a summary.
 """
@@ -32,17 +35,9 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-
-import clock  # noqa: E402
-import report  # noqa: E402
-import saved  # noqa: E402
-
-import blink  # noqa: E402
+import blink
+from bench import arms, harness, report, servers
 
 SUMMARY = re.compile(
     r"batch: (\d+) rows, (\d+) errors in ([\d.]+) s \(([\d.]+) rows/s\)"
@@ -82,22 +77,29 @@ def loop_main(in_path: str, out_path: str) -> None:
     """The hand-written loop: one decide() per row, each answer appended to OUT; prints its timings as JSON."""
     served = blink.deployment()
     served.engine()  # load before the clock starts, as the batch command does
-    t0, rows = time.perf_counter(), 0
-    with open(in_path, encoding="utf-8") as src, open(out_path, "w", encoding="utf-8") as out:
-        for line in src:
-            row = json.loads(line)
-            out.write(json.dumps({"id": row["id"], **served.decide(row["state"], row["questions"])}) + "\n")
-            out.flush()
-            rows += 1
-    print(json.dumps({"rows": rows, "answer_s": time.perf_counter() - t0}))
+
+    def answer_all() -> int:
+        rows = 0
+        with open(in_path, encoding="utf-8") as src, open(out_path, "w", encoding="utf-8") as out:
+            for line in src:
+                row = json.loads(line)
+                out.write(json.dumps({"id": row["id"], **served.decide(row["state"], row["questions"])}) + "\n")
+                out.flush()
+                rows += 1
+        return rows
+
+    answer_s, _, rows = harness.timed(answer_all)
+    print(json.dumps({"rows": rows, "answer_s": answer_s}))
 
 
 def run_arm(name: str, cmd: list[str], env: dict, out_path: str, first_rows: int) -> dict:
     """One arm in a fresh process: its wall time and the timings it printed; `first_rows` is what the first chunk of
     every worker holds (the steady rate counts the rows after them)."""
     load0 = os.getloadavg()[0]
-    wall, _, done = clock.timed(
-        lambda: subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT, timeout=3600)
+    wall, _, done = harness.timed(
+        lambda: subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=servers.ROOT, timeout=3600
+        )
     )
     if done.returncode != 0:
         raise SystemExit(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -151,114 +153,93 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
 
+def flags(ap) -> None:
+    """batch's own flags."""
+    ap.add_argument("--rows", type=int, default=None, help="rows the batch and ray arms answer (default 128, quick 16)")
+    ap.add_argument("--loop-rows", type=int, default=None, help="rows the hand-written loop answers (16, quick 4)")
+    ap.add_argument("--workers", type=int, default=2, help="Ray workers of the ray arm")
+    ap.add_argument("--repeats", type=int, default=None, help="runs of each model arm, interleaved (2, quick 1)")
+    ap.add_argument(
+        "--pipeline-rows", type=int, default=None, help="rows of the no-model runs (20,000, quick 2,000; 0: none)"
+    )
+    ap.add_argument("--loop", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)  # the loop arm's process
+
+
+CONFIGS = {
+    "full": {"rows": 128, "loop_rows": 16, "repeats": 2, "pipeline_rows": 20000},
+    "quick": {"rows": 16, "loop_rows": 4, "repeats": 1, "pipeline_rows": 2000},
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the arms, print the table, write bench/results/batch.json."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=128, help="rows the batch and ray arms answer")
-    parser.add_argument("--loop-rows", type=int, default=16, help="rows the hand-written loop answers")
-    parser.add_argument("--workers", type=int, default=2, help="Ray workers of the ray arm")
-    parser.add_argument(
-        "--repeats", type=int, default=2, help="runs of each model arm, interleaved; the fastest counts"
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="CPU threads per engine (OMP_NUM_THREADS; 0: torch's default). Ray gives each worker one",
-    )
-    parser.add_argument("--pipeline-rows", type=int, default=20000, help="rows of the no-model runs (0: skip them)")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "batch.json"))
-    parser.add_argument("--loop", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)  # the loop arm's process
-    args = parser.parse_args(argv)
+    run = harness.Run("batch", argv, __doc__, flags)
+    args = run.args
     if args.loop:
         loop_main(*args.loop)
         return 0
+    cfg = {
+        k: v if getattr(args, k) is None else getattr(args, k)
+        for k, v in CONFIGS["quick" if run.quick else "full"].items()
+    }
     settings = blink.env_settings()
     chunk = settings.batch_max_requests
-    blink_py = os.path.join(ROOT, "blink.py")
+    blink_py = os.path.join(servers.ROOT, "blink.py")
     work = tempfile.mkdtemp(prefix="blink-bench-batch-")
     rows_path, loop_path = os.path.join(work, "rows.jsonl"), os.path.join(work, "loop-rows.jsonl")
-    write_rows(rows_path, args.rows)
-    write_rows(loop_path, min(args.loop_rows, args.rows))
-    runs: dict[str, list[dict]] = {"loop": [], "batch": [], "ray": []}
-    threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-    for rep in range(args.repeats):  # interleaved, so a burst of load from elsewhere hits one run of an arm
-        out = {name: os.path.join(work, f"{name}-{rep}.jsonl") for name in runs}
-        runs["loop"].append(
-            run_arm(
-                "loop",
-                [sys.executable, os.path.abspath(__file__), "--loop", loop_path, out["loop"]],
-                threads,
-                out["loop"],
-                1,
-            )
-        )
-        runs["batch"].append(
-            run_arm(
-                "batch",
-                [sys.executable, blink_py, "batch", rows_path, "--out", out["batch"]],
-                threads,
-                out["batch"],
-                chunk,
-            )
-        )
-        runs["ray"].append(
-            run_arm(
-                "ray",
-                [sys.executable, blink_py, "batch", rows_path, "--out", out["ray"], "--ray", str(args.workers)],
-                threads,
-                out["ray"],
-                chunk * args.workers,
-            )
-        )
-    arms = [max(r, key=lambda a: a["rows_per_s"]) for r in runs.values()]  # each arm's fastest run
-    reference = answers(arms[0]["out"])
-    for arm in arms:
+    write_rows(rows_path, cfg["rows"])
+    write_rows(loop_path, min(cfg["loop_rows"], cfg["rows"]))
+    model_arms = [name for name, arm in arms.of("batch").items() if not arm.settings]
+    runs: dict[str, list[dict]] = {name: [] for name in model_arms}
+    threads = {"OMP_NUM_THREADS": str(run.threads)} if run.threads else {}
+    commands = {
+        "loop": lambda out: [sys.executable, "-m", "bench", "batch", "--loop", loop_path, out],
+        "batch": lambda out: [sys.executable, blink_py, "batch", rows_path, "--out", out],
+        "ray": lambda out: [sys.executable, blink_py, "batch", rows_path, "--out", out, "--ray", str(args.workers)],
+    }
+    first_rows = {"loop": 1, "batch": chunk, "ray": chunk * args.workers}
+    run.probe()
+    for rep in range(cfg["repeats"]):  # interleaved, so a slow spell hits one run of an arm
+        for name in model_arms:
+            out = os.path.join(work, f"{name}-{rep}.jsonl")
+            runs[name].append(run_arm(name, commands[name](out), threads, out, first_rows[name]))
+    measured = [max(r, key=lambda a: a["rows_per_s"]) for r in runs.values()]  # each arm's fastest run
+    reference = answers(measured[0]["out"])
+    for arm in measured:
         arm["max_gap_to_loop"] = max_gap(answers(arm["out"]), reference)
         arm["runs_rows_per_s"] = [a["rows_per_s"] for a in runs[arm["arm"]]]
     pipeline: list[dict] = []
-    if args.pipeline_rows:
+    if cfg["pipeline_rows"]:
         many = os.path.join(work, "many.jsonl")
-        write_rows(many, args.pipeline_rows)
-        for name, workers in (("pipeline", 0), ("pipeline ray", args.workers)):
+        write_rows(many, cfg["pipeline_rows"])
+        for name, arm in arms.of("batch").items():
+            if not arm.settings:
+                continue
+            workers = args.workers if "ray" in name else 0
             path = os.path.join(work, f"{name.replace(' ', '-')}.jsonl")
             extra = ["--ray", str(workers)] if workers else []
-            pipeline.append(
-                run_arm(
-                    name,
-                    [sys.executable, blink_py, "batch", many, "--out", path, *extra],
-                    {"BLINK_MOCK": "1"},
-                    path,
-                    chunk * max(workers, 1),
-                )
-            )
-    for arm in arms + pipeline:  # where this run kept its files says nothing about the result
+            cmd = [sys.executable, blink_py, "batch", many, "--out", path, *extra]
+            pipeline.append(run_arm(name, cmd, arm.env(), path, chunk * max(workers, 1)))
+    for arm in measured + pipeline:  # where this run kept its files says nothing about the result
         del arm["out"]
-    by = {a["arm"]: a for a in arms}
+    by = {a["arm"]: a for a in measured}
     result = {
-        "command": saved.command("batch.py", argv),
         "model": settings.default_model,
-        "hardware": blink.hardware(),
-        "rows": args.rows,
-        "loop_rows": min(args.loop_rows, args.rows),
+        "rows": cfg["rows"],
+        "loop_rows": min(cfg["loop_rows"], cfg["rows"]),
         "workers": args.workers,
-        "repeats": args.repeats,
-        "threads_per_engine": args.threads or "default",
+        "repeats": cfg["repeats"],
+        "threads_per_engine": run.threads or "default",
         "rows_per_call": chunk,
         "token_budget": settings.token_budget,
-        "arms": arms,
+        "arms": measured,
         "pipeline": pipeline,
         "speedup_batch_over_loop": ratio(by["batch"]["rows_per_s"], by["loop"]["rows_per_s"]),
         "speedup_ray_over_batch": ratio(by["ray"]["rows_per_s"], by["batch"]["rows_per_s"]),
         "speedup_ray_over_batch_steady": ratio(by["ray"]["steady_rows_per_s"], by["batch"]["steady_rows_per_s"]),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    saved.write_json(args.out, result)
-    print(
-        f"{result['model']} on {result['hardware']}; {args.rows} rows ({result['loop_rows']} for the loop), "
-        f"{chunk} rows per decide_many call, {result['threads_per_engine']} thread(s) per engine"
-    )
-    print("\n".join(report.batch_table(result)))
+    path = run.write(result)
+    print("\n".join(report.batch_report(run.written)))
     times = {
         k: "—" if result[k] is None else f"{result[k]}x"
         for k in ("speedup_batch_over_loop", "speedup_ray_over_batch", "speedup_ray_over_batch_steady")
@@ -266,10 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"batch {times['speedup_batch_over_loop']} the hand loop's rows/s; --ray {args.workers} "
         f"{times['speedup_ray_over_batch']} batch's end to end, {times['speedup_ray_over_batch_steady']} steady; "
-        f"wrote {args.out}"
+        f"wrote {path}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,34 +1,25 @@
-"""How many rows blink runs per forward on this machine: padded tokens per forward (BLINK_TOKEN_BUDGET) and prefix
-copies x length held at once (BLINK_PREFIX_KV_TOKENS), the same work at each value, interleaved.
+"""How many rows blink runs per forward on this machine: BLINK_TOKEN_BUDGET and BLINK_PREFIX_KV_TOKENS, timed.
 
-    python bench/budget.py           # the workloads below at their full sizes, 3 repetitions
-    python bench/budget.py --quick   # smaller, one repetition
+Padded tokens per forward (BLINK_TOKEN_BUDGET) and prefix copies x length held at once (BLINK_PREFIX_KV_TOKENS), the
+same work at each value, interleaved.
+
+    python -m bench budget           # the workloads below at their full sizes, 3 repetitions
+    python -m bench budget --quick   # smaller, one repetition
 
 Workloads: the plain path over many whole prompts and many short requests packed into one call (their tails after
 the shared template header), where the token budget splits work; new questions over a kept 1,000-token document,
-where the prefix copies bound how many tails run against it at once. CPU time is reported beside wall time: on a
-shared machine waiting for a core inflates the wall clock, not this process's CPU time. Writes
-bench/results/budget.json; the last line printed is a summary.
+where the prefix copies bound how many tails run against it at once. CPU time is reported beside wall time (waiting
+for a core inflates the wall clock, not this process's CPU time). Writes bench/results/budget.json; the last line
+printed is a summary.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-import time
 from dataclasses import replace
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-import clock  # noqa: E402
-import saved  # noqa: E402
-import torch  # noqa: E402
-import workloads  # noqa: E402
-
-import blink  # noqa: E402
+import blink
+from bench import harness, workloads
 
 CONFIGS = {
     "full": {"doc": 300, "questions": 16, "short_requests": 64, "kept_doc": 1000, "reps": 3},
@@ -39,16 +30,11 @@ VALUES = {"token_budget": [4096, 32768], "prefix_kv_tokens": [8192, 131072]}
 
 def main(argv: list[str] | None = None) -> int:
     """Measure each budget on both workloads, interleaved; write JSON; print one summary line last."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smaller workloads, one repetition")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON")
-    args = ap.parse_args(argv)
-    cfg = CONFIGS["quick" if args.quick else "full"]
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
+    run = harness.Run("budget", argv, __doc__)
+    cfg = CONFIGS["quick" if run.quick else "full"]
     base = blink.Settings.from_env({})
     engine = blink.TorchEngine(blink.STANDIN_MODEL, settings=base)
+    run.probe()
     doc = workloads.document(engine.tok, cfg["doc"])
     many = blink.parse_request(
         doc, workloads.questions(cfg["questions"], 4, workloads.ticket_count(doc)), settings=base
@@ -101,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine.settings = replace(base, prefix_cache=prefix, **{field: value})
                 engine.prefixes.clear()
                 before()
-                wall, cpu, _ = clock.timed(fn)
+                wall, cpu, _ = harness.timed(fn)
                 times[(name, value)].append((wall, cpu))
     rows = [
         {
@@ -116,14 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for r in rows:
         print(f"{r['workload']:>50} {r['setting']} {r['value']:>6}: CPU {r['total_cpu_s']:.2f} s, wall {r['wall_s']}")
-    res = {
-        "command": saved.command("budget.py", argv),
-        "hardware": blink.hardware(),
-        "threads": args.threads,
-        "rows": rows,
-        "duration_s": round(time.perf_counter() - started, 1),
-    }
-    path = saved.write_json(os.path.join(args.out, f"budget{'-quick' if args.quick else ''}.json"), res)
+    path = run.write({"rows": rows})
     ratios = []
     for name, (field, *_) in work.items():
         small, large = (
@@ -134,12 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: {field} {VALUES[field][-1]} takes {large / small:.2f}x the CPU time of {VALUES[field][0]}"
         )
     print(
-        f"blink budget ({res['hardware']}, {args.threads} thread(s), {res['duration_s']:.0f} s): "
+        f"blink budget ({blink.hardware()}, {run.threads} thread(s), {run.stopwatch.seconds():.0f} s): "
         + "; ".join(ratios)
         + f"; results {os.path.relpath(path)}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 weights blink's stand-in is de-quantized from), fed blink's exact prompt token ids, each question's label logits read
 at the prompt's last position. Two arms: every prompt evaluated from nothing ("llama.cpp"), and the longest common
 prefix with the previous prompt kept in its KV cache, as llama-server does ("llama.cpp_reuse"). Both take System One
-bodies like the other pipelines in bench/peers.py, and answer in blink's shapes.
+bodies like the other decision peers (bench/peers.py), and answer in blink's shapes.
 
 Runs where `llama_cpp` imports (`bash tools/setup.sh --llama`: pip builds llama.cpp from source, for the
 instructions of the CPU it builds on); otherwise its rows say why it was skipped.
@@ -11,14 +11,18 @@ instructions of the CPU it builds on); otherwise its rows say why it was skipped
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-import isolated
-import models
 import numpy as np
 
 import blink
+from bench import answers, isolated, models
 
-ARMS = {"llama.cpp": False, "llama.cpp_reuse": True}  # arm: keeps the longest common prefix in its KV cache
+if TYPE_CHECKING:  # the child process that computes imports this module: it needs none of these
+    from bench.arms import Arm
+    from bench.peers import PeerContext
+
+REUSE = "llama.cpp_reuse"  # the arm that keeps the longest common prefix in its KV cache
 SKIP_CRASHED = "setup builds it without AMX (tools/llama_build.py); rebuild with bash tools/setup.sh --llama"
 SKIP_NO_PACKAGE = (
     "needs llama-cpp-python (bash tools/setup.sh --llama, which builds llama.cpp from source: about 5 min on 2 cores)"
@@ -101,8 +105,8 @@ class LlamaArm:
         """A System One body {state, questions} answered in blink's shapes, at temperature 1."""
         request = blink.parse_request(body["state"], body["questions"], settings=self.engine.settings)
         prompts = self.engine.render(request)
-        readouts = blink._readouts(prompts, [self.reader.call("read", p.ids, p.cand) for p in prompts])
-        return blink.assemble(request, readouts, {q.key: 1.0 for q in request.questions})
+        readouts = blink.question_readouts(prompts, [self.reader.call("read", p.ids, p.cand) for p in prompts])
+        return answers.of(request, readouts)
 
 
 def context_size(engine: blink.TorchEngine) -> int:
@@ -110,18 +114,18 @@ def context_size(engine: blink.TorchEngine) -> int:
     return int(min(blink.context_length(engine.model.config), 32768))
 
 
-def pipes(engine: blink.TorchEngine, threads: int) -> tuple[dict, list[dict]]:
-    """The llama.cpp arms for bench/peers.py's decision cases, or none and a row saying why they cannot run here."""
+def start(arm: Arm, ctx: PeerContext) -> LlamaArm | str:
+    """A llama.cpp arm reading the stand-in's GGUF file in a child process of its own (stopped with ctx.stack), or
+    why it cannot run here."""
     if importlib.util.find_spec("llama_cpp") is None:
-        return {}, [{"target": "llama.cpp", "skipped": SKIP_NO_PACKAGE}]
-    if engine.model_id != blink.STANDIN_MODEL:
-        return {}, [{"target": "llama.cpp", "skipped": "runs on the stand-in's GGUF file only"}]
-    gguf, arms = models.standin_gguf(), {}
-    for name, reuse in ARMS.items():
-        reader = isolated.Child("llama.cpp", LlamaReader, gguf, context_size(engine), threads, reuse)
-        try:
-            reader.call("read", engine.label_ids[:2], engine.label_ids[:1])  # a crashing build fails here
-        except isolated.Crashed as exc:
-            return {}, [{"target": name, "skipped": f"{exc}; {SKIP_CRASHED}"}]
-        arms[name] = LlamaArm(engine, reader)
-    return arms, []
+        return SKIP_NO_PACKAGE
+    if ctx.engine.model_id != blink.STANDIN_MODEL:
+        return "runs on the stand-in's GGUF file only"
+    size = context_size(ctx.engine)
+    reader = isolated.Child("llama.cpp", LlamaReader, models.standin_gguf(), size, ctx.threads, arm.name == REUSE)
+    ctx.stack.callback(reader.close)
+    try:
+        reader.call("read", ctx.engine.label_ids[:2], ctx.engine.label_ids[:1])  # a crashing build fails here
+    except isolated.Crashed as exc:
+        return f"{exc}; {SKIP_CRASHED}"
+    return LlamaArm(ctx.engine, reader)

@@ -1,9 +1,10 @@
 """Resident memory of a blink process under a stream of distinct long documents, against its prefix-cache bound.
 
-    python bench/memory.py            # 30 documents of ~3,800 tokens, 4 questions each, bound 1,024 MB (the default)
-    python bench/memory.py --quick    # 8 documents of ~1,000 tokens, bound 64 MB, a few minutes
+    python -m bench memory            # 24 documents of ~3,800 tokens, 4 questions each, bound 1,024 MB (the default)
+    python -m bench memory --quick    # 8 documents of ~1,000 tokens, bound 64 MB, a few minutes
 
-Each run is a process of its own, started fresh: `decide` calls blink.decide() in a loop; `app` is `python app.py`,
+Each run is a process of its own, started fresh (its arm is one of the registry's "memory" arms, bench/arms.py):
+`decide` calls blink.decide() in a loop; `app` is `python app.py`,
 sent System One requests over HTTP (`/v1/systemone`); each in float32 (the exact path, the most memory) or at the
 machine's default dtype, with freed memory handed back to the OS after every forward (BLINK_RELEASE_MEMORY on, the
 default) or not (off), so the curves show what each does. The
@@ -21,17 +22,10 @@ import json
 import os
 import subprocess
 import sys
-import time
+import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
-
-import saved  # noqa: E402
-import workloads  # noqa: E402
-
-import blink  # noqa: E402
+import blink
+from bench import arms, harness, report, servers, workloads
 
 CONFIGS = {
     "full": {
@@ -110,20 +104,9 @@ def decide_child(cfg: dict) -> None:
     print(json.dumps({"start": start, "settings": describe(live)}), flush=True)
     for doc, questions in stream:
         peak_reset = reset_peak()
-        t0 = time.perf_counter()
-        dep.decide(doc, questions)
-        print(
-            json.dumps(
-                sample(
-                    "self",
-                    start,
-                    time.perf_counter() - t0,
-                    peak_reset,
-                    {"held_mb": round(live.prefixes.held_bytes() / MB, 1)},
-                )
-            ),
-            flush=True,
-        )
+        seconds = harness.timed(lambda: dep.decide(doc, questions))[0]  # noqa: B023 (called at once)
+        held = {"held_mb": round(live.prefixes.held_bytes() / MB, 1)}
+        print(json.dumps(sample("self", start, seconds, peak_reset, held)), flush=True)
 
 
 def describe(engine) -> dict:
@@ -135,16 +118,10 @@ def describe(engine) -> dict:
     }
 
 
-def child_env(env: dict) -> dict:
-    """The environment of an arm's process: this one's without BLINK_* variables, plus `env`."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
-    return {**base, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", **env}
-
-
 def run_decide(cfg: dict, env: dict) -> dict:
     """The `decide` arm: its process's lines, read as they come."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(env), stdout=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "bench", "memory", "--child", json.dumps(cfg)]
+    proc = subprocess.Popen(cmd, cwd=servers.ROOT, env=env, stdout=subprocess.PIPE, text=True)
     first, points = None, []
     for line in proc.stdout:
         if not line.startswith("{"):
@@ -167,45 +144,30 @@ def run_decide(cfg: dict, env: dict) -> dict:
 def run_app(cfg: dict, env: dict, stream: list[tuple[str, dict]]) -> dict:
     """The `app` arm: `python app.py` in its own process, the stream posted to /v1/systemone one at a time."""
     import httpx
-    import peers
-    import throughput
 
-    port = throughput.free_port()
-    log = os.path.join(ROOT, "bench", "results", f"memory-app-{port}.log")
-    cmd = [sys.executable, os.path.join(ROOT, "app.py")]
-    app_env = child_env({**env, "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port)})
-    with open(log, "w", encoding="utf-8") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=app_env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        why = peers.wait_up(f"http://127.0.0.1:{port}/", proc, 600)
-        if why:
-            raise RuntimeError(f"the app did not come up: {why}")
-        url = f"http://127.0.0.1:{port}/v1/systemone"
+    with tempfile.TemporaryDirectory() as logs, servers.app({}, logs, env) as app:
+        if app.down:
+            raise RuntimeError(f"the app did not come up: {app.down}\n{servers.log_tail(app.log)}")
+        url = app.url + "v1/systemone"
         with httpx.Client(timeout=1800) as http:
-            http.post(url, json={"model": blink.STANDIN_MODEL, **peers.system_one(*SHORT)}).raise_for_status()
-            start = status(proc.pid)
+
+            def post(state, questions: dict) -> None:
+                body = {"model": blink.STANDIN_MODEL, **workloads.system_one(state, questions)}
+                http.post(url, json=body).raise_for_status()
+
+            post(*SHORT)
+            start = status(app.proc.pid)
             points = []
             for doc, questions in stream:
-                peak_reset = reset_peak(proc.pid)
-                t0 = time.perf_counter()
-                http.post(
-                    url, json={"model": blink.STANDIN_MODEL, **peers.system_one(doc, questions)}
-                ).raise_for_status()
-                row = sample(proc.pid, start, time.perf_counter() - t0, peak_reset)
+                peak_reset = reset_peak(app.proc.pid)
+                seconds = harness.timed(lambda: post(doc, questions))[0]  # noqa: B023 (called at once)
+                row = sample(app.proc.pid, start, seconds, peak_reset)
                 points.append(row)
                 print(
                     f"  app    {len(points):>3}: {row['rss_mb']} MB, +{row['growth_mb']} (anon "
                     f"+{row['anon_growth_mb']}, peak +{row['peak_growth_mb']}), {row['seconds']} s",
                     flush=True,
                 )
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    os.unlink(log)
     return {"start_mb": start["VmRSS"], "points": points}
 
 
@@ -221,15 +183,8 @@ def verdict(arm: dict, bound_mb: int) -> dict:
     }
 
 
-def load_average() -> list[float]:
-    """The machine's 1, 5 and 15-minute load averages."""
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run each arm with and without releasing freed memory; write JSON; print one summary line last."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="8 documents of ~1,000 tokens, a 64 MB bound")
+def flags(ap) -> None:
+    """memory's own flags."""
     ap.add_argument("--docs", type=int, help="documents in the stream")
     ap.add_argument("--doc-tokens", type=int, help="tokens per document")
     ap.add_argument("--bound-mb", type=int, help="BLINK_PREFIX_CACHE_MB")
@@ -238,15 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated ARM:DTYPE:RELEASE, ARM decide or app, DTYPE float32, bfloat16 or "
         "default (BLINK_DTYPE unset), RELEASE on or off (BLINK_RELEASE_MEMORY)",
     )
-    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS of the arms (default: unset, every core)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run each arm with and without releasing freed memory; write JSON; print one summary line last."""
+    run = harness.Run("memory", argv, __doc__, flags, threads="0")
+    args = run.args
     if args.child:
         decide_child(json.loads(args.child))
         return 0
-    mode = "quick" if args.quick else "full"
-    cfg = dict(CONFIGS[mode])
+    cfg = dict(CONFIGS["quick" if run.quick else "full"])
     cfg.update(
         {
             k: v
@@ -259,58 +216,35 @@ def main(argv: list[str] | None = None) -> int:
     stream = documents(
         AutoTokenizer.from_pretrained(blink.model_source(blink.STANDIN_MODEL, blink.Settings().cache_dir)), cfg
     )
-    started, load_before = time.perf_counter(), load_average()
+    run.threads = run.threads or os.cpu_count()  # 0: every core
+    run.probe()
     runs = []
     for spec in (args.runs or cfg["runs"]).split(","):
         arm, dtype, release = spec.split(":")
+        if arm not in arms.of("memory"):
+            raise SystemExit(f"--runs: no memory arm {arm!r} (the arms: {', '.join(arms.of('memory'))})")
         env = {
+            **servers.bench_env(run.threads),
             "BLINK_PREFIX_CACHE_MB": str(cfg["bound_mb"]),
             "BLINK_RELEASE_MEMORY": release,
             "BLINK_MODEL": blink.STANDIN_MODEL,
-            "TOKENIZERS_PARALLELISM": "false",
             **({} if dtype == "default" else {"BLINK_DTYPE": dtype}),
         }
-        if args.threads:
-            env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
         print(f"{arm}, dtype {dtype}, BLINK_RELEASE_MEMORY={release}:", flush=True)
         got = run_decide(cfg, env) if arm == "decide" else run_app(cfg, env, stream)
         runs.append(
             {"arm": arm, "dtype": dtype, "release_memory": release == "on", **got, **verdict(got, cfg["bound_mb"])}
         )
     res = {
-        "mode": mode,
-        "command": saved.command("memory.py", argv),
-        "hardware": blink.hardware(),
-        "threads": args.threads or os.cpu_count(),
         "config": cfg,
         "target_mb": cfg["bound_mb"] + WORKING_SET_MB,
-        "load_average": {"before": load_before, "after": load_average()},
         "runs": runs,
-        "duration_s": round(time.perf_counter() - started, 1),
         "notes": [
             "growth_mb: VmRSS after the document less VmRSS at the start (the model loaded and one short "
             "question answered); peak_growth_mb: VmHWM while the document ran, less the same start.",
             "The target: growth at most the prefix-cache bound (BLINK_PREFIX_CACHE_MB) plus 768 MB.",
         ],
     }
-    path = saved.write_json(os.path.join(args.out, f"memory{'-quick' if args.quick else ''}.json"), res)
-    print(summary_line(res, path))
+    path = run.write(res)
+    print(report.memory_summary(run.written, path))
     return 0
-
-
-def summary_line(res: dict, path: str) -> str:
-    """The one line the command ends with."""
-    parts = [
-        f"{r['arm']} {r['dtype']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
-        f" (peak +{r['max_peak_growth_mb']})"
-        for r in res["runs"]
-    ]
-    return (
-        f"blink memory ({res['mode']}, {res['config']['docs']} documents of ~{res['config']['doc_tokens']} "
-        f"tokens, bound {res['config']['bound_mb']} MB, target +{res['target_mb']} MB): {'; '.join(parts)}; "
-        f"results {os.path.relpath(path)}"
-    )
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,10 @@
-"""Which model should be blink's embedded CPU default: every candidate installable offline from the package index,
-measured through blink's own TorchEngine (CPU, fp32, one torch thread, blink's default settings).
+"""Which model should be blink's embedded CPU default: every candidate installable offline from the package index.
 
-    python bench/models.py              # every installed candidate; prints markdown tables, writes JSON
-    python bench/models.py --runs 1     # fewer timing repeats
+    python -m bench models              # every installed candidate; prints markdown tables, writes JSON
+    python -m bench models --runs 1     # fewer timing repeats
+    python -m bench models --quick      # every 8th labelled request, one timing repeat (models-quick.json)
 
+Each candidate is measured through blink's own TorchEngine (CPU, fp32, one torch thread, blink's default settings).
 Per candidate: what its GGUF file says it is (name, fine-tune, licence, whether it carries a chat template), its
 size, load time; on bench/data/clearcut.jsonl (clear-cut labelled questions, the correct option's position
 rotated) its accuracy, mean label mass and position bias (how often it picks the first option, against how often
@@ -11,30 +12,23 @@ the first option is correct; accuracy with the correct option shown last and ave
 options), the share of yes/no questions it answers "yes"; on bench/data/incident.jsonl (8 questions over a
 ~1,000-token incident report) its accuracy; and its speed, one short question and the 8 document questions, wall
 and process CPU time, the models' runs alternated so that other load on the machine hits each alike. A candidate
-whose package is not installed is listed as skipped with its install command. Writes bench/results/models.json.
+whose package is not installed is listed as skipped with its install command. Writes bench/results/models.json;
+report.py prints its tables.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import os
 import statistics
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import blink
+from adapters import calibrate
+from bench import answers, harness
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-import clock  # noqa: E402
-import saved  # noqa: E402
-
-import blink  # noqa: E402
-from adapters import calibrate  # noqa: E402
-
 CLEARCUT = os.path.join(HERE, "data", "clearcut.jsonl")
 INCIDENT = os.path.join(HERE, "data", "incident.jsonl")
 
@@ -163,8 +157,8 @@ def describe(c: Candidate) -> dict:
 
 def load(c: Candidate, settings: blink.Settings) -> tuple[blink.TorchEngine, dict]:
     """The candidate converted (once, timed) and loaded by blink's TorchEngine; returns the engine and its costs."""
-    convert_s, _, folder = clock.timed(lambda: c.folder(settings.cache_dir))
-    load_s, load_cpu_s, engine = clock.timed(lambda: blink.TorchEngine(folder, settings=settings))
+    convert_s, _, folder = harness.timed(lambda: c.folder(settings.cache_dir))
+    load_s, load_cpu_s, engine = harness.timed(lambda: blink.TorchEngine(folder, settings=settings))
     stats = {
         "folder": os.path.relpath(folder, settings.cache_dir),  # under BLINK_CACHE, wherever that is
         "folder_bytes": disk_bytes(folder),
@@ -200,13 +194,18 @@ def every_order(items: list[Labelled], settings: blink.Settings) -> list[Labelle
     return out
 
 
-def forwards(engine: blink.Engine, items: list[Labelled]) -> list[blink.Forward]:
-    """Every request run through the engine, packed into shared forwards as decide_many packs them."""
-    results = blink.run_jobs([engine.prepare(request) for request, _ in items])
-    for result in results:
-        if isinstance(result, Exception):
-            raise result
-    return results
+def answered(engine: blink.Engine, items: list[Labelled]) -> list[dict]:
+    """Every request answered as decide_many answers it (packed into shared forwards, at the release temperature):
+    each request's answers."""
+    dep = blink.Deployment.serving(engine)
+    out = []
+    for start in range(0, len(items), blink.MAX_BATCH_REQUESTS):
+        chunk = [[request.state, request.spec] for request, _ in items[start : start + blink.MAX_BATCH_REQUESTS]]
+        for result in dep.decide_many(chunk):
+            if isinstance(result, Exception):
+                raise result
+            out.append(result["answers"])
+    return out
 
 
 @dataclass
@@ -224,26 +223,20 @@ class Graded:
     p_correct: float
 
 
-def picked(answer: dict) -> str:
-    """The option an answer picks (a yes/no answer: yes at p >= 0.5, as ties go to the earlier option)."""
-    return answer.get("choice") or ("yes" if answer["probabilities"]["yes"] >= answer["probabilities"]["no"] else "no")
-
-
-def grade(item: Labelled, forward: blink.Forward, temperature: float) -> list[Graded]:
-    """A request's answers (blink.assemble at the release temperature) against its labels."""
+def grade(item: Labelled, answered: dict) -> list[Graded]:
+    """A request's answers against its labels."""
     request, labels = item
-    answers = blink.assemble(request, forward.readouts, {q.key: temperature for q in request.questions})
     out = []
     for q in request.questions:
-        a = answers[q.key]
+        a = answered[q.key]
         out.append(
             Graded(
                 q.key,
                 q.type,
                 [[o.key for o in row.shown] for row in q.rows],
                 labels[q.key],
-                a.get("rotation_choices") or [picked(a)],
-                picked(a),
+                a.get("rotation_choices") or [answers.pick(a)],
+                answers.pick(a),
                 a["label_mass"],
                 a["probabilities"][labels[q.key]],
             )
@@ -251,10 +244,9 @@ def grade(item: Labelled, forward: blink.Forward, temperature: float) -> list[Gr
     return out
 
 
-def answer_all(engine: blink.Engine, items: list[Labelled]) -> list[Graded]:
+def graded(engine: blink.Engine, items: list[Labelled]) -> list[Graded]:
     """Every labelled question answered by the engine and graded."""
-    temperature = engine.settings.temperature
-    return [g for item, f in zip(items, forwards(engine, items)) for g in grade(item, f, temperature)]
+    return [g for item, got in zip(items, answered(engine, items)) for g in grade(item, got)]
 
 
 def mean(values: list[float]) -> float | None:
@@ -308,7 +300,7 @@ def order_summary(graded: list[Graded]) -> dict:
 
 def quality(engine: blink.Engine, items: list[Labelled]) -> dict:
     """The labelled set as written, and its choice questions in every order: summaries and every graded answer."""
-    written, orders = answer_all(engine, items), answer_all(engine, every_order(items, engine.settings))
+    written, orders = graded(engine, items), graded(engine, every_order(items, engine.settings))
     return {
         "as_written": summary(written),
         "every_order": order_summary(orders),
@@ -334,7 +326,7 @@ def speed(engines: dict[str, blink.Engine], cases: dict[str, tuple[blink.Request
             if rnd >= n:
                 continue
             for name, engine in engines.items():
-                wall, cpu, result = clock.timed(lambda: engine.forward(request))  # noqa: B023 (called at once)
+                wall, cpu, result = harness.timed(lambda: engine.forward(request))  # noqa: B023 (called at once)
                 times[name][case].append((wall * 1000, cpu * 1000))
                 last[name][case] = result
     out = {}
@@ -368,174 +360,34 @@ def compare(
     measured = speed(engines, {"short": (short[0], runs[0]), "document": (document[0], runs[1])})
     for name, engine in engines.items():
         out[name]["speed"] = measured["timings"][name]
+        last = measured["last"][name]["document"]
         out[name]["document"] = summary(
-            grade(document, measured["last"][name]["document"], engine.settings.temperature)
+            grade(document, answers.of(document[0], last.readouts, engine.settings.temperature))
         )
     return out
 
 
-# ==================================================================================================================
-# Report
-# ==================================================================================================================
-
-
-def pct(x: float | None) -> str:
-    """A share as a whole percentage ('-' when unknown)."""
-    return "-" if x is None else f"{100 * x:.0f}%"
-
-
-def mb(n: int) -> str:
-    """Bytes in MB."""
-    return f"{n / 1e6:,.0f} MB"
-
-
-def table(head: list[str], rows: list[list]) -> str:
-    """A markdown table."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
-
-
-def identity_table(models: dict) -> str:
-    """What each model is (as its GGUF file says), its size and load time."""
-    return table(
-        [
-            "model",
-            "GGUF name",
-            "fine-tune",
-            "own chat template",
-            "licence",
-            "loads as",
-            "parameters",
-            "installed",
-            "fp32 folder",
-            "load (CPU)",
-        ],
-        [
-            [
-                n,
-                m["gguf_name"],
-                m["gguf_finetune"] or "none (base)",
-                "yes" if m["gguf_chat_template"] else "no",
-                m["gguf_license"],
-                m["architecture"],
-                f"{m['parameters'] / 1e6:.0f} M",
-                mb(m["installed_bytes"]),
-                mb(m["folder_bytes"]),
-                f"{m['load_s']:.1f} s ({m['load_cpu_s']:.1f} s)",
-            ]
-            for n, m in models.items()
-        ],
-    )
-
-
-def quality_table(models: dict) -> str:
-    """How each model answers the labelled set and the document's questions."""
-    rows = []
-    for name, m in models.items():
-        q, o, d = m["quality"]["as_written"], m["quality"]["every_order"], m["document"]
-        rows.append(
-            [
-                name,
-                f"{pct(q['accuracy'])} ({q['correct']}/{q['questions']})",
-                pct(q["chance"]),
-                pct(q["accuracy_choice"]),
-                pct(q["accuracy_noul"]),
-                pct(q["accuracy_score"]),
-                f"{q['label_mass']:.3f}",
-                pct(q["choice_picks_first"]),
-                pct(q["choice_first_correct"]),
-                pct(o["accuracy_correct_last"]),
-                pct(o["accuracy_over_orders"]),
-                f"{pct(o['picks_first_over_orders'])} (fair {pct(o['first_fair_share'])})",
-                f"{pct(q['noul_yes'])} ({pct(q['noul_yes_correct'])} are yes)",
-                f"{d['correct']}/{d['questions']}",
-            ]
-        )
-    return table(
-        [
-            "model",
-            "accuracy",
-            "chance",
-            "choice",
-            "yes/no",
-            "score",
-            "mean label mass",
-            "picks 1st option",
-            "1st option correct",
-            "acc., correct shown last",
-            "acc., mean over orders",
-            "picks 1st, all orders",
-            "answers yes",
-            "document",
-        ],
-        rows,
-    )
-
-
-def speed_table(models: dict) -> str:
-    """Wall and CPU ms per question: one short question, and each of the document's questions."""
-    return table(
-        [
-            "model",
-            "1 short question: ms (CPU ms)",
-            "questions over the document: ms per question (CPU)",
-            "prompt tokens (short / document)",
-        ],
-        [
-            [
-                name,
-                f"{s['short']['wall_ms']:.0f} ({s['short']['cpu_ms']:.0f})",
-                f"{s['document']['wall_ms_per_question']:.0f} ({s['document']['cpu_ms_per_question']:.0f})",
-                f"{s['short']['prompt_tokens']} / {s['document']['prompt_tokens']:,}",
-            ]
-            for name, s in ((n, m["speed"]) for n, m in models.items())
-        ],
-    )
-
-
-def report(res: dict) -> str:
-    """The three tables, the skipped candidates and how the figures were measured."""
-    skipped = [f"Skipped {name}: not installed ({cmd})." for name, cmd in res["skipped"].items()]
-    load = "/".join(f"{x:.1f}" for x in res["loadavg"])
-    how = (
-        f"Measured {res['measured_at']} by `{res['command']}` in {res['seconds'] / 60:.1f} min: {res['hardware']}, "
-        f"torch {res['torch']} with {res['threads']} thread, transformers {res['transformers']}, "
-        f"{res['settings']['dtype']}, blink's default settings; load average at the end {load}."
-    )
-    models = res["models"]
-    parts = [identity_table(models), quality_table(models), speed_table(models)] if models else []
-    return "\n\n".join([*parts, *skipped, how])
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Measure every installed candidate; print the tables and write the JSON."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--runs",
-        type=int,
-        default=3,
-        help="timed runs of the document request per model (the short "
-        "question runs 5 times as many); the median is reported",
+    """Measure every installed candidate; write the JSON and print its tables."""
+    run = harness.Run(
+        "models",
+        argv,
+        __doc__,
+        lambda ap: ap.add_argument(
+            "--runs",
+            type=int,
+            default=3,
+            help="timed runs of the document request per model (the short question runs 5 times as many); the median "
+            "is reported",
+        ),
     )
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "models.json"))
-    args = ap.parse_args(argv)
-
-    import torch
-
-    torch.set_num_threads(1)
     # blink's defaults on a CPU, fp32; only where converted models live comes from the environment
     settings = blink.Settings(dtype="float32", cache_dir=blink.env_settings().cache_dir)
-    items = labelled(CLEARCUT, settings)
+    items = labelled(CLEARCUT, settings)[:: 8 if run.quick else 1]
     document = labelled(INCIDENT, settings)[0]
+    runs = 1 if run.quick else run.args.runs
     short = next(item for item in items if item[0].questions[0].type == "noul")
-    started = time.perf_counter()
     res = {
-        "command": saved.command("models.py", argv),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "hardware": blink.hardware(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "threads": torch.get_num_threads(),
         "settings": {
             k: v
             for k, v in asdict(settings).items()
@@ -553,16 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         engines[c.name], stats = load(c, settings)
         res["models"][c.name] = {**describe(c), **stats}
         print(f"{c.name}: loaded in {stats['load_s']} s", flush=True)
-    for name, measured in compare(engines, items, short, document, (5 * args.runs, args.runs)).items():
+    run.probe()
+    for name, measured in compare(engines, items, short, document, (5 * runs, runs)).items():
         res["models"][name].update(measured)
-    res["loadavg"] = os.getloadavg()
-    res["seconds"] = round(time.perf_counter() - started, 1)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(res, fh, indent=1, ensure_ascii=False)
-    print(report(res))
+    path = run.write(res)
+    from bench import report
+
+    print(report.report(run.written, path))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,30 +1,21 @@
 """Order robustness: how often does a choice flip when only the order of its options changes?
 
 Every question is asked once per cyclic rotation of its options (the evidence and the option texts stay the same)
-in three arms: plain (one prompt), `permute: 2` (two evenly spaced rotations averaged) and `permute: K` (all K
-rotations averaged). A question "flips" in an arm when its pick is not the same under every rotation of the listed
-order. `permute: K` averages the same K rotations whatever order the request lists, so it cannot flip by
-construction (0% checks the mapping back to option keys); `permute: 2` shows what a cheaper partial average buys.
+in the registry's three "order" arms (bench/arms.py): plain (one prompt), `permute: 2` (two evenly spaced rotations
+averaged) and `permute: K` (all K rotations averaged). A question "flips" in an arm when its pick is not the same
+under every rotation of the listed order. `permute: K` averages the same K rotations whatever order the request
+lists, so it cannot flip by construction (0% checks the mapping back to option keys); `permute: 2` shows what a
+cheaper partial average buys.
 All prompts of an arm run through the engine's packed forward together, so the model time is comparable. Accuracy
 is against the labelled answer of each question (chance is 1/K).
 
-    python bench/order.py [--model ID] [--quick]      ->  bench/results/order.json and one summary line
+    python -m bench order [--model ID] [--quick]      ->  bench/results/order.json and one summary line
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-import clock  # noqa: E402
-
-import blink  # noqa: E402
+import blink
+from bench import answers, arms, harness
 
 # (evidence, question, {option key: description}, the correct key)
 QUESTIONS = [
@@ -149,8 +140,10 @@ def rotated(criteria: dict, shift: int) -> dict:
     return dict(items[shift:] + items[:shift])
 
 
-def arm_requests(questions: list, permute) -> list[tuple[str, dict]]:
-    """One request per (question, base rotation); `permute` is None (plain), a number, or "all" (K rotations)."""
+def arm_requests(questions: list, arm: arms.Arm) -> list[tuple[str, dict]]:
+    """One request per (question, base rotation), each question with the arm's fields (`permute`: a number, or "all"
+    for every one of its K rotations)."""
+    permute = arm.question.get("permute")
     requests = []
     for state, ask, criteria, _ in questions:
         for shift in range(len(criteria)):
@@ -161,24 +154,22 @@ def arm_requests(questions: list, permute) -> list[tuple[str, dict]]:
     return requests
 
 
-def run_arm(eng: blink.TorchEngine, questions: list, permute) -> dict:
+def run_arm(eng: blink.TorchEngine, questions: list, arm: arms.Arm) -> dict:
     """Decide every rotation of every question in one packed call; picks, flips, accuracy, cost."""
 
     def decide_all() -> tuple[list, list]:
-        requests = [
-            blink.parse_request(state, qs, settings=eng.settings) for state, qs in arm_requests(questions, permute)
-        ]
+        requests = [blink.parse_request(state, qs, settings=eng.settings) for state, qs in arm_requests(questions, arm)]
         return requests, eng.run([eng.prepare(request) for request in requests])  # all packed into shared forwards
 
-    wall, _, (requests, results) = clock.timed(decide_all)
+    wall, _, (requests, results) = harness.timed(decide_all)
     wall_ms = wall * 1000
     failed = next((r for r in results if isinstance(r, Exception)), None)
     if failed is not None:
         raise failed
-    answers = [blink.assemble(request, res.readouts, {"q": 1.0})["q"] for request, res in zip(requests, results)]
+    answered = [answers.of(request, res.readouts)["q"] for request, res in zip(requests, results)]
     per_question, k = [], 0
     for _state, ask, criteria, correct in questions:
-        mine = answers[k : k + len(criteria)]
+        mine = answered[k : k + len(criteria)]
         k += len(criteria)
         picks = [a["choice"] for a in mine]
         per_question.append(
@@ -189,14 +180,12 @@ def run_arm(eng: blink.TorchEngine, questions: list, permute) -> dict:
                 "flips": len(set(picks)) > 1,
                 "disagree_with_listed_order": sum(p != picks[0] for p in picks[1:]) / (len(picks) - 1),
                 "label_mass": sum(a["label_mass"] for a in mine) / len(mine),
-                "order_sensitivity": (
-                    sum(a["order_sensitivity"] for a in mine) / len(mine) if permute is not None else None
-                ),
+                "order_sensitivity": (sum(a["order_sensitivity"] for a in mine) / len(mine) if arm.question else None),
             }
         )
     n_picks = sum(len(q["picks"]) for q in per_question)
     return {
-        "permute": permute,
+        "permute": arm.question.get("permute"),
         "requests": len(requests),
         "prompts": sum(len(r.logits) for res in results for r in res.readouts.values()),
         "model_ms": results[-1].model_ms,
@@ -211,38 +200,22 @@ def run_arm(eng: blink.TorchEngine, questions: list, permute) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the three arms on one model and write bench/results/order.json."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=blink.STANDIN_MODEL)
-    parser.add_argument("--quick", action="store_true", help="the first four questions only")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "order.json"))
-    args = parser.parse_args(argv)
-    questions = QUESTIONS[:4] if args.quick else QUESTIONS
-    eng = blink.TorchEngine(args.model)
-    arms = [run_arm(eng, questions, permute) for permute in (None, 2, "all")]
-    plain_prompts = arms[0]["prompts"]
-    result = {
-        "model": eng.model_id,
-        "hardware": blink.hardware(),
-        "temperature": 1.0,
-        "questions": len(questions),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "arms": {("plain" if a["permute"] is None else f"permute={a['permute']}"): a for a in arms},
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(result, fh, ensure_ascii=False, indent=1)
-        fh.write("\n")
+    run = harness.Run(
+        "order", argv, __doc__, lambda ap: ap.add_argument("--model", default=blink.STANDIN_MODEL, help="model id"), "0"
+    )
+    questions = QUESTIONS[:4] if run.quick else QUESTIONS
+    eng = blink.TorchEngine(run.args.model)
+    run.probe()
+    result = {name: run_arm(eng, questions, arm) for name, arm in arms.of("order").items()}
+    plain_prompts = result["plain"]["prompts"]
+    path = run.write({"model": eng.model_id, "temperature": 1.0, "questions": len(questions), "arms": result})
     summary = "; ".join(
         f"{name}: flips {a['flip_rate']:.0%} of questions, disagrees with the listed order {a['disagreement']:.0%}, "
         f"accuracy {a['accuracy']:.0%}, {a['prompts'] / plain_prompts:.1f}x prompts, model {a['model_ms'] / 1000:.1f} s"
-        for name, a in result["arms"].items()
+        for name, a in result.items()
     )
     print(
         f"order robustness, {eng.model_id}, {len(questions)} questions under every rotation of their options: "
-        f"{summary}; mean label mass {arms[0]['mean_label_mass']:.3f} -> {args.out}"
+        f"{summary}; mean label mass {result['plain']['mean_label_mass']:.3f} -> {path}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

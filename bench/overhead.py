@@ -1,32 +1,26 @@
-"""Where the time of one short question goes: parsing, rendering and tokenizing, the forward (and within it the
-model), answer assembly and meta; at blink's defaults, with shared prefixes off (the earlier default) and with the
-linear layers run by torch's own kernels (BLINK_CPU_MATMUL=torch) where the defaults chose oneDNN.
+"""Where the time of one short question goes: parsing, rendering and tokenizing, the forward, answering.
 
-    python bench/overhead.py          # 30 repetitions of each step, one thread
-    python bench/overhead.py --quick  # 5 repetitions
+    python -m bench overhead          # 30 repetitions of each step, one thread
+    python -m bench overhead --quick  # 5 repetitions
 
-CPU time per step, the best repetition (this process's CPU time: on a shared machine waiting for a core inflates the
-wall clock, not this). Then the forward at the defaults under torch's profiler: the share of its CPU time in matrix
-products and their FLOP/s, against one large product of the same width on this machine (what the CPU can do).
+Each step of one short question (the forward, and within it the model; answer assembly and meta) under each of the
+registry's "overhead" arms (bench/arms.py): blink's defaults, shared prefixes off (the earlier default) and the
+linear layers by torch's own kernels (BLINK_CPU_MATMUL=torch) where the defaults chose oneDNN. CPU time per step, the
+best repetition (this process's CPU time, which waiting for a core does not inflate). Then the forward at the
+defaults under torch's profiler: the share of its CPU time in matrix products and their FLOP/s, against one large
+product of the same width on this machine (what the CPU can do).
 Writes bench/results/overhead.json; the last line printed is a summary.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from dataclasses import replace
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+import torch
 
-import clock  # noqa: E402
-import limits  # noqa: E402
-import saved  # noqa: E402
-import torch  # noqa: E402
-
-import blink  # noqa: E402
+import blink
+from bench import arms, harness, peers, workloads
 
 STATE = "Order 4417: I was charged twice for the same order and want my money back."
 QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
@@ -34,7 +28,7 @@ QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask f
 
 def best_ms(fn, reps: int) -> tuple[float, object]:
     """The least CPU time of `reps` calls, in ms, and that call's result."""
-    _, cpu, out = clock.best_of(fn, reps, lambda wall, cpu, out: cpu)
+    _, cpu, out = harness.best_of(fn, reps, lambda wall, cpu, out: cpu)
     return round(cpu * 1000, 3), out
 
 
@@ -79,7 +73,7 @@ def forward_profile(dep: blink.Deployment, reps: int, forward_ms: float, compute
     return {
         "matmul_share": round(share, 3),
         "matmul_gflops": round(engine.prefill_cost.token_flops * computed / (share * forward_ms / 1000) / 1e9, 1),
-        "large_product_gflops": round(limits.matmul_flops(engine.model.device) / 1e9, 1),
+        "large_product_gflops": round(harness.matmul_flops(engine.model.device) / 1e9, 1),
         "top_ops": [
             {"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1000 / reps, 2)}
             for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]
@@ -91,7 +85,7 @@ def kernel_gflops(engine: blink.TorchEngine, rows: int, reps: int) -> dict:
     """GFLOP/s of a `rows`-row product of the model's MLP shape by torch's own kernel and by oneDNN's (what
     BLINK_CPU_MATMUL chooses between), the best of `reps`."""
     hidden, width = blink.mlp_shape(engine.model)
-    seconds = clock.kernel_seconds(torch.randn(rows, hidden), torch.randn(width, hidden), reps)
+    seconds = harness.kernel_seconds(torch.randn(rows, hidden), torch.randn(width, hidden), reps)
     return {
         "rows": rows,
         "shape": [width, hidden],
@@ -102,9 +96,6 @@ def kernel_gflops(engine: blink.TorchEngine, rows: int, reps: int) -> dict:
 def pipeline_prompt_tokens(engine: blink.TorchEngine) -> int | None:
     """Tokens transformers' pipeline("decision") runs through the model for the same question with its own built-in
     prompt (counted at the model's input); None where this transformers has no decision pipeline."""
-    sys.path.insert(0, HERE)
-    import peers
-
     try:
         pipe = peers.decision_pipeline(engine)
     except (KeyError, ValueError, ImportError):
@@ -115,54 +106,46 @@ def pipeline_prompt_tokens(engine: blink.TorchEngine) -> int | None:
         with_kwargs=True,
     )
     try:
-        pipe(peers.system_one(STATE, QUESTIONS))
+        pipe(workloads.system_one(STATE, QUESTIONS))
     finally:
         hook.remove()
     return sum(seen)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Time the steps at the defaults and with shared prefixes off; write JSON; print one summary line last."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="5 repetitions")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    reps = 5 if args.quick else 30
-    defaults = blink.Settings.from_env({})
-    engine = blink.TorchEngine(blink.STANDIN_MODEL, settings=defaults)
-    plain = blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(defaults, cpu_matmul="torch"))
+    """Time the steps under each arm; write JSON; print one summary line last."""
+    run = harness.Run("overhead", argv, __doc__)
+    reps = 5 if run.quick else 30
+    engines = arms.engines("overhead", blink.STANDIN_MODEL, blink.Settings.from_env({}))
+    run.probe()
     rows = {}
-    for name, eng, settings in (
-        ("defaults", engine, defaults),
-        ("prefix off", engine, replace(defaults, prefix_cache=False)),
-        ("torch kernels", plain, plain.settings),
-    ):
-        eng.settings = settings
-        rows[name] = {"linear_layers": eng.matmul, **steps(blink.Deployment.serving(eng), reps)}
+    for name, eng in engines.items():
+        # the same request again and again: no answer cache, so each decide() runs the model
+        serving = blink.Deployment.serving(eng, replace(eng.settings, answer_cache_mb=0))
+        rows[name] = {"linear_layers": eng.matmul, **steps(serving, reps)}
         print(f"{name:>13}: " + ", ".join(f"{k} {v}" for k, v in rows[name].items()), flush=True)
-    engine.settings = defaults
-    d = rows["defaults"]
-    profiled = forward_profile(blink.Deployment.serving(engine), reps, d["forward_ms"], d["computed_tokens"])
+    engine, d = engines["defaults"], rows["defaults"]
+    profiled = forward_profile(
+        blink.Deployment.serving(engine, replace(engine.settings, answer_cache_mb=0)),
+        reps,
+        d["forward_ms"],
+        d["computed_tokens"],
+    )
     print(f"   profile: {profiled}", flush=True)
     kernels = kernel_gflops(engine, d["computed_tokens"], reps)
     print(f"   kernels: {kernels}", flush=True)
     peer_tokens = pipeline_prompt_tokens(engine)
     res = {
-        "command": saved.command("overhead.py", argv),
-        "hardware": blink.hardware(),
-        "threads": args.threads,
         "repetitions": reps,
         "rows": rows,
         "forward_profile": profiled,
         "kernel_gflops": kernels,
         "pipeline_prompt_tokens": peer_tokens,
     }
-    path = saved.write_json(os.path.join(args.out, f"overhead{'-quick' if args.quick else ''}.json"), res)
+    path = run.write(res)
     outside = d["parse_ms"] + d["render_tokenize_ms"] + d["answer_meta_ms"]
     print(
-        f"blink overhead ({res['hardware']}, {args.threads} thread(s)): one short question, decide "
+        f"blink overhead ({blink.hardware()}, {run.threads} thread(s)): one short question, decide "
         f"{d['decide_ms']:.1f} ms CPU at the defaults ({d['computed_tokens']} of {d['prompt_tokens']} tokens "
         f"computed; pipeline('decision') runs {peer_tokens} with its own prompt) against "
         f"{rows['prefix off']['decide_ms']:.1f} ms with shared prefixes off; linear layers by {d['linear_layers']} "
@@ -176,7 +159,3 @@ def main(argv: list[str] | None = None) -> int:
         f"results {os.path.relpath(path)}"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import matplotlib
 
+from bench import arms
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ARM_STYLE = {
-    "blink_plain": ("blink", "#1f77b4"),
-    "blink_prefix": ("blink, shared prefix", "#17becf"),
-    "unbatched": ("one forward per question", "#7f7f7f"),
-    "per_option": ("per-option log-likelihood", "#d62728"),
-    "generate": ("generate + parse", "#ff7f0e"),
-}
+GRID = arms.of("grid")
+ARM_STYLE = {name: (arm.title, arm.colour) for name, arm in GRID.items()}  # the grid's arms: label and colour
 
 
 def _label(c: dict) -> str:
@@ -55,7 +52,7 @@ def plot(res: dict, path: str) -> None:
     ax.legend(fontsize=7, loc="upper left")
 
     ax = axes[0][1]
-    peers = ["unbatched", "per_option", "generate"]
+    peers = [name for name, arm in GRID.items() if arm.runs]
     width = 0.8 / (2 * len(peers))
     k = 0
     for blink_arm in ("blink_plain", "blink_prefix"):
@@ -117,7 +114,7 @@ def plot(res: dict, path: str) -> None:
 
     fig.suptitle(
         f"blink bench: {res['model']} ({res['dtype']}, {res['device']}), {res['hardware']}, "
-        f"{res['threads']['threads']} thread(s) — {res['mode']} run",
+        f"{res['threads']['threads']} thread(s) — {res['mode']}{' --quick' if res.get('quick') else ''} run",
         fontsize=10,
     )
     fig.tight_layout()

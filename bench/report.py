@@ -1,31 +1,27 @@
-"""Markdown tables from results files, for README.md and bench/README.md:
+"""Every results file printed whole, as the markdown tables README.md and bench/README.md quote.
 
-    python bench/report.py bench/results/decision.json     # one file
-    python bench/report.py bench/results/*.json            # every file, each under its name
+    python bench/report.py                                 # every committed file in bench/results
+    python bench/report.py bench/results/decision.json     # one file (also: python -m bench report FILE...)
     git show 543d9f8:bench/results/full.json | python bench/report.py -    # a committed earlier run, from stdin
 
-Every file bench/ writes has its tables here (run.py's full/decision/quick, budget, overhead, drift, batch, models,
-order); a results file of any other kind prints as generic tables of its fields, so every file prints."""
+Each file prints its header (the command, the hardware, when and for how long, whether the machine held steady), the
+tables of its kind (run's full/decision/quick, budget, overhead, drift, gpu, memory, batch, models, order,
+vllm_check), then every field those left out; a results file of any other kind prints as generic tables of its
+fields, so every file prints, whole."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # saved.py imports blink
-sys.path.insert(0, HERE)
+if not __package__:  # run as `python bench/report.py`: the package is imported from the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import saved  # noqa: E402
+from bench import arms, harness  # noqa: E402
 
-ARM_NAMES = {
-    "blink_plain": "blink",
-    "blink_prefix": "blink prefix",
-    "unbatched": "forward/question",
-    "per_option": "per-option LL",
-    "generate": "generate+parse",
-}
+GRID = arms.of("grid")
 
 
 def _s(row: dict) -> str:
@@ -44,19 +40,17 @@ def cells_table(res: dict) -> list[str]:
     """One row per cell: time per request of every arm and the speed-ups (* where a side was scaled)."""
     head = (
         "| doc tokens | questions | options | "
-        + " | ".join(f"{n} (s)" for n in ARM_NAMES.values())
+        + " | ".join(f"{arm.title} (s)" for arm in GRID.values())
         + " | blink vs per-option | blink vs forward/question | prefix vs blink"
         + " | differ (unbatched/per-option/generate) |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in res["cells"]:
         a, g = c["arms"], c["agreement"]
-        differ = "/".join(
-            f"{len(g[p]['differ'])} of {g[p]['compared']}" for p in ("unbatched", "per_option", "generate")
-        )
+        differ = "/".join(f"{len(g[p]['differ'])} of {g[p]['compared']}" for p in GRID if p in g)
         lines.append(
             f"| {c['doc_tokens']} | {c['questions']} | {c['options']} | "
-            + " | ".join(_s(a[k]) for k in ARM_NAMES)
+            + " | ".join(_s(a[k]) for k in GRID)
             + f" | {_ratio(c, 'blink_plain', 'per_option', 1)} | {_ratio(c, 'blink_plain', 'unbatched', 2)}"
             f" | {_ratio(c, 'blink_prefix', 'blink_plain', 1)} | {differ} |"
         )
@@ -74,7 +68,7 @@ def flops_table(res: dict) -> list[str]:
         for arm in ("blink_plain", "blink_prefix"):
             r = c["arms"][arm]
             lines.append(
-                f"| {c['doc_tokens']} | {c['questions']} | {c['options']} | {ARM_NAMES[arm]} | "
+                f"| {c['doc_tokens']} | {c['questions']} | {c['options']} | {GRID[arm].title} | "
                 f"{r['prefill_tokens']} | {r['gflops_2pt']:.0f} | {r['fraction_of_matmul_2pt']:.0%} | "
                 f"{r['gflops_body_attention']:.0f} | {r['fraction_of_matmul_body_attention']:.0%} | "
                 f"{r['peak_mb']:.0f} |"
@@ -130,15 +124,22 @@ def decision_table(res: dict) -> list[str]:
         lines.append(
             f"| {CASE_NAMES[case]} | {row['questions']} | {row['prompt_tokens']} | {row['prefill_tokens']} "
             f"| {row['cached_tokens']} | {a['blink']['total_wall_s'] / reps:.2f} | {cells} | "
-            f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']} |"
+            f"{unbatched(row)} |"
         )
     return lines
+
+
+def unbatched(row: dict) -> str:
+    """How many of a case's blink answers picked otherwise than the unbatched path, of how many (a file written
+    before the one answer comparison names the two counts differ and compared)."""
+    got = row["vs_unbatched"]
+    return f"{len(got.get('picks_differ', got.get('differ')))} of {got.get('questions', got.get('compared'))}"
 
 
 def http_table(res: dict) -> list[str]:
     """Requests per second and latency over HTTP, per server and concurrency; skipped servers with the reason."""
     lines = ["| server | clients | requests | requests/s | p50 (ms) | p99 (ms) |", "|---|---|---|---|---|---|"]
-    for r in [*res.get("http", []), *res.get("peers_skipped", [])]:
+    for r in res.get("http", []):
         if "requests_per_s" in r:
             lines.append(
                 f"| {r['target']} | {r['clients']} | {r['completed']} | {r['requests_per_s']:.2f} | "
@@ -169,7 +170,7 @@ def targets_list(res: dict) -> list[str]:
 def steadiness_line(res: dict) -> str:
     """Whether the machine held steady over a run, from the matmul probes of its start and end (recomputed for
     a file written before runs recorded the flag)."""
-    s = saved.steadiness(*res["matmul_gflops_start_end"])
+    s = harness.steadiness(*res["matmul_gflops_start_end"])
     start, end = s["matmul_gflops_start_end"]
     probes = (
         f"matmul probe {start:.0f} GFLOP/s at the start of the run and {end:.0f} at its end "
@@ -183,10 +184,11 @@ def steadiness_line(res: dict) -> str:
     return f"Steady machine: {probes}, within {s['unsteady_threshold']:.0%}."
 
 
-def run_report(res: dict) -> str:
-    """bench/run.py (full, --decision, --quick): the targets, the decision peers, HTTP, the grid and serving."""
+def run_report(res: dict) -> list[str]:
+    """run (full, --decision, --quick): the targets, the decision peers, HTTP, the grid and serving."""
     head = (
-        f"Measured {res['started_at']} by `{res['command']}` in {res['duration_s'] / 60:.1f} min: {res['model']} "
+        f"Measured {res.get('measured_at') or res['started_at']} by `{res['command']}` in "
+        f"{res['duration_s'] / 60:.1f} min: {res['model']} "
         f"({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), {res['hardware']}, "
         f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "
         f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run), blink's "
@@ -202,6 +204,11 @@ def run_report(res: dict) -> str:
             "blink's model, in blink's dtype; `llama.cpp` the GGUF file, fed blink's prompt ids):",
             "",
             *decision_table(res),
+            *(
+                [""] + [f"- {r['target']}: skipped, {r['skipped']}" for r in res.get("peers_skipped", [])]
+                if res.get("peers_skipped")
+                else []
+            ),
             "",
             "Over HTTP (`/v1/systemone`):",
             "",
@@ -221,7 +228,7 @@ def run_report(res: dict) -> str:
         ]
     if res["throughput"]:
         parts += ["", "Serving:", "", *throughput_table(res)]
-    return "\n".join(parts)
+    return parts
 
 
 def budget_table(res: dict) -> list[str]:
@@ -288,28 +295,18 @@ def drift_table(res: dict) -> list[str]:
     return lines
 
 
-BATCH_ARMS = {
-    "loop": "loop of `decide()`",
-    "batch": "`blink.py batch`",
-    "ray": "`blink.py batch --ray {workers}`",
-    "pipeline": "no model, serial",
-    "pipeline ray": "no model, `--ray {workers}`",
-}
-
-
 def gpu_table(res: dict) -> list[str]:
-    """bench/gpu.py: each arm's median time and one deployment's peak GPU memory per log, and the shared prefixes'
-    speedup over the plain path."""
+    """gpu: each arm's median time and one deployment's peak GPU memory per log, and the shared prefixes' speedup
+    over the plain path."""
+    names = list(res["rows"][0]["arms"])
     lines = [
-        "| log tokens | defaults: ms / peak GiB | `BLINK_PREFIX_KV_TOKENS=32768`: ms / peak GiB | "
-        "`BLINK_PREFIX_CACHE=0`: ms / peak GiB | shared prefixes × plain |",
-        "|---|---|---|---|---|",
+        "| log tokens | "
+        + " | ".join(f"{arms.title('gpu', a)}: ms / peak GiB" for a in names)
+        + " | shared prefixes × plain |",
+        "|---|" + "---|" * (len(names) + 1),
     ]
     for r in res["rows"]:
-        cells = " | ".join(
-            f"{r['arms'][a]['wall_s'] * 1000:.0f} / {r['arms'][a]['peak_gib']:.2f}"
-            for a in ("default", "kv_32768", "plain")
-        )
+        cells = " | ".join(f"{r['arms'][a]['wall_s'] * 1000:.0f} / {r['arms'][a]['peak_gib']:.2f}" for a in names)
         lines.append(f"| {r['doc_tokens']} | {cells} | {r['arms']['default']['speedup_vs_plain']:.2f}× |")
     return lines
 
@@ -346,25 +343,22 @@ def batch_table(res: dict) -> list[str]:
         first = "—" if a["first_rows_s"] is None else f"{a['first_rows_s']:.1f}"
         gap = "—" if "max_gap_to_loop" not in a else "0" if a["max_gap_to_loop"] == 0 else f"{a['max_gap_to_loop']:.1e}"
         lines.append(
-            f"| {BATCH_ARMS.get(a['arm'], a['arm']).format(workers=res['workers'])} | {a['rows']:,} | "
+            f"| {arms.title('batch', a['arm']).format(workers=res['workers'])} | {a['rows']:,} | "
             f"{a['wall_s']:.1f} | {a['answer_s']:.1f} | {rate} | {first} | {steady} | {gap} | "
             f"{a['load_avg_1min'][0]:.1f}-{a['load_avg_1min'][1]:.1f} |"
         )
     return lines
 
 
-def batch_report(res: dict) -> str:
-    """bench/batch.py: how it ran, then the per-arm table."""
-    return "\n".join(
-        [
-            f"Measured {res['measured_at']}: {res['model']} on {res['hardware']}, {res['rows']} rows "
-            f"({res['loop_rows']} for the loop), {res['rows_per_call']} rows per decide_many call, "
-            f"{res['threads_per_engine']} thread(s) per engine, each model arm's fastest of "
-            f"{res['repeats']} runs.",
-            "",
-            *batch_table(res),
-        ]
-    )
+def batch_report(res: dict) -> list[str]:
+    """batch: what ran, then the per-arm table."""
+    return [
+        f"{res['model']}, {res['rows']} rows ({res['loop_rows']} for the loop), {res['rows_per_call']} rows per "
+        f"decide_many call, {res['threads_per_engine']} thread(s) per engine, each model arm's fastest of "
+        f"{res['repeats']} runs.",
+        "",
+        *batch_table(res),
+    ]
 
 
 def order_table(res: dict) -> list[str]:
@@ -384,33 +378,209 @@ def order_table(res: dict) -> list[str]:
     return lines
 
 
-def order_report(res: dict) -> str:
-    """bench/order.py: how it ran, then the per-arm table."""
-    return "\n".join(
+def order_report(res: dict) -> list[str]:
+    """order: what ran, then the per-arm table."""
+    return [
+        f"{res['model']}, {res['questions']} questions under every rotation of their options, temperature "
+        f"{res['temperature']:g}.",
+        "",
+        *order_table(res),
+    ]
+
+
+def pct(x: float | None) -> str:
+    """A share as a whole percentage ('-' when unknown)."""
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def mb(n: int) -> str:
+    """Bytes in MB."""
+    return f"{n / 1e6:,.0f} MB"
+
+
+def table(head: list[str], rows: list[list]) -> list[str]:
+    """A markdown table."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def identity_table(models: dict) -> list[str]:
+    """models: what each model is (as its GGUF file says), its size and load time."""
+    return table(
         [
-            f"Measured {res['measured_at']}: {res['model']} on {res['hardware']}, {res['questions']} "
-            f"questions under every rotation of their options, temperature {res['temperature']:g}.",
-            "",
-            *order_table(res),
-        ]
+            "model",
+            "GGUF name",
+            "fine-tune",
+            "own chat template",
+            "licence",
+            "loads as",
+            "parameters",
+            "installed",
+            "fp32 folder",
+            "load (CPU)",
+        ],
+        [
+            [
+                n,
+                m["gguf_name"],
+                m["gguf_finetune"] or "none (base)",
+                "yes" if m["gguf_chat_template"] else "no",
+                m["gguf_license"],
+                m["architecture"],
+                f"{m['parameters'] / 1e6:.0f} M",
+                mb(m["installed_bytes"]),
+                mb(m["folder_bytes"]),
+                f"{m['load_s']:.1f} s ({m['load_cpu_s']:.1f} s)",
+            ]
+            for n, m in models.items()
+        ],
     )
 
 
-def models_report(res: dict) -> str:
-    """bench/models.py: its own tables (imported here, so they are written in one place)."""
-    import models  # loads blink and torch: only for this kind of file
+def quality_table(models: dict) -> list[str]:
+    """models: how each model answers the labelled set and the document's questions."""
+    rows = []
+    for name, m in models.items():
+        q, o, d = m["quality"]["as_written"], m["quality"]["every_order"], m["document"]
+        rows.append(
+            [
+                name,
+                f"{pct(q['accuracy'])} ({q['correct']}/{q['questions']})",
+                pct(q["chance"]),
+                pct(q["accuracy_choice"]),
+                pct(q["accuracy_noul"]),
+                pct(q["accuracy_score"]),
+                f"{q['label_mass']:.3f}",
+                pct(q["choice_picks_first"]),
+                pct(q["choice_first_correct"]),
+                pct(o["accuracy_correct_last"]),
+                pct(o["accuracy_over_orders"]),
+                f"{pct(o['picks_first_over_orders'])} (fair {pct(o['first_fair_share'])})",
+                f"{pct(q['noul_yes'])} ({pct(q['noul_yes_correct'])} are yes)",
+                f"{d['correct']}/{d['questions']}",
+            ]
+        )
+    return table(
+        [
+            "model",
+            "accuracy",
+            "chance",
+            "choice",
+            "yes/no",
+            "score",
+            "mean label mass",
+            "picks 1st option",
+            "1st option correct",
+            "acc., correct shown last",
+            "acc., mean over orders",
+            "picks 1st, all orders",
+            "answers yes",
+            "document",
+        ],
+        rows,
+    )
 
-    return models.report(res)
+
+def speed_table(models: dict) -> list[str]:
+    """models: wall and CPU ms per question, for one short question and for each of the document's questions."""
+    return table(
+        [
+            "model",
+            "1 short question: ms (CPU ms)",
+            "questions over the document: ms per question (CPU)",
+            "prompt tokens (short / document)",
+        ],
+        [
+            [
+                name,
+                f"{s['short']['wall_ms']:.0f} ({s['short']['cpu_ms']:.0f})",
+                f"{s['document']['wall_ms_per_question']:.0f} ({s['document']['cpu_ms_per_question']:.0f})",
+                f"{s['short']['prompt_tokens']} / {s['document']['prompt_tokens']:,}",
+            ]
+            for name, s in ((n, m["speed"]) for n, m in models.items())
+        ],
+    )
+
+
+def models_report(res: dict) -> list[str]:
+    """models: the three tables and the candidates that were skipped."""
+    models = res["models"]
+    tables = [*identity_table(models), "", *quality_table(models), "", *speed_table(models)] if models else []
+    return tables + [f"Skipped {name}: not installed ({cmd})." for name, cmd in res["skipped"].items()]
+
+
+def vllm_report(res: dict) -> list[str]:
+    """vllm_check: each blink arm's answers against the reference's, then /v1/systemone throughput per arm and
+    concurrency with the ratio to the reference, then what vLLM's own route did."""
+    reference = res["answers"]["reference"]
+    compared = res["answers"]["arms"]
+    lines = [
+        f"Answers of {res['answers']['requests']} System One requests against {arms.title('vllm_check', reference)}:",
+        "",
+        *table(
+            ["arm", "largest probability gap", "picks that differ"],
+            [
+                [
+                    arms.title("vllm_check", a),
+                    f"{r['max_prob_diff']:.2g}",
+                    f"{len(r['picks_differ'])} of {r['questions']}",
+                ]
+                for a, r in compared.items()
+            ],
+        ),
+    ]
+    rows = res["http"]["rows"]
+    names = list(dict.fromkeys(r["target"] for r in rows))
+    ratio = f"vs_{reference.replace(' ', '_')}"
+    by = {(r["target"], r["clients"]): r for r in rows}
+    levels = sorted({r["clients"] for r in rows})
+
+    def rate(name: str, clients: int) -> str:
+        r = by.get((name, clients))
+        if r is None:
+            return "—"
+        return f"{r['requests_per_s']:.2f}" + ("" if name == reference else f" ({r[ratio]:.2f}×)")
+
+    lines += [
+        "",
+        "Throughput, `/v1/systemone` requests/s (ratio to the reference):",
+        "",
+        *table(
+            ["clients", *(arms.title("vllm_check", n) for n in names)],
+            [[c, *(rate(n, c) for n in names)] for c in levels],
+        ),
+        "",
+        "Latency:",
+        "",
+        *table(
+            ["arm", "clients", "requests", "requests/s", "p50 (ms)", "p99 (ms)"],
+            [
+                [
+                    arms.title("vllm_check", r["target"]),
+                    r["clients"],
+                    r["completed"],
+                    f"{r['requests_per_s']:.2f}",
+                    f"{r['p50_ms']:.0f}",
+                    f"{r['p99_ms']:.0f}",
+                ]
+                for r in rows
+            ],
+        ),
+        "",
+        f"vLLM's own route: {res['vllm_own_route']}",
+        *(f"Not up: {name}: {why}" for name, why in res["not_up"].items()),
+    ]
+    return lines
 
 
 def _cell(value) -> str:
-    """One value of a generic table: numbers to 4 significant digits, lists and objects as compact JSON."""
+    """One value of a generic table: numbers to 4 significant digits, lists and objects as JSON, whole (a "|" escaped,
+    so that it stays in its cell)."""
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, (list, dict)):
-        text = json.dumps(value, ensure_ascii=False)
-        return text if len(text) <= 60 else text[:57] + "..."
-    return "—" if value is None else str(value)
+        return json.dumps(value, ensure_ascii=False).replace("|", "\\|")
+    return "—" if value is None else str(value).replace("|", "\\|")
 
 
 def _scalar(value) -> bool:
@@ -422,12 +592,14 @@ def _table(rows: list[tuple[str, dict]], first: str) -> list[str]:
     """A markdown table of named rows, one column per field any row has (nested fields as compact JSON)."""
     columns = list(dict.fromkeys(k for _, row in rows for k in row))
     lines = ["| " + " | ".join([first, *columns]) + " |", "|" + "---|" * (len(columns) + 1)]
-    return lines + ["| " + " | ".join([name, *(_cell(row.get(k)) for k in columns)]) + " |" for name, row in rows]
+    return lines + [
+        "| " + " | ".join([_cell(name), *(_cell(row.get(k)) for k in columns)]) + " |" for name, row in rows
+    ]
 
 
-def generic_report(res) -> str:
-    """Any results file: its plain fields as a list, then one table per list or map of objects (a file of a kind
-    this script has no tables for, e.g. a new bench script's, still prints)."""
+def generic_report(res) -> list[str]:
+    """Any results fields: the plain ones as a list, then one table per list or map of objects (a file of a kind this
+    script has no tables for, e.g. a new benchmark's, still prints, whole)."""
     if not isinstance(res, dict):
         res = {"results": res}
     fields, tables = [], []
@@ -436,26 +608,168 @@ def generic_report(res) -> str:
             tables += ["", f"{key}:", "", *_table([(str(i), v) for i, v in enumerate(value)], "#")]
         elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
             tables += ["", f"{key}:", "", *_table(list(value.items()), "name")]
-        elif isinstance(value, dict) and all(_scalar(v) for v in value.values()):
+        elif isinstance(value, dict) and value and all(_scalar(v) for v in value.values()):
             fields.append(f"- {key}: " + ", ".join(f"{k} {_cell(v)}" for k, v in value.items()))
         else:
             fields.append(f"- {key}: {_cell(value)}")
-    return "\n".join([*fields, *tables])
+    return [*fields, *tables]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The line a benchmark ends with
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_summary(res: dict, path: str) -> str:
+    """run's last line: the decision targets first, then the grid's and serving's."""
+    parts = [
+        f"blink bench ({res['mode']}{', quick' if res['quick'] else ''}, {res['model']}, {res['hardware']}, "
+        f"{res['threads']['threads']} "
+        f"thread(s), {res['duration_s']:.0f} s)"
+    ]
+    if res.get("unsteady"):
+        start, end = res["matmul_gflops_start_end"]
+        parts.append(
+            f"UNSTEADY machine: matmul {start:.0f} GFLOP/s at the start, {end:.0f} at the end "
+            f"({res['matmul_change']:.0%} change, over {res['unsteady_threshold']:.0%})"
+        )
+    verdict = {True: "met", False: "MISSED", None: "target is for the full run's cell"}
+    for t in res["targets"]:
+        if t["threshold"] == 0:
+            parts.append(f"{t['value']} of {t['compared']} answers differ from unbatched ({verdict[t['met']]})")
+        else:
+            both = (
+                verdict[t["met"]]
+                if t["met"] is None
+                else f"wall {verdict[t['met']]}, CPU time {verdict[t['met_cpu_time']]}"
+            )
+            parts.append(
+                f"{t['short']} {t['value']:.1f}x wall, {t['value_cpu_time']:.1f}x CPU time "
+                f"(target {t['threshold']:g}x) at {t['cell']} ({both})"
+            )
+    if res["cells"]:
+        best = max(
+            (a.get("fraction_of_matmul_body_attention", 0), name) for c in res["cells"] for name, a in c["arms"].items()
+        )
+        parts.append(f"best prefill {best[0]:.0%} of measured matmul peak ({best[1]})")
+    batcher = [r for r in res["throughput"] if r.get("target") == "Batcher" and not r.get("prefix_cache")]
+    if batcher:
+        top = max(batcher, key=lambda r: r["requests_per_s"])
+        parts.append(
+            f"Batcher {top['requests_per_s']:.2f} req/s at {top['window_ms']:g} ms (p99 {top['p99_ms']:.0f} ms)"
+        )
+    http = {(r["target"], r.get("clients")): r for r in res["http"] if "requests_per_s" in r}
+    serve_name, own_name = arms.of("http")
+    for clients in sorted({r["clients"] for r in http.values()}):
+        serve, own = http.get((serve_name, clients)), http.get((own_name, clients))
+        if serve and own:
+            parts.append(
+                f"/v1/systemone x{own['requests_per_s'] / serve['requests_per_s']:.1f} transformers serve "
+                f"at {clients} client(s)"
+            )
+    skipped = [f"{r['target']}: {r['skipped']}" for r in [*res["http"], *res["peers_skipped"]] if "skipped" in r]
+    if skipped:
+        parts.append("skipped " + "; ".join(skipped))
+    parts.append(f"results {os.path.relpath(path)}")
+    return "; ".join(parts)
+
+
+def drift_summary(res: dict, path: str) -> str:
+    """drift's last line: bfloat16's and int8's speed on the stand-in and their largest drift."""
+    stand = [r for r in res["rows"] if r["model"] == "stand-in"]
+    mode = "quick" if res["quick"] else "full"
+    parts = []
+    for arm in ("bfloat16", "int8"):
+        w = res["worst"][arm]
+        speed = "/".join(f"{r['arms'][arm]['speedup_cpu']:.2f}" for r in stand)
+        parts.append(
+            f"{arm}: stand-in {speed}x float32's speed (CPU time; logs of "
+            f"{'/'.join(str(r['doc_tokens']) for r in stand)} tokens), largest probability difference "
+            f"{w['max_prob_diff']:.4f}, picks differ {w['picks_differ']} of {w['asked']}"
+        )
+    return (
+        f"blink precision ({mode}, {res['hardware']}, {res['threads']} thread, {res['duration_s']:.0f} s): "
+        f"{'; '.join(parts)}; results {os.path.relpath(path)}"
+    )
+
+
+def memory_summary(res: dict, path: str) -> str:
+    """memory's last line: each run's largest growth and peak against the target."""
+    parts = [
+        f"{r['arm']} {r['dtype']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
+        f" (peak +{r['max_peak_growth_mb']})"
+        for r in res["runs"]
+    ]
+    mode = "quick" if res["quick"] else "full"
+    return (
+        f"blink memory ({mode}, {res['config']['docs']} documents of ~{res['config']['doc_tokens']} "
+        f"tokens, bound {res['config']['bound_mb']} MB, target +{res['target_mb']} MB): {'; '.join(parts)}; "
+        f"results {os.path.relpath(path)}"
+    )
+
+
+# Each kind of results file: what prints its tables, and the fields those tables show (every other field prints
+# after them, so a file prints whole).
+def engine_ab_table(res: dict) -> list[str]:
+    """CPU ms per request of blink.py at a base revision against the working tree's, the per-pair ratio, and both
+    sides' answers against the float32 path."""
+    base = res["base"]
+    lines = [
+        f"| case | {base} (ms) | working tree (ms) | {base} / working tree (quartiles) | pairs "
+        "| vs float32: largest gap, picks changed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case, row in res["rows"].items():
+        ms, q = row["cpu_ms"], row["ratio_quartiles"]
+        gaps = "; ".join(
+            f"{name} {c['max_prob_diff']:.4f}, {len(c['picks_differ'])}" for name, c in row["vs_float32"].items()
+        )
+        lines.append(
+            f"| {case} | {ms[base]} | {ms['working tree']} | {row['ratio_median']} ({q[0]}-{q[1]}) "
+            f"| {row['pairs']} | {gaps} |"
+        )
+    return lines
 
 
 REPORTS = {
-    "run": run_report,
-    "budget": lambda res: "\n".join(budget_table(res)),
-    "overhead": lambda res: "\n".join(overhead_table(res)),
-    "drift": lambda res: "\n".join(drift_table(res)),
-    "gpu": lambda res: "\n".join(gpu_table(res)),
-    "memory": lambda res: "\n".join(memory_table(res)),
-    "batch": batch_report,
-    "models": models_report,
-    "order": order_report,
+    "run": (
+        run_report,
+        ("mode", "model", "parameters", "dtype", "device", "decision", "http", "peers_skipped", "cells", "throughput")
+        + ("targets", "started_at"),
+    ),
+    "budget": (budget_table, ("rows",)),
+    "overhead": (overhead_table, ("rows",)),
+    "engine_ab": (engine_ab_table, ("rows", "base", "dtype", "model")),
+    "drift": (drift_table, ("rows",)),
+    "gpu": (gpu_table, ("rows",)),
+    "memory": (memory_table, ("runs", "config", "target_mb")),
+    "batch": (
+        batch_report,
+        ("model", "rows", "loop_rows", "rows_per_call", "threads_per_engine", "repeats", "workers", "arms", "pipeline"),
+    ),
+    "models": (models_report, ("models", "skipped")),
+    "order": (order_report, ("model", "questions", "temperature", "arms")),
+    "vllm_check": (vllm_report, ("answers", "http", "not_up", "vllm_own_route")),
 }
-
-
+# The header every run writes (harness.Run.header), and the names older files gave some of its fields.
+HEADER = (
+    "command",
+    "quick",
+    "hardware",
+    "python",
+    "torch",
+    "transformers",
+    "threads",
+    "measured_at",
+    "duration_s",
+    "load_average",
+    "matmul_gflops",
+    "matmul_gflops_start_end",
+    "matmul_change",
+    "unsteady_threshold",
+    "unsteady",
+    "seconds",
+)
 # The fields that mark a file of each kind that records no command (older files; a file read from stdin has no name).
 SIGNATURES = {
     "run": {"cells", "targets", "matmul_gflops_start_end"},
@@ -465,27 +779,63 @@ SIGNATURES = {
 
 
 def kind(res, name: str) -> str:
-    """Which bench script wrote a results file: from the command it records, else from the file's name (`full`,
-    `decision` and `quick` are run.py's), else from the fields it has; 'generic' when none tells."""
+    """Which benchmark wrote a results file: from the command it records (`python -m bench NAME`, or an older
+    `python bench/NAME.py`), else from the file's name (`full` and `decision` are run's, `vllm-cpu` vllm_check's),
+    else from the fields it has; 'generic' when none tells."""
     command = res.get("command", "") if isinstance(res, dict) else ""
+    if command.startswith("python -m bench "):
+        return command.split()[3]
     if command.startswith("python bench/"):
         return command.split()[1][len("bench/") : -len(".py")]
-    stem = os.path.splitext(os.path.basename(name))[0]
+    stem = os.path.splitext(os.path.basename(name))[0].removesuffix("-quick")
     if stem in ("full", "decision", "quick"):
         return "run"
+    if stem.startswith("vllm-"):
+        return "vllm_check"
     if stem in REPORTS:
         return stem
     return next((k for k, keys in SIGNATURES.items() if isinstance(res, dict) and keys <= res.keys()), "generic")
 
 
+def header_line(res: dict) -> str:
+    """How a run ran, from its header: when, by what command, for how long, on what, with what."""
+    when = res.get("measured_at") or res.get("started_at")
+    seconds = res.get("duration_s", res.get("seconds"))
+    parts = [
+        "Measured",
+        *([when] if when else []),
+        *([f"by `{res['command']}`"] if "command" in res else []),
+        *([f"in {seconds / 60:.1f} min"] if seconds is not None else []),
+    ]
+    machine = [res.get("hardware")]
+    if "torch" in res:
+        threads = res.get("threads")
+        machine.append(f"torch {res['torch']}" + (f" with {threads} thread(s)" if isinstance(threads, int) else ""))
+    if "transformers" in res:
+        machine.append(f"transformers {res['transformers']}")
+    return " ".join(parts) + ": " + ", ".join(m for m in machine if m) + "."
+
+
 def report(res, name: str = "") -> str:
-    """The markdown block of one results file; `name` is its path, which says its kind when the file does not."""
-    return REPORTS.get(kind(res, name), generic_report)(res)
+    """The markdown block of one results file, whole; `name` is its path, which says its kind when the file does
+    not."""
+    which = kind(res, name)
+    if which not in REPORTS or not isinstance(res, dict):
+        return "\n".join(generic_report(res))
+    tables, shown = REPORTS[which]
+    steady = ["", steadiness_line(res)] if "matmul_gflops_start_end" in res else []
+    head = [] if which == "run" else [header_line(res), *steady, ""]
+    rest = {k: v for k, v in res.items() if k not in HEADER and k not in shown}
+    tail = ["", "Other fields:", "", *generic_report(rest)] if rest else []
+    return "\n".join([*head, *tables(res), *tail])
 
 
 def main(paths: list[str]) -> int:
-    """Print the tables of every file named (`-` reads stdin), each under its name when there are several."""
-    paths = paths or [os.path.join(HERE, "results", "decision.json")]
+    """Print every file named (`-` reads stdin; none: every committed results file), each under its name when
+    there are several."""
+    paths = paths or sorted(
+        p for p in glob.glob(os.path.join(harness.RESULTS, "*.json")) if not p.endswith("-quick.json")
+    )
     for i, path in enumerate(paths):
         if path == "-":
             res = json.load(sys.stdin)

@@ -1,48 +1,32 @@
 """blink against the systems a user would pick instead, on one loaded model, side by side in one run.
 
-    python bench/run.py --decision  # blink at its defaults against transformers' pipeline("decision") and
-                                    # `transformers serve` (the README's three numbers; about 10 min on 2 CPU cores)
-    python bench/run.py --quick     # a small version of every part, under a minute
-    python bench/run.py             # all of it, plus the grid of prompting methods (about 30 min on 2 CPU cores)
-    python bench/run.py --model <id or folder>
+    python -m bench run --decision  # blink at its defaults against every decision peer (pipeline("decision"),
+                                    # llama.cpp, blink on vLLM) and `transformers serve` (about 15 min on 2 CPU cores)
+    python -m bench run --quick     # a small version of the decision cases, the grid and serving (a few minutes)
+    python -m bench run --decision --quick  # every decision peer and the HTTP servers, on small cases
+    python -m bench run             # all of it, plus the grid of prompting methods (about 30 min on 2 CPU cores)
+    python -m bench run --model <id or folder>
 
-Decision peers, blink with no BLINK_* variable set: pipeline("decision") with its own prompt and with blink's
-exported DecisionConfig (once `python blink.py export` exists); `transformers serve` /v1/systemone against blink's
-own /v1/systemone with 1, 8 and 32 HTTP clients (once the app serves that route); vLLM has an arm of its own
-(bench/vllm_check.py). The grid: blink plain; blink with the shared prefix; one forward per question by hand; per-option
-continuation log-likelihood (lm-evaluation-harness multiple choice, SGLang select); generate-then-parse. Ratios are
-> 1 where blink is faster. Writes bench/results/<name>.json (and <name>.png for the grid); the last line printed is
-a summary.
+Decision peers (the registry's "decision" arms, bench/arms.py), blink with no BLINK_* variable set:
+pipeline("decision") with its own prompt, with blink's exported DecisionConfig, and on blink's own model in blink's
+dtype; llama.cpp with and without prefix reuse; blink on vLLM (where .venv-vllm exists; not in --quick without
+--decision). Over HTTP: `transformers serve` /v1/systemone against blink's own /v1/systemone with 1, 8 and 32 clients
+(not in --quick without --decision). The grid: blink plain; blink with the shared prefix; one forward per question by
+hand; per-option continuation log-likelihood (lm-evaluation-harness multiple choice, SGLang select);
+generate-then-parse. Ratios are > 1 where blink is faster. Writes bench/results/full.json or decision.json (-quick.json
+with --quick; full.png for the grid); the last line printed is a summary.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
-import platform
-import sys
 import tempfile
-import time
 from dataclasses import replace
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-
-import arms  # noqa: E402
-import clock  # noqa: E402
-import limits  # noqa: E402
-import llamacpp  # noqa: E402
-import peers  # noqa: E402
-import saved  # noqa: E402
-import throughput  # noqa: E402
-import torch  # noqa: E402
-import vllm_arm  # noqa: E402
-import workloads  # noqa: E402
-
-import blink  # noqa: E402
+import blink
+from bench import arms, grid, harness, peers, report, throughput, workloads
 
 # Each slow arm runs at most `budget` prompt tokens per cell (always at least one question); its time for the whole
 # request is then scaled from the questions it ran, and the cell says so. blink with the shared prefix always runs
@@ -90,7 +74,10 @@ DECISION = {
     "full": {"doc": 1000, "questions": 8, "options": 4, "reps": 3},
     "quick": {"doc": 200, "questions": 3, "options": 4, "reps": 1},
 }
-HTTP = {"requests": 64, "doc": 120, "clients": [1, 8, 32], "per_level": 32}
+HTTP = {
+    "full": {"requests": 64, "doc": 120, "clients": [1, 8, 32], "per_level": 32},
+    "quick": {"requests": 8, "doc": 60, "clients": [1, 4], "per_level": 4},
+}
 # (case, target ratio against pipeline("decision"), what it is)
 DECISION_TARGETS = (
     ("document", 4.0, "questions over a new document"),
@@ -98,14 +85,14 @@ DECISION_TARGETS = (
     ("short", 1.2, "one short yes/no question"),
 )
 LLAMA_TARGET = 1.5  # llama.cpp (its faster arm) at least this many times slower than blink, in every case
-PEERS = ("unbatched", "per_option", "generate")
-ARMS = ("blink_plain", "blink_prefix", *PEERS)
+GRID = arms.of("grid")
+PEERS = [name for name, arm in GRID.items() if arm.runs]  # the per-question peers of the grid
 
 
-def best_of(fn, short_s: float = 1.0, reps: int = 3) -> arms.Run:
+def best_of(fn, short_s: float = 1.0, reps: int = 3) -> grid.Measured:
     """Run once; a run under `short_s` seconds is repeated up to `reps` times and the fastest (by its own wall
     time) kept."""
-    return clock.best_of(fn, reps, lambda wall, cpu, run: run.wall_s, stop_above=short_s)[2]
+    return harness.best_of(fn, reps, lambda wall, cpu, run: run.wall_s, stop_above=short_s)[2]
 
 
 def ladder(n_questions: int, per_question: float, budget: int) -> int:
@@ -122,7 +109,7 @@ def spans_of(engine: blink.TorchEngine, prompts: list[blink.Prompt], prefix: boo
     spans = []
     seqs, keep = [p.ids for p in prompts], engine.prefixes.keeps
     settings = replace(engine.settings, prefix_cache=prefix)
-    for rows, shared in blink._prefix_groups(seqs, [p.cuts for p in prompts], settings, keep):
+    for rows, shared in blink.prefix_groups(seqs, [p.cuts for p in prompts], settings, keep):
         if shared:
             points = [c for c in prompts[rows[0]].cuts if c < shared] if keep else []
             spans += [(a, b - a) for a, b in blink.encode_plan(engine.prefill_cost, 0, [*points, shared])]
@@ -147,7 +134,7 @@ class Bench:
             self.docs[target] = workloads.document(self.engine.tok, target) if target else ""
         return self.docs[target]
 
-    def measure(self, key: tuple, fn) -> arms.Run:
+    def measure(self, key: tuple, fn) -> grid.Measured:
         """A measurement, taken once per run and reused by every cell that needs the same one."""
         if key not in self.memo:
             self.memo[key] = best_of(fn)
@@ -161,13 +148,14 @@ class Bench:
         useful = self.engine.prefill_cost.flops(spans) / wall
         return {"gflops_2pt": round(two_pt / 1e9, 2), "gflops_body_attention": round(useful / 1e9, 2)}
 
-    def blink_arm(self, doc_target: int, n_opt: int, qs: dict, prefix: bool, n_total: int) -> tuple[dict, arms.Run]:
-        """blink on `qs` (the first questions of the request), scaled to the request's n_total questions."""
-        doc = self.doc(doc_target)
-        key = ("blink_prefix" if prefix else "blink_plain", doc_target, n_opt, len(qs))
-        run = self.measure(key, lambda: arms.blink_request(self.engine, doc, qs, prefix))
+    def blink_arm(self, name: str, doc_target: int, n_opt: int, qs: dict, n_total: int) -> tuple[dict, grid.Measured]:
+        """blink (arm `name`: plain or with the shared prefix) on `qs` (the first questions of the request), scaled to
+        the request's n_total questions."""
+        doc, prefix = self.doc(doc_target), GRID[name].settings["prefix_cache"]
+        key = (name, doc_target, n_opt, len(qs))
+        run = self.measure(key, lambda: grid.blink_request(self.engine, doc, qs, prefix))
         scale = n_total / len(qs)
-        prompts = self.engine.render(arms.request(self.engine, doc, qs))
+        prompts = self.engine.render(grid.request(self.engine, doc, qs))
         row = {
             "measured_questions": len(qs),
             "extrapolated": scale != 1,
@@ -183,7 +171,7 @@ class Bench:
 
     def peer_arm(self, name: str, doc_target: int, n_opt: int, qs: dict, n_measure: int) -> tuple[dict, dict]:
         """A per-question peer on the first `n_measure` questions, scaled to all of them."""
-        doc, fn = self.doc(doc_target), arms.PER_QUESTION_ARMS[name]
+        doc, fn = self.doc(doc_target), GRID[name].function()
         runs = {
             k: self.measure((name, doc_target, n_opt, k), lambda k=k: fn(self.engine, doc, k, qs[k]))
             for k in list(qs)[:n_measure]
@@ -214,7 +202,7 @@ class Bench:
         load0 = os.getloadavg()[0]
         doc = self.doc(doc_target)
         qs = workloads.questions(n_q, n_opt, workloads.ticket_count(doc))
-        lengths = [len(ids) for ids in arms.render_ids(self.engine, doc, qs)]
+        lengths = [len(ids) for ids in grid.render_ids(self.engine, doc, qs)]
         per_q = sum(lengths) / len(lengths)
         cfg = self.cfg
         out = {
@@ -226,11 +214,11 @@ class Bench:
             "prompt_tokens_per_question": round(per_q, 1),
             "arms": {},
         }
-        t0 = time.perf_counter()
+        watch = harness.Stopwatch()
         n_plain = ladder(n_q, per_q, cfg["plain_budget"])
         plain_qs = dict(list(qs.items())[:n_plain])
-        out["arms"]["blink_plain"], plain = self.blink_arm(doc_target, n_opt, plain_qs, False, n_q)
-        out["arms"]["blink_prefix"], prefix = self.blink_arm(doc_target, n_opt, qs, True, n_q)
+        out["arms"]["blink_plain"], plain = self.blink_arm("blink_plain", doc_target, n_opt, plain_qs, n_q)
+        out["arms"]["blink_prefix"], prefix = self.blink_arm("blink_prefix", doc_target, n_opt, qs, n_q)
         peer_runs = {}
         for name in PEERS:
             forwards = n_opt if name == "per_option" else 1
@@ -239,7 +227,7 @@ class Bench:
         out["agreement"] = agreement(plain, prefix, peer_runs)
         out["speedup"] = speedups(out["arms"])
         out["speedup_cpu_time"] = speedups(out["arms"], "cpu_s")
-        out["cell_seconds"] = round(time.perf_counter() - t0, 1)
+        out["cell_seconds"] = round(watch.seconds(), 1)
         out["load_avg_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         return out
 
@@ -252,7 +240,7 @@ def against_matmul(cells: list[dict], matmul_gflops: float) -> None:
                 row[f"fraction_of_matmul_{kind}"] = round(row[f"gflops_{kind}"] / matmul_gflops, 3)
 
 
-def agreement(plain: arms.Run, prefix: arms.Run, peers: dict) -> dict:
+def agreement(plain: grid.Measured, prefix: grid.Measured, peer_runs: dict) -> dict:
     """Where each arm's choice differs from blink's (plain where it ran the question, else the prefix run)."""
     ref = {**prefix.choices, **plain.choices}
     common = plain.choices.keys() & prefix.choices.keys()
@@ -260,15 +248,15 @@ def agreement(plain: arms.Run, prefix: arms.Run, peers: dict) -> dict:
         "blink_prefix_vs_plain": {
             "compared": len(common),
             "differ": sorted(k for k in common if plain.choices[k] != prefix.choices[k]),
-            "max_label_logit_gap": round(arms.label_logit_gap(plain.rows, prefix.rows), 7),
+            "max_label_logit_gap": round(grid.label_logit_gap(plain.rows, prefix.rows), 7),
         }
     }
-    for name, runs in peers.items():
+    for name, runs in peer_runs.items():
         got = {k: c for r in runs.values() for k, c in r.choices.items()}
         row = {"compared": len(got), "differ": sorted(k for k, c in got.items() if c != ref[k])}
         if name == "unbatched":
             rows = {k: v for r in runs.values() for k, v in r.rows.items()}
-            row["max_label_logit_gap"] = round(arms.label_logit_gap(rows, {**prefix.rows, **plain.rows}), 7)
+            row["max_label_logit_gap"] = round(grid.label_logit_gap(rows, {**prefix.rows, **plain.rows}), 7)
         if name == "per_option":
             for alt in ("choice_acc_norm", "choice_token_mean"):
                 row[f"differ_{alt[7:]}"] = sorted(k for k, r in runs.items() if r.extra[alt] != ref[k])
@@ -366,7 +354,7 @@ def cell_name(c: dict) -> str:
     return f"{c['questions']}q x {c['options']}opt / {c['doc_tokens_target']} tok"
 
 
-def grid(cfg: dict) -> list[tuple[int, int, int]]:
+def grid_cells(cfg: dict) -> list[tuple[int, int, int]]:
     """The (document, questions, options) cells of a configuration."""
     cells = [(d, n, cfg["options"]) for d in cfg["docs"] for n in cfg["questions"]]
     axis = cfg.get("option_axis")
@@ -378,13 +366,13 @@ def grid(cfg: dict) -> list[tuple[int, int, int]]:
 def warm_up(engine: blink.TorchEngine) -> None:
     """One short run of every arm, so first-call setup is not billed to the first cell."""
     qs = workloads.questions(2, 2, 1)
-    for prefix in (False, True):
-        arms.blink_request(engine, "warm-up", qs, prefix)
-    for fn in arms.PER_QUESTION_ARMS.values():
-        fn(engine, "warm-up", "q00", qs["q00"])
+    for name in ("blink_plain", "blink_prefix"):
+        grid.blink_request(engine, "warm-up", qs, GRID[name].settings["prefix_cache"])
+    for name in PEERS:
+        GRID[name].function()(engine, "warm-up", "q00", qs["q00"])
 
 
-def throughput_rows(engine: blink.TorchEngine, cfg: dict, with_app: bool) -> list[dict]:
+def throughput_rows(engine: blink.TorchEngine, cfg: dict, with_app: bool, threads: int) -> list[dict]:
     """Batcher (and app) throughput with concurrent clients, every window; plus blink.decide one at a time."""
     tc = cfg["throughput"]
     n = tc["clients"] * tc["per_client"]
@@ -412,15 +400,15 @@ def throughput_rows(engine: blink.TorchEngine, cfg: dict, with_app: bool) -> lis
     if with_app:
         rows += [
             {**r, "workload": f"1 question over {tc['doc']} tokens"} if "skipped" not in r else r
-            for r in throughput.app_runs(engine, small, tc["windows_ms"], tc["clients"], tc["per_client"])
+            for r in throughput.app_runs(engine, small, tc["windows_ms"], tc["clients"], tc["per_client"], threads)
         ]
     return rows
 
 
-def decision_targets(decision: dict, mode: str) -> list[dict]:
+def decision_targets(decision: dict, quick: bool) -> list[dict]:
     """The three speed targets against pipeline("decision") (its own prompt) and the agreement target, on what this
     run measured; in --quick the cells are smaller than the targets' (met is None there)."""
-    exact = mode != "quick"
+    exact = not quick
     out = []
     for case, threshold, what in DECISION_TARGETS:
         row = decision[case]
@@ -439,8 +427,8 @@ def decision_targets(decision: dict, mode: str) -> list[dict]:
             }
         )
     out += llama_targets(decision, exact)
-    compared = sum(decision[c]["vs_unbatched"]["compared"] for c in peers.CASES)
-    differ = [f"{c}/{k}" for c in peers.CASES for k in decision[c]["vs_unbatched"]["differ"]]
+    compared = sum(decision[c]["vs_unbatched"]["questions"] for c in workloads.CASES)
+    differ = [f"{c}/{k}" for c in workloads.CASES for k in decision[c]["vs_unbatched"]["picks_differ"]]
     out.append(
         {
             "target": "0 answers that differ from the cold, unbatched path",
@@ -450,7 +438,7 @@ def decision_targets(decision: dict, mode: str) -> list[dict]:
             "met": not differ,
             "compared": compared,
             "differ": differ,
-            "max_prob_diff": max(decision[c]["vs_unbatched"]["max_prob_diff"] for c in peers.CASES),
+            "max_prob_diff": max(decision[c]["vs_unbatched"]["max_prob_diff"] for c in workloads.CASES),
         }
     )
     return out
@@ -461,7 +449,7 @@ def llama_targets(decision: dict, exact: bool) -> list[dict]:
     out = []
     for case, _, what in DECISION_TARGETS:
         row = decision[case]
-        ran = [name for name in llamacpp.ARMS if f"vs_{name}" in row]
+        ran = [name for name in arms.of("decision") if name.startswith("llama.cpp") and f"vs_{name}" in row]
         if not ran:
             continue
         best = min(ran, key=lambda name: row[f"vs_{name}"]["wall"])  # the arm closest to blink
@@ -484,116 +472,52 @@ def llama_targets(decision: dict, exact: bool) -> list[dict]:
     return out
 
 
-def summary_line(res: dict, path: str) -> str:
-    """The one line the command ends with: the decision targets first, then the grid's and serving's."""
-    parts = [
-        f"blink bench ({res['mode']}, {res['model']}, {res['hardware']}, {res['threads']['threads']} "
-        f"thread(s), {res['duration_s']:.0f} s)"
-    ]
-    if res["unsteady"]:
-        start, end = res["matmul_gflops_start_end"]
-        parts.append(
-            f"UNSTEADY machine: matmul {start:.0f} GFLOP/s at the start, {end:.0f} at the end "
-            f"({res['matmul_change']:.0%} change, over {res['unsteady_threshold']:.0%})"
-        )
-    verdict = {True: "met", False: "MISSED", None: "target is for the full run's cell"}
-    for t in res["targets"]:
-        if t["threshold"] == 0:
-            parts.append(f"{t['value']} of {t['compared']} answers differ from unbatched ({verdict[t['met']]})")
-        else:
-            both = (
-                verdict[t["met"]]
-                if t["met"] is None
-                else f"wall {verdict[t['met']]}, CPU time {verdict[t['met_cpu_time']]}"
-            )
-            parts.append(
-                f"{t['short']} {t['value']:.1f}x wall, {t['value_cpu_time']:.1f}x CPU time "
-                f"(target {t['threshold']:g}x) at {t['cell']} ({both})"
-            )
-    if res["cells"]:
-        best = max(
-            (a.get("fraction_of_matmul_body_attention", 0), name) for c in res["cells"] for name, a in c["arms"].items()
-        )
-        parts.append(f"best prefill {best[0]:.0%} of measured matmul peak ({best[1]})")
-    batcher = [r for r in res["throughput"] if r.get("target") == "Batcher" and not r.get("prefix_cache")]
-    if batcher:
-        top = max(batcher, key=lambda r: r["requests_per_s"])
-        parts.append(
-            f"Batcher {top['requests_per_s']:.2f} req/s at {top['window_ms']:g} ms (p99 {top['p99_ms']:.0f} ms)"
-        )
-    http = {(r["target"], r.get("clients")): r for r in res["http"] if "requests_per_s" in r}
-    for clients in HTTP["clients"]:
-        serve, own = http.get(("transformers serve /v1/systemone", clients)), http.get(("blink /v1/systemone", clients))
-        if serve and own:
-            parts.append(
-                f"/v1/systemone x{own['requests_per_s'] / serve['requests_per_s']:.1f} transformers serve "
-                f"at {clients} client(s)"
-            )
-    skipped = [f"{r['target']}: {r['skipped']}" for r in [*res["http"], *res["peers_skipped"]] if "skipped" in r]
-    if skipped:
-        parts.append("skipped " + "; ".join(skipped))
-    parts.append(f"results {os.path.relpath(path)}")
-    return "; ".join(parts)
-
-
-def decision_part(engine: blink.TorchEngine, mode: str, threads: int) -> tuple[dict, list, list]:
-    """The decision peers: the three cases against pipeline("decision") (its own prompt, and blink's exported
-    config when there is one), over HTTP against `transformers serve` (not in --quick); vLLM's row names its own arm."""
-
-    def run(export_dir: str | None, why: str | None) -> tuple[dict, list, list]:
-        skipped = []
-        pipes = {"pipeline": peers.decision_pipeline(engine)}
-        if export_dir:
-            pipes["pipeline_export"] = peers.decision_pipeline(engine, export_dir)
-        else:
-            skipped.append({"target": "pipeline('decision') with blink's exported config", "skipped": why})
-        pipes.update(peers.same_dtype_pipelines(engine))
-        llama, llama_skipped = llamacpp.pipes(engine, threads)
-        pipes.update(llama)
-        skipped += llama_skipped
-        logs = tempfile.mkdtemp(prefix="blink-bench-servers-")
-        print(f"server logs in {logs}", flush=True)
-        quick_skip = ({}, [{"target": "blink on vLLM", "skipped": "full and --decision runs only"}])
-        with (
-            vllm_arm.pipes(engine.model_id, threads, logs) if mode != "quick" else contextlib.nullcontext(quick_skip)
-        ) as (vllm, vllm_skipped):
-            skipped += vllm_skipped
-            cases = peers.decision_cases(engine, DECISION[mode], {**pipes, **vllm})
+def decision_part(engine: blink.TorchEngine, run: harness.Run, servers: bool) -> tuple[dict, list, list]:
+    """The decision peers: every arm of the registry's "decision" arms against blink on the three cases, then over
+    HTTP against `transformers serve`; blink on vLLM and the HTTP servers only where `servers` (not in --quick without
+    --decision). An arm that cannot run here is a row saying why."""
+    size = "quick" if run.quick else "full"
+    threads = run.threads["threads"]
+    names = [n for n in arms.of("decision") if n != "blink" and (servers or arms.of("decision")[n].python == "project")]
+    logs = tempfile.mkdtemp(prefix="blink-bench-servers-")
+    print(f"server logs in {logs}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_dir = os.path.join(tmp, "export")
+        why = peers.export_config(engine.model_id, export_dir)
+        with contextlib.ExitStack() as stack:
+            ctx = peers.PeerContext(engine, threads, logs, stack, None if why else export_dir, why)
+            pipes, skipped = peers.start_peers(ctx, names)
+            cases = peers.decision_cases(engine, DECISION[size], pipes)
+        left_out = [n for n in arms.of("decision") if n not in names and n != "blink"]
+        skipped += [{"target": n, "skipped": "--quick without --decision"} for n in left_out]
         for case, row in cases.items():
-            others = "".join(f", {name} x{row[f'vs_{name}']['wall']}" for name in [*pipes, *vllm] if name != "pipeline")
+            others = "".join(f", {name} x{row[f'vs_{name}']['wall']}" for name in pipes if name != "pipeline")
             print(
                 f"decision {case:>8}: blink {row['arms']['blink']['total_wall_s']:.2f} s, pipeline "
                 f"{row['arms']['pipeline']['total_wall_s']:.2f} s: x{row['vs_pipeline']['wall']} "
                 f"(CPU time x{row['vs_pipeline']['cpu']}){others}; prefill {row['prefill_tokens']} of "
                 f"{row['prompt_tokens']} tokens, {row['cached_tokens']} from the cache; differ from unbatched "
-                f"{len(row['vs_unbatched']['differ'])} of {row['vs_unbatched']['compared']}",
+                f"{len(row['vs_unbatched']['picks_differ'])} of {row['vs_unbatched']['questions']}",
                 flush=True,
             )
-        if mode == "quick":
-            http = [{"target": "HTTP /v1/systemone", "skipped": "full and --decision runs only"}]
+        if servers:
+            http = peers.http_rows(engine, HTTP[size], threads, None if why else export_dir, logs)
         else:
-            http = peers.http_rows(engine, HTTP, threads, export_dir, logs)
-        for r in http:
-            print(
-                f"http {r['target']} {r.get('clients', '')}: {r.get('requests_per_s', r.get('skipped'))} req/s "
-                f"p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms",
-                flush=True,
-            )
-        skipped.append(peers.vllm_row())
-        return cases, http, skipped
-
-    return peers.with_export(engine.model_id, run)
+            http = [{"target": name, "skipped": "--quick without --decision"} for name in arms.of("http")]
+    for r in http:
+        print(
+            f"http {r['target']} {r.get('clients', '')}: {r.get('requests_per_s', r.get('skipped'))} req/s "
+            f"p50 {r.get('p50_ms')} p99 {r.get('p99_ms')} ms",
+            flush=True,
+        )
+    return cases, http, skipped
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark, write JSON (and PNG for the grid), print one summary line last."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="a small version of every part (< 60 s)")
-    ap.add_argument("--decision", action="store_true", help="only the decision peers at the targets' sizes")
+def flags(ap) -> None:
+    """run's own flags."""
+    ap.add_argument("--decision", action="store_true", help="only the decision peers and HTTP, at the targets' sizes")
     ap.add_argument("--model", default=blink.STANDIN_MODEL, help="model id or folder (default: the stand-in)")
-    ap.add_argument("--threads", default="auto", help="torch CPU threads, or auto (default)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder for the JSON and PNG")
-    ap.add_argument("--name", default=None, help="file name stem (default: full, decision or quick)")
+    ap.add_argument("--name", default=None, help="results file stem (default: full or decision)")
     ap.add_argument("--app", action="store_true", help="also drive the Gradio app's /decide with gradio_client")
     ap.add_argument("--no-throughput", action="store_true", help="skip the Batcher throughput part")
     ap.add_argument(
@@ -608,11 +532,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="prefix copies x length held at once (default: blink's own default)",
     )
-    args = ap.parse_args(argv)
-    mode = "quick" if args.quick else "decision" if args.decision else "full"
-    size = "quick" if args.quick else "full"  # the workloads' size (--decision runs the full-size cases)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, write JSON (and PNG for the grid), print one summary line last."""
+    run = harness.Run("run", argv, __doc__, flags, threads="auto")
+    args = run.args
+    mode = "decision" if args.decision else "full"
+    size = "quick" if run.quick else "full"  # the workloads' size (--decision runs the full-size cases)
     cfg = CONFIGS[size]
-    started = time.perf_counter()
 
     # blink at its defaults: no BLINK_* variable is read (the hardware is); the two flags change them for every arm
     defaults = blink.Settings.from_env({})
@@ -623,21 +551,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     engine = blink.TorchEngine(args.model, settings=settings)
     device = engine.model.lm_head.weight.device
-    threads = limits.choose_threads(engine.model, device, args.threads)
-    matmul_start = limits.matmul_flops(device)
+    if run.threads == "auto":
+        run.threads = harness.choose_threads(engine.model, device)
+    else:
+        run.threads = {"threads": run.threads, "how": "given"}
+    run.probe(device)
     bench = Bench(engine, cfg)
     print(
         f"model {args.model}: {bench.params / 1e6:.1f}M parameters, {engine.model.dtype}, {device}, "
-        f"{threads['threads']} thread(s) ({threads['how']}), matmul {matmul_start / 1e9:.1f} GFLOP/s, blink's linear "
-        f"layers by {engine.matmul}",
+        f"{run.threads['threads']} thread(s) ({run.threads['how']}), matmul {run.matmul_gflops:.1f} GFLOP/s, blink's "
+        f"linear layers by {engine.matmul}",
         flush=True,
     )
 
-    decision, http, peers_skipped = decision_part(engine, size, threads["threads"])
+    decision, http, peers_skipped = decision_part(engine, run, servers=args.decision or not run.quick)
     cells = []
     if mode != "decision":
         warm_up(engine)
-        for doc_target, n_q, n_opt in grid(cfg):
+        for doc_target, n_q, n_opt in grid_cells(cfg):
             c = bench.cell(doc_target, n_q, n_opt)
             cells.append(c)
             a, s = c["arms"], c["speedup"]
@@ -650,13 +581,16 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
 
-    # Measured again after the cells: on a shared machine the best of the two is the closer to the ceiling, and a
-    # large change between the two flags the run as unsteady (saved.steadiness).
-    matmul_end = limits.matmul_flops(device)
-    matmul = max(matmul_start, matmul_end)
-    against_matmul(cells, matmul / 1e9)
+    # Measured again after the cells: the best of the two is the closer to the ceiling, and a large change between
+    # the two flags the run as unsteady (harness.steadiness).
+    run.probe()
+    against_matmul(cells, run.matmul_gflops)
 
-    rows = [] if args.no_throughput or mode == "decision" else throughput_rows(engine, cfg, args.app)
+    rows = (
+        []
+        if args.no_throughput or mode == "decision"
+        else throughput_rows(engine, cfg, args.app, run.threads["threads"])
+    )
     for r in rows:
         print(
             f"throughput {r.get('target')} window {r.get('window_ms')} ms prefix {r.get('prefix_cache')}: "
@@ -666,19 +600,11 @@ def main(argv: list[str] | None = None) -> int:
 
     res = {
         "mode": mode,
-        "command": saved.command("run.py", argv),
         "model": args.model,
         "parameters": bench.params,
         "body_parameters": bench.body_params,
-        "dtype": str(engine.model.dtype).replace("torch.", ""),
+        "dtype": blink.dtype_name(engine.model.dtype),
         "device": str(device),
-        "hardware": blink.hardware(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "threads": threads,
-        "matmul_gflops": round(matmul / 1e9, 2),
-        **saved.steadiness(matmul_start / 1e9, matmul_end / 1e9),
         "settings": {
             "token_budget": settings.token_budget,
             "prefix_cache": settings.prefix_cache,
@@ -689,42 +615,43 @@ def main(argv: list[str] | None = None) -> int:
             "linear_layers": engine.matmul,
             **cfg,
             "decision": DECISION[size],
-            "http": HTTP,
+            "http": HTTP[size],
         },
         "decision": decision,
         "http": http,
         "peers_skipped": peers_skipped,
         "cells": cells,
         "throughput": rows,
-        "targets": decision_targets(decision, mode) + (targets(cells) if cells else []),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (time.perf_counter() - started))),
-        "duration_s": round(time.perf_counter() - started, 1),
+        "targets": decision_targets(decision, run.quick) + (targets(cells) if cells else []),
         "notes": NOTES,
     }
-    stem = os.path.join(args.out, args.name or mode)
-    saved.write_json(stem + ".json", res)
+    path = run.write(res, args.name or mode)
+    res = run.written
     if cells:
         try:
-            import plot
+            from bench import plot
 
-            plot.plot(res, stem + ".png")
+            plot.plot(res, path.removesuffix(".json") + ".png")
         except ImportError as exc:
             print(f"no plot: {exc}")
-    print(summary_line(res, stem + ".json"))
+    print(report.run_summary(res, path))
     return 0
 
 
 NOTES = [
-    "Every arm runs the same weights in one process. The peers run the model as from_pretrained loads it by default "
-    "(the checkpoint's dtype, torch's own kernels); where blink runs it otherwise (bfloat16 on a CPU that computes it "
-    "natively, or a CPU's float32 linear layers by oneDNN: dtype, settings.linear_layers), they get their own copy. "
+    "The decision peers and the grid's arms run the same weights in one process (blink_vllm and the HTTP servers in "
+    "processes of their own). The peers run the model as from_pretrained loads it by default (the checkpoint's "
+    "dtype, torch's own kernels); where blink runs it otherwise (bfloat16 on a CPU that computes it natively, or a "
+    "CPU's float32 linear layers by oneDNN: dtype, settings.linear_layers), they get their own copy. "
     "pipeline_<dtype> (where there is one) runs the pipeline on blink's own model: the same dtype and kernels.",
     "llama.cpp and llama.cpp_reuse run llama-cpp-python on the stand-in's own Q4_1 GGUF file, fed blink's prompt "
-    "token ids; llama.cpp_reuse keeps the longest common prefix with the previous prompt in its KV cache.",
-    "Prompts: every arm of the grid (cells) runs blink's rendered prompts (blink's template). Of the decision "
-    "peers, pipeline('decision') runs its own built-in prompt, so it answers a different prompt and may pick "
-    "differently (decision.<case>.vs_pipeline.picks_differ_from_blink); pipeline_export reads blink's exported "
-    "config and runs blink's prompt token for token.",
+    "token ids; llama.cpp_reuse keeps the longest common prefix with the previous prompt in its KV cache. blink_vllm "
+    "is `python app.py` with BLINK_BACKEND=vllm in .venv-vllm, asked over /v1/systemone; its CPU time is its "
+    "server's process group's.",
+    "Prompts: every arm of the grid (cells) runs blink's rendered prompts (blink's template), and so do llama.cpp, "
+    "blink_vllm and pipeline_export (blink's exported config, token for token). pipeline('decision') and "
+    "pipeline_<dtype> run the pipeline's own built-in prompt, so they answer a different prompt and may pick "
+    "differently (decision.<case>.vs_<arm>.picks_differ_from_blink).",
     "unsteady is true when the matmul probe at the end of the run differs from the one at its start by more than "
     "unsteady_threshold (of the larger): the machine's speed changed during the run, so its ratios are suspect.",
     "Cells whose arm says extrapolated=true ran only measured_questions of the request's questions; wall_s and "
@@ -745,9 +672,6 @@ NOTES = [
     "peak_mb: CPU resident-set peak above the level at the start of the arm (sampled every 5 ms), or the CUDA "
     "allocator peak on a GPU. On a CPU, memory an earlier arm freed may be reused without growing the resident "
     "set, so small figures are lower bounds.",
-    "cpu_s: this process's CPU time; speedup_cpu_time repeats the ratios on it. Where it and the wall-clock ratios "
-    "disagree, other processes were competing for the cores during the run (see load_avg_1min per cell).",
+    "cpu_s: this process's CPU time (a peer in processes of its own: theirs); speedup_cpu_time repeats the ratios on "
+    "it, which waiting for a core does not inflate.",
 ]
-
-if __name__ == "__main__":
-    sys.exit(main())

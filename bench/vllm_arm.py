@@ -1,7 +1,7 @@
 """blink on vLLM, what serves at scale, as a peer: `python app.py` with BLINK_BACKEND=vllm in the vLLM environment
 (.venv-vllm, built by `bash tools/setup.sh --vllm`: vLLM pins its own torch and transformers), otherwise at blink's
-defaults, answering System One bodies over HTTP. bench/run.py --decision runs it beside pipeline("decision") as the
-arm `blink_vllm`; bench/vllm_check.py compares the two backends' answers and throughput on their own.
+defaults, answering System One bodies over HTTP. `python -m bench run` runs it beside pipeline("decision") as the arm
+`blink_vllm`; `python -m bench vllm_check` compares the two backends' answers and throughput on their own.
 
 An HTTP peer's work happens in other processes (vLLM's engine core is a process of its own), so its CPU time is that
 of the server's process group, read from /proc around each request, not this process's.
@@ -9,21 +9,15 @@ of the server's process group, read from /proc around each request, not this pro
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
-
-import isolated
-import peers
-import throughput
+import sys
 
 import blink
+from bench import arms, isolated, servers, workloads
+from bench.peers import PeerContext, systemone_probe
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
-NAME = "blink_vllm"
+VLLM_PYTHON = os.path.join(servers.ROOT, ".venv-vllm", "bin", "python")
 START_S = 600  # one vLLM engine starting on a small machine, not compiled (vllm_args)
 MAX_MODEL_LEN = 4096  # the decision cases' prompts are about 1,150 tokens
 
@@ -49,22 +43,28 @@ def vllm_env() -> dict:
     return {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def app_env(model: str, arm: arms.Arm, max_model_len: int) -> dict:
+    """The BLINK_* (and vLLM) variables of one blink server: the model and the arm's settings; on vLLM its engine
+    arguments too."""
+    env = {"BLINK_MODEL": model, **arm.env()}
+    if arm.python == "vllm":
+        env.update(BLINK_VLLM_ARGS=json.dumps(vllm_args(max_model_len)), **vllm_env())
+    return env
+
+
+def python_of(arm: arms.Arm) -> str:
+    """The python a server arm runs in."""
+    return VLLM_PYTHON if arm.python == "vllm" else sys.executable
+
+
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of the live processes in a process group (Linux /proc)."""
     stats = (isolated.proc_stat(pid) for pid in filter(str.isdigit, os.listdir("/proc")))
     return sum(isolated.cpu_seconds(fields) for fields in stats if fields is not None and int(fields[2]) == pgid)
 
 
-def with_probabilities(answer: dict) -> dict:
-    """A System One answer with its distribution under "probabilities", as blink's own answers have it (a noul's
-    reply carries p(yes) alone)."""
-    if answer.get("type") == "noul" and "probabilities" not in answer:
-        return {**answer, "probabilities": {"yes": answer["noul"], "no": 1.0 - answer["noul"]}}
-    return answer
-
-
 class VllmPipe:
-    """One blink-on-vLLM server answering System One bodies in blink's answer shapes."""
+    """One blink-on-vLLM server answering System One bodies (its answers in System One's shapes)."""
 
     def __init__(self, url: str, model: str, pgid: int, http):
         self.url, self.model, self.pgid, self.http = url, model, pgid, http
@@ -72,41 +72,28 @@ class VllmPipe:
     def __call__(self, body: dict) -> dict:
         got = self.http.post(self.url, json={"model": self.model, **body})
         got.raise_for_status()
-        return {key: with_probabilities(a) for key, a in got.json()["answers"].items()}
+        return got.json()["answers"]
 
     def elsewhere_cpu(self) -> float:
         """CPU seconds the server's processes have used so far."""
         return group_cpu_seconds(self.pgid)
 
 
-@contextlib.contextmanager
-def pipes(model: str, threads: int, logs: str) -> Iterator[tuple[dict, list[dict]]]:
-    """({NAME: VllmPipe}, []) while a blink-on-vLLM server runs, or ({}, [a row saying why it cannot]); the server
-    is stopped, with its engine core, on leaving."""
+def start(arm: arms.Arm, ctx: PeerContext) -> VllmPipe | str:
+    """A blink-on-vLLM server for the arm, up until ctx.stack closes (stopped with its engine core), or why it
+    cannot run here."""
     why = missing()
     if why:
-        yield {}, [{"target": "blink on vLLM", "skipped": why}]
-        return
+        return why
     import httpx
 
-    port = throughput.free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {
-        "GRADIO_SERVER_NAME": "127.0.0.1",
-        "GRADIO_SERVER_PORT": str(port),
-        "BLINK_MODEL": model,
-        "BLINK_BACKEND": "vllm",
-        "BLINK_VLLM_ARGS": json.dumps(vllm_args(MAX_MODEL_LEN)),
-        **vllm_env(),
-    }
-    with peers.process(
-        [VLLM_PYTHON, os.path.join(ROOT, "app.py")], threads, os.path.join(logs, "blink-vllm.log"), env
-    ) as proc:
-        why = peers.wait_up(base + "/", proc, START_S) or peers.systemone_probe(
-            base + "/v1/systemone", model, peers.system_one("warm-up", {"w": {"type": "noul"}})
-        )
-        if why:
-            yield {}, [{"target": "blink on vLLM", "skipped": f"the server did not answer: {why}"}]
-            return
-        with httpx.Client(timeout=600) as http:
-            yield {NAME: VllmPipe(base + "/v1/systemone", model, proc.pid, http)}, []
+    env = app_env(ctx.engine.model_id, arm, MAX_MODEL_LEN)
+    base = servers.bench_env(ctx.threads)
+    server = ctx.stack.enter_context(servers.app(env, ctx.logs, base, python_of(arm), START_S))
+    url = server.url + "v1/systemone"
+    warm = workloads.system_one("warm-up", {"w": {"type": "noul"}})
+    why = server.down or systemone_probe(url, ctx.engine.model_id, warm)
+    if why:
+        return f"the server did not answer: {why}"
+    http = ctx.stack.enter_context(httpx.Client(timeout=600))
+    return VllmPipe(url, ctx.engine.model_id, server.proc.pid, http)

@@ -1,4 +1,5 @@
-"""Benchmark inputs: a support-ticket log of a given token length, and choice questions about it.
+"""Benchmark inputs: a support-ticket log of a given token length, choice questions about it, the decision cases and
+the HTTP requests built from them, and requests in System One's form.
 
 Everything is generated from a fixed seed, so every arm and every run sees the same prompts.
 """
@@ -129,3 +130,54 @@ def questions(n_questions: int, n_options: int, n_tickets: int) -> dict:
         ticket = 1 + (i * 7) % max(1, n_tickets)
         out[f"q{i:02d}"] = {"type": "choice", "instructions": template.format(n=ticket), "criteria": TEAMS[:n_options]}
     return out
+
+
+def case_requests(tok, cfg: dict, rep: int) -> dict[str, tuple]:
+    """The decision cases of one repetition: a document not seen before with `questions` questions ("document"), the
+    same document with as many new questions ("again"), and one short yes/no question over a short new text
+    ("short")."""
+    doc = document(tok, cfg["doc"], seed=1000 + rep)
+    n = ticket_count(doc)
+    first = questions(cfg["questions"], cfg["options"], n)
+    again = {
+        f"r{k}": {**q, "instructions": q["instructions"].replace("Which team", "What team, in your view,")}
+        for k, q in questions(cfg["questions"], cfg["options"], n).items()
+    }
+    short = (
+        f"Order {4100 + rep}: I was charged twice for the same order and want my money back.",
+        {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
+    )
+    return {"document": (doc, first), "again": (doc, again), "short": short}
+
+
+CASES = ("document", "again", "short")
+
+
+def http_requests(tok, n: int, doc_tokens: int) -> list[dict]:
+    """n System One requests, each one choice question over its own short ticket log."""
+    out = []
+    for i in range(n):
+        doc = document(tok, doc_tokens, seed=500 + i)
+        out.append(system_one(doc, questions(1, 4, ticket_count(doc))))
+    return out
+
+
+def system_one_question(q: dict) -> dict:
+    """One blink question in System One form: list criteria become {option: null}, yes/no noul keys true/false,
+    blink's opt-in fields (permute, multi, abstain) are dropped (they do not travel)."""
+    out = {"type": q["type"]}
+    if q.get("instructions") is not None:
+        out["instructions"] = q["instructions"]
+    crit = q.get("criteria")
+    if q["type"] == "choice" and isinstance(crit, list):
+        crit = {str(k): None for k in crit}
+    elif q["type"] == "noul" and isinstance(crit, dict):
+        crit = {"true": crit.get("true", crit.get("yes")), "false": crit.get("false", crit.get("no"))}
+    if crit is not None:
+        out["criteria"] = crit
+    return out
+
+
+def system_one(state, questions: dict) -> dict:
+    """A whole request in System One form."""
+    return {"state": state, "questions": {k: system_one_question(q) for k, q in questions.items()}}

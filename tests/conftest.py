@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
@@ -13,13 +14,16 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 # apps and CLI runs in subprocesses) runs the exact path; the default dtype rule is tested on its own
 # (test_torch.py: test_one_dtype_rule_for_every_backend_on_every_device, test_the_default_dtype_answers_and_says_so).
 os.environ.setdefault("BLINK_DTYPE", "float32")
+# and every request they send runs the model, so two runs of one request can be compared (the answer cache, on by
+# default, is tested on its own in test_answer_cache.py; in-process deployments turn it off in `served`)
+os.environ.setdefault("BLINK_ANSWER_CACHE_MB", "0")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.append(os.path.join(ROOT, "bench"))  # last: the bench's helpers (peers.stop_group) never shadow a package
 
 import blink  # noqa: E402
+from bench import servers  # noqa: E402
 
 DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
 
@@ -30,10 +34,16 @@ def standin() -> blink.TorchEngine:
     return blink.TorchEngine(blink.STANDIN_MODEL, settings=DEFAULTS)
 
 
+def serving_without_answer_cache(engine: blink.Engine, settings: blink.Settings | None = None) -> blink.Deployment:
+    """A deployment that serves one ready engine as its only model, its answer cache off: a request asked twice runs
+    the model twice (the tests compare such runs; tests/test_answer_cache.py serves with the cache on)."""
+    return blink.Deployment.serving(engine, replace(settings or engine.settings, answer_cache_mb=0))
+
+
 @pytest.fixture()
 def served():
-    """A deployment that serves one ready engine as its only model: served(engine) -> blink.Deployment."""
-    return blink.Deployment.serving
+    """served(engine[, settings]) -> a blink.Deployment serving that engine alone (serving_without_answer_cache)."""
+    return serving_without_answer_cache
 
 
 @pytest.fixture(scope="session")
@@ -85,79 +95,42 @@ def serving(app, engine):
         app.DEPLOYMENT.install(before, app.DEPLOYMENT.default_model)
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+free_port = servers.free_port
 
 
 @contextmanager
 def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 600):
     """The app started in a process of its own on a free loopback port, with extra environment and Python run
-    before `import app` (e.g. to gate the model); yields (url, path of its combined stdout/stderr log). A start took
-    10-20 s on two idle cores and a few minutes at a load average of 10: the deadline only stops one that hangs (a
-    start that fails ends the wait at once, with its log)."""
-    from peers import stop_group
-
+    before `import app` (e.g. to gate the model); yields (url, path of its combined stdout/stderr log). The deadline
+    only stops a start that hangs (a start that fails ends the wait at once, with its log)."""
     proc, url, log_path = start_app(env, prelude, tmp_dir)
     try:
         wait_up(proc, url, log_path, timeout_s)
         yield url, log_path
     finally:
-        stop_group(proc)
+        servers.stop(proc)
 
 
 def start_app(
     env: dict, prelude: str = "", tmp_dir: str | None = None, python: str = sys.executable, as_script: bool = False
 ):
-    """Start the app on a free loopback port without waiting for it: `import app` after `prelude` in `python`, or
-    as_script: `python app.py` itself (the port from GRADIO_SERVER_PORT). Returns (process, url, log path); the
-    process leads a process group of its own (peers.stop_group stops it and whatever it started)."""
-    import subprocess
+    """Start the app on a free loopback port without waiting for it, as bench/servers.py starts it: `import app`
+    after `prelude` in `python`, or as_script: `python app.py` itself. This environment (BLINK_DTYPE=float32 and all)
+    plus `env`. Returns (process, url, log path); the process leads a process group of its own (servers.stop ends it
+    and whatever it started)."""
     import tempfile
 
     port = free_port()
-    code = f"{prelude}\nimport app\napp.launch(server_name='127.0.0.1', server_port={port}, quiet=True)\n"
-    cmd = [python, "app.py"] if as_script else [python, "-c", code]
     log_path = os.path.join(tmp_dir or tempfile.mkdtemp(), f"app-{port}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={
-                **os.environ,
-                "GRADIO_ANALYTICS_ENABLED": "False",
-                "GRADIO_SERVER_NAME": "127.0.0.1",
-                "GRADIO_SERVER_PORT": str(port),
-                **env,
-            },
-        )
+    cmd = servers.app_command(python, None if as_script else prelude)
+    proc = servers.start(cmd, log_path, {**os.environ, **servers.app_env(port, env)})
     return proc, f"http://127.0.0.1:{port}/", log_path
 
 
 def wait_up(proc, url: str, log_path: str, timeout_s: float) -> None:
     """Return once the started app answers; fail with its log's tail if it exits or takes over timeout_s."""
-    import pathlib
-    import time
-
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, pathlib.Path(log_path).read_text()[-3000:]
-        assert time.monotonic() < deadline, "the app did not come up in time"
-        try:
-            if httpx.get(url + "gradio_api/info", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
+    why = servers.wait_up(proc, url + "gradio_api/info", timeout_s)
+    assert why is None, f"{why}\n{servers.log_tail(log_path)}"
 
 
 SECRET = "hf_SECRETtokenValue1234567890"  # set as HF_TOKEN in the crowded app: it must never come back out

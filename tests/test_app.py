@@ -173,9 +173,11 @@ def test_edited_request_runs_live(launched, client):
     got = client.predict(edited, json.dumps(ex["questions"]), 1.0, "", "saved", api_name="/decide")
     meta = got["meta"]
     assert meta["engine"] == "torch" and meta["model"] == app.DEPLOYMENT.default_model
-    assert meta["generated_tokens"] == 0 and meta["input_tokens"] > 0 and meta["model_ms"] > 0
-    assert meta["batched_requests"] >= 1  # a live answer always says how many requests shared its forwards
     live = app.DEPLOYMENT.engine().live
+    prompts = live.render(app.DEPLOYMENT.request(edited, ex["questions"]))  # every prompt the model read, in process
+    assert meta["generated_tokens"] == 0 and meta["input_tokens"] == sum(len(p.ids) for p in prompts)
+    assert meta["model_ms"] > 0
+    assert meta["batched_requests"] == 1  # the only request in flight: it shared its forwards with none
     assert (meta["backend"], meta["dtype"], meta["cpu_matmul"]) == ("torch", "float32", live.matmul)  # conftest pins
     assert "fabricated" not in meta
     assert list(got["answers"]) == list(ex["questions"])
@@ -236,7 +238,9 @@ def test_multi_and_permute_answers(launched, client):
     dists = [rotated[f"r{s}"]["probabilities"] for s in (0, 1)]
     assert team["rotations"] == 2 and team["rotation_choices"] == [max(d, key=d.get) for d in dists]
     assert team["probabilities"] == pytest.approx({k: (dists[0][k] + dists[1][k]) / 2 for k in options}, abs=1e-5)
-    assert 0.0 <= team["order_sensitivity"] <= 1.0
+    mean = {k: (dists[0][k] + dists[1][k]) / 2 for k in options}  # the mean total-variation distance from the average
+    spread = sum(0.5 * sum(abs(d[k] - mean[k]) for k in options) for d in dists) / len(dists)
+    assert team["order_sensitivity"] == pytest.approx(spread, abs=1e-5)
     assert_distribution(team, 3)
     assert all(0.0 < a["label_mass"] <= 1.0 for a in got.values())
     html = app.render_answers(app.DEPLOYMENT.request(state, qs), {"answers": got})
@@ -623,10 +627,12 @@ def test_gpu_reservation_fits_the_work(launched):
     app, _ = launched
     eng = app.DEPLOYMENT.engine()
     key = eng.live.key  # the served live model, whose settings cap the reservation
-    small = blink._gpu_seconds(key, [[1] * 200] * 4, [[1, 2]] * 4)
-    large = blink._gpu_seconds(key, [[1] * 100_000] * 8, [[1, 2]] * 8)
-    assert small == blink.GPU_RESERVE_BASE_S + 1
-    assert small < large == app.SETTINGS.gpu_duration
+    # README: "10 + 1 per 5,000 prompt tokens", at most BLINK_GPU_DURATION
+    small = blink._gpu_seconds(key, [[1] * 200] * 4, [[1, 2]] * 4)  # 800 tokens: 10 + 1
+    middle = blink._gpu_seconds(key, [[1] * 5_000] * 4, [[1, 2]] * 4)  # 20,000 tokens: 10 + 4
+    large = blink._gpu_seconds(key, [[1] * 100_000] * 8, [[1, 2]] * 8)  # 800,000 tokens: 10 + 160, capped
+    assert (small, middle) == (11, 14)
+    assert large == app.SETTINGS.gpu_duration < 170
 
 
 def test_an_api_call_without_a_temperature_gets_the_deployments_own(launched, client):

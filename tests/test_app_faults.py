@@ -60,8 +60,8 @@ def test_a_deployment_that_cannot_serve_refuses_to_start(tmp_path):
 def assert_refuses(proc: subprocess.Popen, extra: dict, message: str, served: str) -> None:
     """app.py stopped with status 1 and one last line naming the served model and the problem, no traceback."""
     try:
-        # a refusing start took 5-16 s on two cores at a load average of 5-6 (mostly importing Gradio) and over
-        # 2 minutes at a load average of 10; the deadline only stops a start that never ends
+        # a refusing start ends once it has imported Gradio and read its settings; the deadline only stops a start
+        # that never ends
         out, err = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
         proc.kill()

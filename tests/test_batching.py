@@ -82,22 +82,53 @@ def test_decide_many_refuses_a_bad_temperature(live):
         live.decide_many([(STATES[0], QS)], temperature=float("nan"))
 
 
-def test_batcher_groups_concurrent_requests(live, standin, served):
-    # the longest window, closed early once all three are in: on a loaded machine threads may start slowly
-    dep = served(standin, blink.Settings(batch_window_ms=1000, batch_max_requests=3))
+def held_batcher(dep: blink.Deployment) -> tuple[blink.Batcher, list[int], threading.Event, threading.Event]:
+    """The deployment's Batcher with its first call of the model held until `release` is set: (batcher, the number
+    of jobs of each call, entered (set once the first call holds), release)."""
+    batcher = dep.batcher()
+    real, sizes = batcher.run, []
+    entered, release = threading.Event(), threading.Event()
+
+    def held(jobs):
+        sizes.append(len(jobs))
+        if len(sizes) == 1:
+            entered.set()
+            assert release.wait(120)
+        return real(jobs)
+
+    batcher.run = held
+    return batcher, sizes, entered, release
+
+
+def test_requests_that_arrive_during_a_forward_join_the_next_one_together(live, standin, served):
+    dep = served(standin, blink.Settings(batch_max_requests=4))  # continuous batching: no window
+    batcher, sizes, entered, release = held_batcher(dep)
     results: dict = {}
 
     def call(i: int) -> None:
-        results[i] = dep.submit(dep.request(STATES[i], QS))
+        results[i] = dep.submit(dep.request(STATES[i % len(STATES)], QS))
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
-    for t in threads:
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    threads[0].start()
+    assert entered.wait(120)  # the worker runs the first request, alone, while the others have not arrived
+    for t in threads[1:]:
         t.start()
+    assert wait_until(lambda: batcher.q.qsize() == 3)  # they wait while the model is busy
+    release.set()
     for t in threads:
-        t.join(timeout=60)
-    assert max(r["meta"]["batched_requests"] for r in results.values()) > 1
-    for i, state in enumerate(STATES):
-        assert close(results[i]["answers"], answers_alone(live, state))
+        t.join(timeout=120)
+    assert sizes == [1, 3]  # everything that waited, in one call
+    assert [results[i]["meta"]["batched_requests"] for i in range(4)] == [1, 3, 3, 3]
+    for i in range(4):
+        assert close(results[i]["answers"], answers_alone(live, STATES[i % len(STATES)]))
+
+
+def test_a_callers_requests_are_taken_together(live, standin, served):
+    dep = served(standin)
+    batcher, sizes, entered, release = held_batcher(dep)
+    release.set()  # nothing held: the worker is idle when the caller's three requests arrive
+    out = dep.submit_many([dep.request(s, QS) for s in STATES])
+    assert sizes == [3] and all(r["meta"]["batched_requests"] == 3 for r in out)
 
 
 def test_batcher_refuses_bad_input_before_queueing(live):

@@ -3,11 +3,13 @@ blink answers, on the stand-in (no timing here: bench/ measures)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from collections import Counter
 from types import SimpleNamespace
@@ -16,20 +18,22 @@ import pytest
 import torch
 
 import blink
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-
-import arms  # noqa: E402
-import isolated  # noqa: E402
-import llamacpp  # noqa: E402
-import models  # noqa: E402
-import order  # noqa: E402
-import peers  # noqa: E402
-import report  # noqa: E402
-import run  # noqa: E402
-import saved  # noqa: E402
-import throughput  # noqa: E402
-import workloads  # noqa: E402
+from bench import (
+    answers,
+    arms,
+    grid,
+    harness,
+    isolated,
+    llamacpp,
+    models,
+    order,
+    peers,
+    report,
+    run,
+    servers,
+    throughput,
+    workloads,
+)
 
 STATE = "Ticket #1: the customer's router stopped working after an update and they asked for a replacement."
 QUESTION = {
@@ -41,19 +45,19 @@ QUESTION = {
 
 def test_encode_pair_splits_as_lm_evaluation_harness(tiny_qwen):
     tok = tiny_qwen.tok
-    ctx, cont = arms.encode_pair(tok, "the answer is ", "yes")
+    ctx, cont = grid.encode_pair(tok, "the answer is ", "yes")
     assert ctx == tok("the answer is", add_special_tokens=False)["input_ids"]  # the trailing space moved over
     assert ctx + cont == tok("the answer is yes", add_special_tokens=False)["input_ids"]
 
 
 def test_per_option_scores_are_continuation_log_likelihoods(tiny_qwen):
     # Cross-check against the model's own shifted cross-entropy over the continuation tokens.
-    run_ = arms.per_option_one(tiny_qwen, STATE, "q", QUESTION)
-    context, _ = arms.prompt_text(tiny_qwen, STATE, "q", QUESTION)
+    run_ = grid.per_option_one(tiny_qwen, STATE, "q", QUESTION)
+    context, _ = grid.prompt_text(tiny_qwen, STATE, "q", QUESTION)
     scores = []
     with torch.no_grad():
         for option in QUESTION["criteria"]:
-            ctx, cont = arms.encode_pair(tiny_qwen.tok, context, option)
+            ctx, cont = grid.encode_pair(tiny_qwen.tok, context, option)
             labels = torch.tensor([[-100] * len(ctx) + cont])
             loss = tiny_qwen.model(input_ids=torch.tensor([ctx + cont]), labels=labels).loss
             scores.append(-float(loss) * len(cont))
@@ -64,10 +68,10 @@ def test_per_option_scores_are_continuation_log_likelihoods(tiny_qwen):
 
 def test_unbatched_reads_the_same_label_logits_as_blink(tiny_qwen):
     questions = {"q": QUESTION, "r": {**QUESTION, "instructions": "Which team owns routers?"}}
-    blink_run = arms.blink_request(tiny_qwen, STATE, questions, prefix=False)
+    blink_run = grid.blink_request(tiny_qwen, STATE, questions, prefix=False)
     for qkey, q in questions.items():
-        by_hand = arms.unbatched_one(tiny_qwen, STATE, qkey, q)
-        assert arms.label_logit_gap(by_hand.rows, {qkey: blink_run.rows[qkey]}) < 1e-4
+        by_hand = grid.unbatched_one(tiny_qwen, STATE, qkey, q)
+        assert grid.label_logit_gap(by_hand.rows, {qkey: blink_run.rows[qkey]}) < 1e-4
         assert by_hand.choices[qkey] == blink_run.choices[qkey]
 
 
@@ -76,7 +80,7 @@ def test_unbatched_reads_the_same_label_logits_as_blink(tiny_qwen):
     [("B) shipping", "B"), ("The answer is C.", "C"), ("I think D", "D"), ("no letter here", None), ("AB", None)],
 )
 def test_generated_reply_is_parsed_to_an_offered_label(reply, label):
-    assert arms.parse_label(reply, ["A", "B", "C", "D"]) == label
+    assert grid.parse_label(reply, ["A", "B", "C", "D"]) == label
 
 
 def test_prefill_flops_count_every_key_of_every_computed_token(tiny_qwen):
@@ -98,19 +102,19 @@ def test_prefix_arm_shares_the_evidence_and_leaves_the_engine_as_it_was(tiny_qwe
     before = tiny_qwen.settings
     doc = workloads.document(tiny_qwen.tok, 400)
     qs = workloads.questions(3, 4, workloads.ticket_count(doc))
-    plain = arms.blink_request(tiny_qwen, doc, qs, prefix=False)
-    shared = arms.blink_request(tiny_qwen, doc, qs, prefix=True)
+    plain = grid.blink_request(tiny_qwen, doc, qs, prefix=False)
+    shared = grid.blink_request(tiny_qwen, doc, qs, prefix=True)
     assert tiny_qwen.settings is before and before.prefix_cache  # on by default in float32
     assert plain.extra["shared_prefix_tokens"] == 0 and shared.extra["shared_prefix_tokens"] > 256
-    prompts = tiny_qwen.render(arms.request(tiny_qwen, doc, qs))
+    prompts = tiny_qwen.render(grid.request(tiny_qwen, doc, qs))
     seqs = [p.ids for p in prompts]
     assert shared.prefill_tokens == sum(n for _, n in run.spans_of(tiny_qwen, prompts, True)) < plain.prefill_tokens
     assert plain.prefill_tokens == sum(map(len, seqs)) == sum(n for _, n in run.spans_of(tiny_qwen, prompts, False))
-    assert arms.label_logit_gap(plain.rows, shared.rows) < 1e-4 and plain.choices == shared.choices
+    assert grid.label_logit_gap(plain.rows, shared.rows) < 1e-4 and plain.choices == shared.choices
 
 
 def test_system_one_form_is_what_transformers_accepts():
-    got = peers.system_one(
+    got = workloads.system_one(
         "s",
         {
             "c": {"type": "choice", "criteria": ["a", 2], "permute": 2},
@@ -139,21 +143,22 @@ def test_decision_cases_time_both_sides_and_check_blink_against_unbatched(tiny_q
     from transformers.decision import DecisionConfig
 
     pipe = peers.decision_pipeline(tiny_qwen, DecisionConfig(labels={"noul": ["A", "B"]}))  # Yes/No: not one token
-    assert pipe.model is arms.user_model(tiny_qwen) and pipe.tokenizer is not tiny_qwen.tok
+    assert pipe.model is grid.user_model(tiny_qwen) and pipe.tokenizer is not tiny_qwen.tok
     assert not any("forward" in vars(m) for m in pipe.model.modules())  # no layer runs blink's oneDNN forward
     assert torch.equal(pipe.model.lm_head.weight, tiny_qwen.model.lm_head.weight)
     forwards = []
     handle = pipe.model.register_forward_pre_hook(lambda *a: forwards.append(1))
     try:
-        pipe(peers.system_one("a log", workloads.questions(3, 4, 1)))
+        pipe(workloads.system_one("a log", workloads.questions(3, 4, 1)))
     finally:
         handle.remove()
     assert len(forwards) == 3
     assert "<|mark|>" not in tiny_qwen.tok.get_vocab()  # blink's tokenizer is untouched
     rows = peers.decision_cases(tiny_qwen, {"doc": 300, "questions": 3, "options": 4, "reps": 1}, {"pipeline": pipe})
-    assert set(rows) == set(peers.CASES)
+    assert set(rows) == set(workloads.CASES)
     for row in rows.values():
-        assert row["vs_unbatched"]["differ"] == [] and row["vs_unbatched"]["max_prob_diff"] < 1e-4
+        assert row["vs_unbatched"]["picks_differ"] == [] and row["vs_unbatched"]["max_prob_diff"] < 1e-4
+        assert row["vs_unbatched"]["questions"] == row["questions"]
         arms_ = row["arms"]
         assert len(arms_["pipeline"]["wall_s"]) == len(arms_["blink"]["wall_s"]) == 1
         # the ratio is the pipeline's time over blink's, each the sum of its timed runs
@@ -169,13 +174,18 @@ def test_peers_load_the_checkpoint_as_a_user_does_and_a_same_dtype_pipeline_runs
     # blink in bfloat16 (its default on a CPU that computes it natively): the peers get from_pretrained's default
     # load, the float32 checkpoint, and pipeline_bfloat16 runs on blink's own model
     bf16 = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="bfloat16"))
-    assert arms.checkpoint_dtype(bf16) == torch.float32
-    assert arms.user_model(bf16).dtype == torch.float32 and arms.user_model(bf16) is not bf16.model
-    ((name, pipe),) = peers.same_dtype_pipelines(bf16).items()
-    assert name == "pipeline_bfloat16" and pipe.model is bf16.model
-    # in float32 there is no second pipeline; the peers share blink's model where blink runs torch's kernels too
-    assert arms.user_model(tiny_qwen).dtype == torch.float32 and peers.same_dtype_pipelines(tiny_qwen) == {}
-    assert (arms.user_model(tiny_qwen) is tiny_qwen.model) == (tiny_qwen.matmul == "torch")
+    assert grid.checkpoint_dtype(bf16) == torch.float32
+    assert grid.user_model(bf16).dtype == torch.float32 and grid.user_model(bf16) is not bf16.model
+    with contextlib.ExitStack() as stack:
+        pipes, skipped = peers.start_peers(peers.PeerContext(bf16, 1, "", stack), ["pipeline_bfloat16"])
+        assert skipped == [] and pipes["pipeline_bfloat16"].model is bf16.model
+        # in float32 there is no second pipeline; the peers share blink's model where blink runs torch's kernels too
+        pipes, skipped = peers.start_peers(peers.PeerContext(tiny_qwen, 1, "", stack), ["pipeline_bfloat16"])
+    assert pipes == {} and skipped == [
+        {"target": "pipeline_bfloat16", "skipped": "blink computes in float32, the dtype the pipeline arm already runs"}
+    ]
+    assert grid.user_model(tiny_qwen).dtype == torch.float32
+    assert (grid.user_model(tiny_qwen) is tiny_qwen.model) == (tiny_qwen.matmul == "torch")
 
 
 class FakeLlama:
@@ -217,7 +227,7 @@ def test_llama_arms_read_blinks_prompt_ids_and_reuse_the_common_prefix(tiny_qwen
             "n": {"type": "noul", "instructions": "Is the router broken?"},
         },
     )
-    body = peers.system_one(state, questions)
+    body = workloads.system_one(state, questions)
     want = blink.Deployment.serving(tiny_qwen).decide(state, questions)["answers"]
     prompts = tiny_qwen.render(blink.parse_request(state, body["questions"]))
     readers = [llamacpp.LlamaReader("model.gguf", 512, 1, r, fake_llama_cpp(tiny_qwen.model)) for r in (False, True)]
@@ -225,7 +235,7 @@ def test_llama_arms_read_blinks_prompt_ids_and_reuse_the_common_prefix(tiny_qwen
     assert readers[0].llm.kwargs["n_threads"] == readers[0].llm.kwargs["n_threads_batch"] == 1
     for arm in (plain, reuse):
         got = arm(body)
-        assert {k: peers.pick(a) for k, a in got.items()} == {k: peers.pick(a) for k, a in want.items()}
+        assert {k: answers.pick(a) for k, a in got.items()} == {k: answers.pick(a) for k, a in want.items()}
         for key, answer in got.items():
             mine = want[key]["probabilities"]
             assert max(abs(p - mine[k]) for k, p in answer["probabilities"].items()) < 1e-4
@@ -265,24 +275,22 @@ def test_llama_arms_on_real_llama_cpp_answer_as_blink_does(standin):
             "n": {"type": "noul", "instructions": "Is the router broken?"},
         },
     )
-    body = peers.system_one(state, questions)
+    body = workloads.system_one(state, questions)
     want = blink.Deployment.serving(standin).decide(state, questions)["answers"]
-    pipes, skipped = llamacpp.pipes(standin, 1)
-    assert skipped == [] and set(pipes) == set(llamacpp.ARMS)
-    plain, reuse = pipes["llama.cpp"], pipes["llama.cpp_reuse"]
-    got = {name: arm(body) for name, arm in pipes.items()}
-    for answers in got.values():
-        assert {k: peers.pick(a) for k, a in answers.items()} == {k: peers.pick(a) for k, a in want.items()}
-        for key, answer in answers.items():
-            assert max(abs(p - want[key]["probabilities"][k]) for k, p in answer["probabilities"].items()) < 0.08
-    for key, answer in got["llama.cpp_reuse"].items():  # the same computation, less of it (0.0 apart, measured)
-        plain_probs = got["llama.cpp"][key]["probabilities"]
-        assert max(abs(p - plain_probs[k]) for k, p in answer["probabilities"].items()) < 1e-3
-    assert 0 < reuse.evaluated < plain.evaluated
-    assert "AMX_INT8 = 1" not in plain.reader.call("system_info")  # setup builds it without AMX
-    for arm in pipes.values():
-        assert arm.elsewhere_cpu() > 0  # it computed in a child process of its own
-        arm.reader.close()
+    with contextlib.ExitStack() as stack:  # the readers' child processes end with it
+        pipes, skipped = peers.start_peers(peers.PeerContext(standin, 1, "", stack), ["llama.cpp", "llama.cpp_reuse"])
+        assert skipped == [] and set(pipes) == {"llama.cpp", "llama.cpp_reuse"}
+        plain, reuse = pipes["llama.cpp"], pipes["llama.cpp_reuse"]
+        got = {name: arm(body) for name, arm in pipes.items()}
+        for answered in got.values():
+            assert answers.compare(want, answered)["picks_differ"] == []
+            assert answers.compare(want, answered)["max_prob_diff"] < 0.08
+        # the same computation, less of it (0.0 apart, measured)
+        assert answers.compare(got["llama.cpp"], got["llama.cpp_reuse"])["max_prob_diff"] < 1e-3
+        assert 0 < reuse.evaluated < plain.evaluated
+        assert "AMX_INT8 = 1" not in plain.reader.call("system_info")  # setup builds it without AMX
+        for arm in pipes.values():
+            assert arm.elsewhere_cpu() > 0  # it computed in a child process of its own
 
 
 def test_a_native_peer_that_crashes_is_an_error_naming_it_and_the_signal():
@@ -303,8 +311,9 @@ def test_a_native_peer_that_crashes_is_an_error_naming_it_and_the_signal():
 
 
 def test_llama_arms_say_why_they_cannot_run_here(tiny_qwen):
-    arms_, skipped = llamacpp.pipes(tiny_qwen, 1)
-    assert arms_ == {} and len(skipped) == 1
+    with contextlib.ExitStack() as stack:
+        started, skipped = peers.start_peers(peers.PeerContext(tiny_qwen, 1, "", stack), ["llama.cpp"])
+    assert started == {} and len(skipped) == 1 and skipped[0]["target"] == "llama.cpp"
     reason = skipped[0]["skipped"]
     if importlib.util.find_spec("llama_cpp") is None:
         assert reason == llamacpp.SKIP_NO_PACKAGE
@@ -324,7 +333,7 @@ def test_http_arm_drives_transformers_serve_and_says_why_a_side_is_missing(tiny_
 
 
 def test_export_arm_is_skipped_with_the_reason_when_blink_has_no_export(tmp_path, monkeypatch):
-    monkeypatch.setattr(peers, "ROOT", str(tmp_path))  # a blink.py that does not exist: the command fails
+    monkeypatch.setattr(servers, "ROOT", str(tmp_path))  # a blink.py that does not exist: the command fails
     why = peers.export_config(blink.STANDIN_MODEL, str(tmp_path / "out"))
     assert why and "python blink.py export" in why
 
@@ -349,8 +358,8 @@ def test_throughput_runs_answer_every_request(tiny_qwen, monkeypatch):
 def test_order_arm_maps_every_rotation_back_to_the_option_keys(tiny_qwen):
     question = order.QUESTIONS[:1]
     k = len(question[0][2])
-    full = order.run_arm(tiny_qwen, question, "all")
-    plain = order.run_arm(tiny_qwen, question, None)
+    full = order.run_arm(tiny_qwen, question, arms.of("order")["permute=all"])
+    plain = order.run_arm(tiny_qwen, question, arms.of("order")["plain"])
     assert full["requests"] == plain["requests"] == k and full["prompts"] == k * k and plain["prompts"] == k
     assert full["flip_rate"] == 0 and full["model_ms"] > 0  # the same K rotations averaged whatever the listed order
     assert full["per_question"][0]["picks"][0] in question[0][2]
@@ -399,34 +408,125 @@ def test_model_comparison_grades_what_decide_answers(standin, served):
     last = next(pick for shown, pick in zip(g["shown"], g["picks"]) if shown[-1] == g["label"])
     assert orders["accuracy_correct_last"] == (last == g["label"]) and orders["first_fair_share"] == 0.5
     assert out["speed"]["short"]["cpu_ms"] > 0 and out["speed"]["short"]["prompt_tokens"] > 50
-    tables = models.quality_table({"stand-in": out}) + models.speed_table({"stand-in": out})
+    tables = "\n".join(report.quality_table({"stand-in": out}) + report.speed_table({"stand-in": out}))
     assert f"| stand-in | {100 * written['accuracy']:.0f}% ({written['correct']}/3) |" in tables
 
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "results")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
 BENCH_README = os.path.join(os.path.dirname(RESULTS), "README.md")
 
 
-def test_report_prints_every_results_file_with_its_own_tables():
-    files = sorted(glob.glob(os.path.join(RESULTS, "*.json")))
+def test_report_prints_every_results_file_whole_with_its_own_tables():
+    files = sorted(p for p in glob.glob(os.path.join(RESULTS, "*.json")) if not p.endswith("-quick.json"))
     kinds = {}
     for path in files:
         with open(path, encoding="utf-8") as fh:
             res = json.load(fh)
-        kinds[os.path.basename(path)] = report.kind(res, path)
-        assert report.report(res, path).count("\n|") >= 2, path  # a table with at least one row
-    assert {
-        k: v
-        for k, v in kinds.items()
-        if k in ("batch.json", "drift.json", "models.json", "order.json", "full.json", "decision.json")
-    } == {
+        kinds[os.path.basename(path)] = which = report.kind(res, path)
+        out = report.report(res, path)
+        assert out.count("\n|") >= 2, path  # a table with at least one row
+        assert "..." not in out and "…" not in out, path  # nothing elided
+        shown = set(report.HEADER) | set(report.REPORTS[which][1])
+        for key in res.keys() - shown:  # every field the tables leave out prints after them
+            assert f"\n- {key}: " in out or f"\n{key}:\n" in out, (path, key)
+    assert kinds == {
         "batch.json": "batch",
+        "budget.json": "budget",
+        "decision.json": "run",
         "drift.json": "drift",
+        "full.json": "run",
+        "gpu.json": "gpu",
+        "memory.json": "memory",
         "models.json": "models",
         "order.json": "order",
-        "full.json": "run",
-        "decision.json": "run",
+        "overhead.json": "overhead",
+        "vllm-cpu.json": "vllm_check",
     }
+
+
+def test_report_prints_the_vllm_results_whole():
+    with open(os.path.join(RESULTS, "vllm-cpu.json"), encoding="utf-8") as fh:
+        res = json.load(fh)
+    out = report.report(res, "vllm-cpu.json")
+    for name, row in res["answers"]["arms"].items():  # every arm's answers against the reference
+        title = arms.title("vllm_check", name)
+        assert f"| {title} | {row['max_prob_diff']:.2g} | {len(row['picks_differ'])} of {row['questions']} |" in out
+    for row in res["http"]["rows"]:  # every HTTP row, with its latencies
+        title = arms.title("vllm_check", row["target"])
+        assert (
+            f"| {title} | {row['clients']} | {row['completed']} | {row['requests_per_s']:.2f} | {row['p50_ms']:.0f} | "
+            f"{row['p99_ms']:.0f} |" in out
+        )
+    assert res["vllm_own_route"] in out
+
+
+def test_python_m_bench_lists_every_benchmark_and_each_has_a_main():
+    import importlib
+
+    from bench import __main__ as entry
+
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--list"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    listed = [line.split()[0] for line in done.stdout.splitlines()]
+    on_disk = {
+        os.path.basename(p)[:-3]
+        for p in glob.glob(os.path.join(ROOT, "bench", "[!_]*.py"))
+        if "def main(" in open(p, encoding="utf-8").read()
+    }
+    assert listed == list(entry.BENCHMARKS) and set(listed) == on_disk
+    for name in listed:
+        assert callable(importlib.import_module(f"bench.{name}").main)
+
+
+def test_a_run_writes_its_header_and_results_to_its_file(tmp_path):
+    before = torch.get_num_threads()
+    try:
+        ran = harness.Run("drift", ["--quick", "--threads", "1", "--out", str(tmp_path)], "a test run")
+        assert ran.quick and ran.threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    ran.probes = [200.0]  # as if probed at its start: the end is probed when it writes
+    path = ran.write({"rows": [1, 2]})
+    assert path == str(tmp_path / "drift-quick.json")
+    with open(path, encoding="utf-8") as fh:
+        res = json.load(fh)
+    assert res["command"] == "python -m bench drift --quick --threads 1 --out " + str(tmp_path)
+    assert res["rows"] == [1, 2] and res["quick"] is True and res["threads"] == 1
+    assert res["hardware"] == blink.hardware() and res["torch"] == torch.__version__
+    assert res["matmul_gflops_start_end"][0] == 200.0 and len(ran.probes) == 2
+    assert res["unsteady"] == (abs(200.0 - ran.probes[1]) / max(200.0, ran.probes[1]) > 0.10)
+    assert set(res["load_average"]) == {"start", "end"} and res["duration_s"] >= 0
+    assert report.kind(res, "") == "drift" and ran.written == res
+
+
+def test_one_answer_comparison_reads_every_shape():
+    # blink's own shapes (a noul with its distribution), System One's (p(yes) alone) and a score without a choice
+    reference = {
+        "n": {"type": "noul", "noul": 0.7, "probabilities": {"yes": 0.7, "no": 0.3}},
+        "c": {"type": "choice", "choice": "a", "probabilities": {"a": 0.6, "b": 0.4}},
+        "s": {"type": "score", "probabilities": {"1": 0.5, "2": 0.5}},
+    }
+    other = {
+        "n": {"type": "noul", "noul": 0.45},
+        "c": {"type": "choice", "choice": "a", "probabilities": {"a": 0.58, "b": 0.42}},
+        "s": {"type": "score", "probabilities": {"1": 0.5, "2": 0.5}},
+        "x": {"type": "noul", "noul": 0.1},  # a question the reference did not ask: left out
+    }
+    assert answers.pick(reference["s"]) == "1"  # a tie goes to the earlier option, as blink breaks it
+    got = answers.compare(reference, other)
+    assert got["questions"] == 3 and got["picks_differ"] == ["n"]
+    assert got["max_prob_diff"] == pytest.approx(0.25, abs=1e-12)
+    assert got["reference_margins"] == {"n": 0.4}
+    assert answers.compare(reference, reference) == {
+        "questions": 3,
+        "max_prob_diff": 0.0,
+        "picks_differ": [],
+        "reference_margins": {},
+    }
+    assert answers.flat([{"q": 1}, {"q": 2}]) == {"0/q": 1, "1/q": 2}
 
 
 def test_report_of_an_unknown_kind_prints_its_fields_as_tables():
@@ -454,11 +554,12 @@ def test_the_bench_readme_tables_are_what_report_prints():
         "models.json": None,
         "gpu.json": None,
         "memory.json": None,
+        "vllm-cpu.json": None,
         "full.json": "Time per request",
     }  # full: the grid's tables
     for name, start in quoted.items():
         with open(os.path.join(RESULTS, name), encoding="utf-8") as fh:
-            out = report.report(json.load(fh), name)
+            out = report.report(json.load(fh), name).split("\nOther fields:")[0]  # the tables of its kind
         out = out[out.index(start) :] if start else out
         rows = [line for line in out.splitlines() if line.startswith("| ")]
         missing = [line for line in rows if line not in readme]
@@ -466,9 +567,9 @@ def test_the_bench_readme_tables_are_what_report_prints():
 
 
 def test_a_run_is_flagged_unsteady_when_its_matmul_probes_differ_by_more_than_the_threshold():
-    assert saved.steadiness(242.0, 197.0)["unsteady"] and saved.steadiness(197.0, 242.0)["unsteady"]
-    assert not saved.steadiness(100.0, 90.0)["unsteady"]  # 10% apart: at the threshold, not over it
-    assert saved.steadiness(100.0, 89.9)["unsteady"] and saved.steadiness(100.0, 89.9)["matmul_change"] == 0.101
+    assert harness.steadiness(242.0, 197.0)["unsteady"] and harness.steadiness(197.0, 242.0)["unsteady"]
+    assert not harness.steadiness(100.0, 90.0)["unsteady"]  # 10% apart: at the threshold, not over it
+    assert harness.steadiness(100.0, 89.9)["unsteady"] and harness.steadiness(100.0, 89.9)["matmul_change"] == 0.101
     with open(os.path.join(RESULTS, "full.json"), encoding="utf-8") as fh:
         full = json.load(fh)
     with open(os.path.join(RESULTS, "decision.json"), encoding="utf-8") as fh:

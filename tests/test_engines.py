@@ -209,7 +209,10 @@ def test_concurrent_calls_on_one_engine_each_get_their_own_meta(tmp_path, standi
     path = tmp_path / "replay.json"
     write_recording(path, blink.STANDIN_MODEL, states[0], QS, {"spam": [5.0, 0.0], "topic": [0.0, 1.0, 0.0]})
     dep = served(blink.HybridEngine(blink.ReplayEngine(str(path)), standin))
-    standin.forward(dep.request(states[0], QS))  # the template header is kept from here on
+    for (
+        state
+    ) in states:  # the template header, and each evidence (the stand-in is all full attention), kept from here on
+        standin.forward(dep.request(state, QS))
     # each state's (prompt tokens, computed, read from kept prefixes) when it runs alone
     alone = [tokens(standin.forward(dep.request(s, QS))) for s in states]
     assert alone[0][0] != alone[1][0] and all(t[2] > 0 for t in alone)

@@ -22,8 +22,9 @@ import psutil
 import pytest
 from conftest import ROOT, Gates, free_port, start_app, wait_until, wait_up
 from fastapi import Request  # the plain app's route reads its annotation from this module
-from peers import stop_group
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench import servers
 
 KEY = "http-test-key-4b1d9e"  # the keyed app's BLINK_API_KEY
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -59,7 +60,7 @@ def keyed(tmp_path_factory, gates):
         wait_up(proc, url, log_path, 600)
         yield url, log_path, proc
     finally:
-        stop_group(proc)
+        servers.stop(proc)
 
 
 def systemone(url: str, state: str, headers: dict | None = AUTH, questions: dict = QS) -> httpx.Response:
@@ -477,7 +478,7 @@ def test_demo_is_the_whole_app_however_it_is_started(tmp_path, how):
         wait_up(proc, url, log_path, 600)
         check_whole_app(url)
     finally:
-        stop_group(proc)
+        servers.stop(proc)
 
 
 @pytest.mark.skipif(not os.path.exists(VLLM_PYTHON), reason="no vLLM environment (bash tools/setup.sh --vllm)")
@@ -488,7 +489,7 @@ def test_where_mcp_cannot_run_the_app_says_so_in_one_line(tmp_path):
         assert systemone(url, DOCS[0], headers=None).status_code == 200
         log = open(log_path).read()
     finally:
-        stop_group(proc)
+        servers.stop(proc)
     lines = [line for line in log.splitlines() if "MCP" in line]
     assert len(lines) == 1 and lines[0].startswith("blink: MCP is off: mcp 2"), log[-3000:]
     assert "/v1/systemone" in lines[0] and "call_tool" not in log

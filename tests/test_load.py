@@ -7,6 +7,8 @@ import threading
 import time
 from dataclasses import replace
 
+from conftest import wait_until
+
 N_CALLERS = 32
 TOPICS = ["billing", "shipping", "returns", "login", "warranty", "pricing", "privacy", "other"]
 
@@ -73,13 +75,24 @@ def assert_same_answers(got: dict, want: dict, tolerance: float = 1e-6) -> None:
 def test_concurrent_callers_through_the_batcher_get_their_own_answers(tiny_qwen, served):
     # the tiny Qwen3.5 (linear + full attention, as in production) keeps 32 alone-vs-batched runs quick; its fp32
     # batch-composition noise measured 1.8e-6, so answers must agree within 1e-5
-    dep = served(
-        tiny_qwen, replace(tiny_qwen.settings, batch_window_ms=20, batch_max_requests=16, batch_max_queued=N_CALLERS)
-    )
+    dep = served(tiny_qwen, replace(tiny_qwen.settings, batch_max_requests=16, batch_max_queued=N_CALLERS))
     alone = [dep.decide(*request(i))["answers"] for i in range(N_CALLERS)]
+    batcher = dep.batcher()
+    real, calls = batcher.run, []
+
+    def first_waits(jobs):
+        """The model's first call holds until every other caller has queued behind it, so batches form."""
+        calls.append(len(jobs))
+        if len(calls) == 1:
+            assert wait_until(lambda: batcher.q.qsize() == N_CALLERS - len(jobs))
+        return real(jobs)
+
+    batcher.run = first_waits
     results, errors, latencies = run_callers(lambda i: dep.submit(dep.request(*request(i))), timeout_s=120)
     print(load_line("Batcher", results, errors, latencies))
     assert not errors and len(results) == N_CALLERS
-    assert max(r["meta"]["batched_requests"] for r in results.values()) > 1  # batches really formed
+    # continuous batching: what waited during the first forward went into the next ones, 16 at a time
+    assert sum(calls) == N_CALLERS and max(calls) == 16
+    assert max(r["meta"]["batched_requests"] for r in results.values()) == 16
     for i in range(N_CALLERS):
         assert_same_answers(results[i]["answers"], alone[i], tolerance=1e-5)

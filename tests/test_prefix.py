@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import serving_without_answer_cache
 
 import blink
 
@@ -253,7 +254,7 @@ def test_concurrent_callers_on_one_engine_get_their_own_answers(tiny_qwen):
     # The Batcher's worker and direct decide() calls run forwards on one engine at once, reading and filling one
     # store: every answer equals the cold, one-at-a-time path.
     on = prefix_on(tiny_qwen)
-    dep = blink.Deployment.serving(on, replace(on.settings, batch_window_ms=5.0))
+    dep = serving_without_answer_cache(on, replace(on.settings, batch_window_ms=5.0))
     work = [(doc, qs) for doc in (DOC, OTHER_DOC, DOC + " Ticket 7: a lamp.") for qs in (QUESTIONS, NEW_QUESTIONS)] * 2
     results: dict = {}
 
@@ -285,17 +286,22 @@ def test_concurrent_callers_on_one_engine_get_their_own_answers(tiny_qwen):
 # The row cap and the threshold are model-agnostic logic: they run on the tiny model, which is fast.
 
 
-def test_kv_token_cap_bounds_the_copies_held_at_once(tiny_qwen, spy):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kv_token_cap_bounds_the_copies_held_at_once(tiny_qwen, spy, monkeypatch, in_place):
     prompts = render(tiny_qwen, DOC, QUESTIONS)
     evidence = prompts[0].cuts[1]
     longest_tail = max(len(p.ids) for p in prompts) - evidence
+    assert blink.reads_in_place(torch.device("cpu"), evidence, longest_tail)
+    if not in_place:  # the prefix joined to every row, as on a GPU or where it is short
+        monkeypatch.setattr(blink, "MERGED_MIN_PREFIX_RATIO", 10**9)
     eng = prefix_on(tiny_qwen, prefix_kv_tokens=2 * (evidence + longest_tail))  # two copies of the prefix
     handle = count_rows(eng, spy)
     try:
         result = eng.forward(req(DOC, QUESTIONS))
     finally:
         handle.remove()
-    assert spy["rows"] == [1, 1, 2, 1]  # the header, the evidence, then the three tails two at a time
+    # the header, the evidence, then the three tails: two at a time where each holds a copy, else all at once
+    assert spy["rows"] == ([1, 1, 3] if in_place else [1, 1, 2, 1])
     assert gap(result.readouts, plain_readouts(tiny_qwen)) < 1e-4
 
 
@@ -308,6 +314,28 @@ def test_evidence_shorter_than_min_tokens_runs_from_the_header(tiny_qwen, spy):
     # exactly at the threshold: the evidence is encoded once and kept
     prefix_on(tiny_qwen, prefix_min_tokens=evidence).forward(req(DOC, QUESTIONS))
     assert spy["prefix"][-1] == (evidence, 0, cold_encoded(tiny_qwen, header, evidence))
+
+
+def test_short_evidence_is_kept_from_the_pass_that_read_it_where_every_layer_is_full_attention(eng, spy):
+    # Evidence under prefix_min_tokens runs from the header. On the stand-in (every layer full attention) the keys that
+    # pass computed for it are kept as its prefix, with no pass of its own, so the same evidence asked again runs only
+    # the new questions' tails; Qwen3.5's linear-attention state cannot be cut back to the evidence's end, so there
+    # it is not kept.
+    prompts = render(eng, DOC, QUESTIONS)
+    header, evidence = prompts[0].cuts
+    on = prefix_on(eng, prefix_min_tokens=evidence + 1)
+    first = on.forward(req(DOC, QUESTIONS))
+    assert spy["prefix"] == [(header, 0, header)]
+    assert first.prefill_tokens == sum(len(p.ids) for p in prompts) - (len(prompts) - 1) * header
+    full = blink.full_attention_only(on.prefixes.get(tuple(prompts[0].ids[:header])))
+    assert full == (eng.model_id == blink.STANDIN_MODEL)
+    assert on.prefixes.holds(tuple(prompts[0].ids[:evidence])) == full
+    again = on.forward(req(DOC, NEW_QUESTIONS))
+    new = render(eng, DOC, NEW_QUESTIONS)
+    kept = evidence if full else header
+    assert spy["prefix"][-1] == (kept, kept, 0)
+    assert again.prefill_tokens == sum(len(p.ids) - kept for p in new) and again.cached_tokens == kept * len(new)
+    assert gap(again.readouts, plain_readouts(eng, DOC, NEW_QUESTIONS)) < 1e-4
 
 
 def test_a_kept_prefix_is_continued_only_where_that_costs_fewer_flops(standin):
@@ -385,8 +413,8 @@ def test_linear_attention_states_carry_the_prefix(tiny_qwen, monkeypatch, state)
     seqs, cands, cuts = one_token_tails(tiny_qwen)
     copy_cache = blink._copy_cache
 
-    def reset(cache, repeats=1, keep=True):
-        cache = copy_cache(cache, repeats, keep)
+    def reset(cache, repeats=1, keep=True, **options):
+        cache = copy_cache(cache, repeats, keep, **options)
         for layer in cache.layers:
             for held in (getattr(layer, state, None) or {}).values():
                 held.zero_()
@@ -465,3 +493,53 @@ def test_defaults_follow_the_hardware():
     assert (env.prefix_cache, env.token_budget, env.prefix_cache_mb) == (False, 512, 0)
     with pytest.raises(blink.BlinkError, match="BLINK_PREFIX_CACHE_MB must be a whole number"):
         blink.Settings.from_env({"BLINK_PREFIX_CACHE_MB": "-1"}, gpu=False)
+
+
+def joined_attention(query, prefix_k, prefix_v, new_k, new_v):
+    """The reference: the prefix joined to each row's new keys, repeated per query head, under the causal mask that
+    ends at the bottom right, in float64."""
+    rows, heads, length, _ = query.shape
+    per, past = heads // prefix_k.shape[1], prefix_k.shape[-2]
+    k = torch.cat([prefix_k.expand(rows, -1, -1, -1), new_k], -2).repeat_interleave(per, 1).double()
+    v = torch.cat([prefix_v.expand(rows, -1, -1, -1), new_v], -2).repeat_interleave(per, 1).double()
+    allowed = torch.ones(length, past + length, dtype=torch.bool).tril(past)
+    return torch.nn.functional.scaled_dot_product_attention(query.double(), k, v, attn_mask=allowed)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows, length, past, heads, groups", [(1, 5, 40, 9, 3), (4, 17, 300, 9, 3), (3, 8, 64, 4, 4)])
+def test_merged_attention_reads_the_prefix_once_and_equals_the_joined(
+    dtype, tolerance, rows, length, past, heads, groups
+):
+    torch.manual_seed(rows * 1000 + past)
+    query = torch.randn(rows, heads, length, 16, dtype=dtype)
+    prefix_k, prefix_v = (torch.randn(1, groups, past, 16, dtype=dtype) for _ in range(2))
+    new_k, new_v = (torch.randn(rows, groups, length, 16, dtype=dtype) for _ in range(2))
+    want = joined_attention(query, prefix_k, prefix_v, new_k, new_v)
+    got = blink._merged_attention(query, prefix_k, prefix_v, new_k, new_v, 16**-0.5)
+    assert got.shape == query.shape and got.dtype == dtype
+    assert (got.double() - want).abs().max() < tolerance
+    k, v = (torch.cat([p.expand(rows, -1, -1, -1), n], -2) for p, n in ((prefix_k, new_k), (prefix_v, new_v)))
+    small = blink._float32_attention(query, k, v, past, 16**-0.5)  # the joined path's, for a few scores
+    assert small.shape == query.shape and small.dtype == dtype and (small.double() - want).abs().max() < tolerance
+
+
+def test_long_prefixes_are_read_in_place_and_answer_as_when_joined(eng, monkeypatch):
+    # The tails of one request read its evidence in place, once for every row (_merged_attention); the same forward
+    # with the prefix joined to every row (the path shorter prefixes take) gives the same numbers.
+    prompts = render(eng, DOC, QUESTIONS)
+    seqs, cands, cuts = [p.ids for p in prompts], [p.cand for p in prompts], [p.cuts for p in prompts]
+    assert cuts[0][1] >= blink.MERGED_MIN_PREFIX_RATIO * max(len(s) - cuts[0][1] for s in seqs)  # long enough
+    merged_calls = []
+    merged = blink._merged_attention
+    monkeypatch.setattr(blink, "_merged_attention", lambda *args: merged_calls.append(1) or merged(*args))
+    read_once = forward_rows(eng, seqs, cands, cuts, prefix=True)
+    assert merged_calls  # the evidence was read in place
+    monkeypatch.setattr(blink, "MERGED_MIN_PREFIX_RATIO", 10**9)
+    calls = len(merged_calls)
+    joined = forward_rows(eng, seqs, cands, cuts, prefix=True)  # few scores: in FP32 products
+    monkeypatch.setattr(blink, "SMALL_ATTENTION_SCORES", 0)
+    flash = forward_rows(eng, seqs, cands, cuts, prefix=True)  # torch's kernel under the bottom-right mask
+    assert len(merged_calls) == calls  # every tail joined to the prefix
+    assert rows_gap(read_once, joined) < 1e-4 and rows_gap(read_once, flash) < 1e-4
+    assert rows_gap(read_once, forward_rows(eng, seqs, cands, cuts, prefix=False)) < 1e-4

@@ -327,6 +327,30 @@ def test_the_wire_examples_run_against_the_launched_app(launched, tmp_path):
         assert json.loads(result)["answers"] == want["answers"]
 
 
+def test_the_gradio_client_example_runs_against_the_launched_app(launched, tmp_path):
+    """The API section's gradio_client example, run as written against the launched app (the live stand-in), prints
+    the answers the app's deployment gives the same request in process."""
+    import subprocess
+    import sys
+
+    app, url = launched
+    ((code,),) = [[c] for lang, c in code_blocks("API") if lang == "python" and "gradio_client" in c]
+    code = code.replace("http://127.0.0.1:7860", url.rstrip("/"))
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    choice, noul, engine = done.stdout.splitlines()[-1].split()  # after gradio_client's "Loaded as API" line
+    want = app.DEPLOYMENT.decide(
+        "Our card was charged twice for March and now nobody on the team can log in.",
+        {
+            "queue": {"type": "choice", "criteria": ["billing", "access", "bug"]},
+            "urgent": {"type": "noul", "instructions": "Is the customer blocked right now?"},
+        },
+        temperature=1.0,
+    )
+    assert (choice, engine) == (want["answers"]["queue"]["choice"], want["meta"]["engine"]) == (choice, "torch")
+    assert abs(float(noul) - want["answers"]["urgent"]["noul"]) < 1e-5
+
+
 def test_the_space_installs_the_mcp_extra_of_its_own_gradio():
     pinned = re.search(r"^gradio\[mcp\]==(\S+)", source("requirements.txt"), re.M)
     sdk = re.search(r"^sdk_version: (\S+)", source("README.md"), re.M)

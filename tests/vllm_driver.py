@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import blink  # noqa: E402
 
-QUEUE_WAIT_S = 600  # how long the held first call waits for the other callers to queue (a loaded machine)
+QUEUE_WAIT_S = 600  # the most the held first call waits for the other callers to queue: a deadline for a hang
 
 
 class HeldLLM:

@@ -1,0 +1,146 @@
+"""What an engine change did: blink.py at a git revision against the working tree's, call by call.
+
+Each serves the stand-in at the dtype blink answers in, in one process; --profile shows where a short question's time
+goes.
+
+    python -m bench engine_ab --base 8e926fc            # the three decision cases, one thread
+    python -m bench engine_ab --base 8e926fc --profile  # and the short question's time by operator and function
+
+Each case alternates the two engines request by request (the order flipped every pair) and times each call in this
+process's CPU seconds, so load from other processes inflates both sides of a pair alike; it records each side's
+median and the median (and quartiles) of the per-pair ratios. Answers: the largest probability gap and pick changes
+of both sides against the working tree's float32 path (the exact one). The answer cache is off on both sides: every
+request runs the model.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import importlib.util
+import io
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import fields, replace
+
+import blink
+from bench import answers, harness, workloads
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHORT = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
+
+
+def blink_at(revision: str):
+    """blink.py as it was at a git revision, imported as a module of its own."""
+    source = subprocess.run(
+        ["git", "show", f"{revision}:blink.py"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+    path = os.path.join(tempfile.mkdtemp(), "blink_reference.py")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(source)
+    spec = importlib.util.spec_from_file_location("blink_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["blink_reference"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def deployment(module, dtype: str):
+    """A deployment of `module` serving the stand-in at `dtype`, its answer cache off where it has one."""
+    settings = module.Settings(dtype=dtype)
+    if "answer_cache_mb" in {f.name for f in fields(settings)}:
+        settings = replace(settings, answer_cache_mb=0)
+    dep = module.Deployment.serving(module.TorchEngine(module.STANDIN_MODEL, settings=settings))
+    dep.decide("warm-up", {"w": {"type": "noul"}})
+    return dep
+
+
+def cases(tok, pairs: int) -> dict[str, list[tuple]]:
+    """Each case's requests, one per pair: a new ~1,000-token log with 8 questions, the same log with 8 new
+    questions, one yes/no question over a new short text."""
+    docs = [workloads.document(tok, 1000, seed=1000 + i) for i in range(pairs)]
+    first = workloads.questions(8, 4, workloads.ticket_count(docs[0]))
+    again = {
+        f"r{k}": {**q, "instructions": q["instructions"].replace("Which team", "What team, in your view,")}
+        for k, q in first.items()
+    }
+    short = [
+        (f"Order {4100 + i}: I was charged twice for the same order and want my money back.", SHORT)
+        for i in range(5 * pairs)
+    ]
+    return {"document": [(d, first) for d in docs], "again": [(d, again) for d in docs], "short": short}
+
+
+def compare(deps: dict, exact, requests: list[tuple]) -> dict:
+    """Per-call CPU seconds of each side, alternating, and both sides' answers against the exact path."""
+    names = list(deps)
+    seconds = {name: [] for name in names}
+    got: dict = {name: [] for name in names}
+    want = []
+    for i, (state, questions) in enumerate(requests):
+        for name in names if i % 2 == 0 else names[::-1]:
+            _, cpu, out = harness.timed(lambda d=deps[name], s=state, q=questions: d.decide(s, q))
+            seconds[name].append(cpu)
+            if i < 3:
+                got[name].append(out["answers"])
+        if i < 3:
+            want.append(exact.decide(state, questions)["answers"])
+    ratios = sorted(a / b for a, b in zip(*seconds.values()))
+    return {
+        "cpu_ms": {name: round(statistics.median(v) * 1000, 1) for name, v in seconds.items()},
+        "pairs": len(ratios),
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_quartiles": [round(ratios[len(ratios) // 4], 3), round(ratios[3 * len(ratios) // 4], 3)],
+        "vs_float32": {name: answers.compare(answers.flat(want), answers.flat(g)) for name, g in got.items()},
+    }
+
+
+def profile_short(dep, requests: list[tuple]) -> str:
+    """The short question's CPU time by torch operator and by Python function."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for state, questions in requests:
+            dep.decide(state, questions)
+    by_function = cProfile.Profile(time.process_time)
+    by_function.runcall(lambda: [dep.decide(s, q) for s, q in requests])
+    out = io.StringIO()
+    pstats.Stats(by_function, stream=out).sort_stats("cumulative").print_stats(25)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    return f"{table}\n{out.getvalue()}"
+
+
+def flags(parser) -> None:
+    """engine_ab's own flags."""
+    parser.add_argument("--base", required=True, help="the git revision whose blink.py is the reference")
+    parser.add_argument("--pairs", type=int, default=4, help="requests per case for each side (short: 5x)")
+    parser.add_argument("--cases", default="short,document,again")
+    parser.add_argument("--profile", action="store_true", help="print the short question's time by operator")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Both engines on each case; write JSON (engine_ab.json); print one line per case."""
+    run = harness.Run("engine_ab", argv, __doc__, flags)
+    args = run.args
+    pairs = 2 if run.quick else args.pairs
+    dtype = blink.Settings.from_env({}).compute_dtype
+    deps = {args.base: deployment(blink_at(args.base), dtype), "working tree": deployment(blink, dtype)}
+    exact = deployment(blink, "float32")
+    run.probe()
+    requests = cases(deps["working tree"].engine().tok, pairs)
+    rows = {}
+    for case in args.cases.split(","):
+        rows[case] = compare(deps, exact, requests[case])
+        print(f"{case}: {rows[case]}", flush=True)
+    if args.profile:
+        print(profile_short(deps["working tree"], requests["short"][:10]))
+    run.write({"base": args.base, "dtype": dtype, "model": blink.STANDIN_MODEL, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

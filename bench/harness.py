@@ -1,0 +1,248 @@
+"""What every benchmark shares: one Run (its flags, its header, its results file, and whether the machine held steady
+while it ran) and the one clock every timing in bench/ goes through."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import blink
+
+T = TypeVar("T")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# A run whose matmul probe at its end differs from the one at its start by more than this share (of the larger) ran
+# on an unsteady machine: the cores' speed changed part way through (other work, or the clock); its ratios are suspect.
+UNSTEADY_MATMUL_CHANGE = 0.10
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The clock
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], T]) -> tuple[float, float, T]:
+    """(wall s, this process's CPU s, result) of one call."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - t0, time.process_time() - c0, out
+
+
+def best_of(
+    fn: Callable[[], T],
+    reps: int,
+    cost: Callable[[float, float, T], float] = lambda wall, cpu, out: wall,
+    stop_above: float | None = None,
+) -> tuple[float, float, T]:
+    """timed(fn) of the call whose cost (wall seconds unless told) was least among up to `reps` calls; a call whose
+    cost is `stop_above` or more ends the repeats (a long run is measured once)."""
+    best = timed(fn)
+    for _ in range(reps - 1):
+        if stop_above is not None and cost(*best) >= stop_above:
+            break
+        again = timed(fn)
+        best = again if cost(*again) < cost(*best) else best
+    return best
+
+
+class Stopwatch:
+    """Wall seconds since it was made: how long a part of a run took (a measurement is timed() instead)."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def seconds(self) -> float:
+        """Wall seconds since the stopwatch was made."""
+        return time.perf_counter() - self.t0
+
+
+def kernel_seconds(x, weight, reps: int = 3) -> dict[str, float]:
+    """The least wall seconds of x @ weight.T by each kernel BLINK_CPU_MATMUL chooses between, the kernels taking
+    turns after a warm-up call each (blink.interleaved_seconds, as blink measures them)."""
+    import torch
+
+    with torch.inference_mode():
+        rounds = blink.interleaved_seconds(blink.linear_kernels(x, weight), reps, calls=1)
+    return {name: min(seconds) for name, seconds in rounds.items()}
+
+
+def sync(device) -> None:
+    """Wait for queued GPU work, so that a wall time is complete."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The machine
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def matmul_flops(device, n: int = 2048, reps: int = 10) -> float:
+    """Best-of-`reps` FLOP/s of an n x n x n product on the device (float32 on a CPU, bfloat16 on a GPU), by the
+    faster of torch's default kernel and, on a CPU, oneDNN's (which blink runs where it is faster, BLINK_CPU_MATMUL):
+    the practical ceiling."""
+    import torch
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    if device.type == "cpu":
+        return 2 * n**3 / min(kernel_seconds(a, b, reps).values())  # a @ b.T: the same work as a @ b
+
+    def product() -> None:
+        a @ b
+        sync(device)
+
+    product()  # warm-up
+    return 2 * n**3 / best_of(product, reps)[0]
+
+
+def choose_threads(model, device) -> dict:
+    """torch's intra-op threads for "auto": every core, or one when that runs the model faster (timed by two short
+    prefills at each count). Returns what was tried and chosen."""
+    import torch
+
+    if device.type != "cpu":
+        return {"threads": torch.get_num_threads(), "how": "gpu"}
+    ids = torch.randint(10, 1000, (1, 128), device=device)
+    tried = {}
+    for n in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(n)
+        with torch.no_grad():
+            tried[n] = round(best_of(lambda: model.model(input_ids=ids, use_cache=False), 3)[0], 4)
+    best = min(tried, key=tried.get)
+    torch.set_num_threads(best)
+    return {"threads": best, "how": "auto", "probe_s_by_threads": tried}
+
+
+def steadiness(start_gflops: float, end_gflops: float) -> dict:
+    """The matmul probes of a run's start and end, their relative change, and `unsteady` when it is over
+    UNSTEADY_MATMUL_CHANGE."""
+    change = abs(start_gflops - end_gflops) / max(start_gflops, end_gflops)
+    return {
+        "matmul_gflops_start_end": [round(start_gflops, 2), round(end_gflops, 2)],
+        "matmul_change": round(change, 3),
+        "unsteady_threshold": UNSTEADY_MATMUL_CHANGE,
+        "unsteady": change > UNSTEADY_MATMUL_CHANGE,
+    }
+
+
+def load_average() -> list[float]:
+    """The machine's 1, 5 and 15-minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A run and its results file
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def command(name: str, argv: list[str]) -> str:
+    """The command line that runs a benchmark, as typed."""
+    return " ".join(["python -m bench", name, *argv])
+
+
+def write_json(path: str, res: dict) -> str:
+    """res as indented JSON at `path` (its folder made; the file replaced whole, never left half-written)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(res, fh, indent=1, ensure_ascii=False)
+        fh.write("\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def versions() -> dict:
+    """The versions a run's figures depend on (a package that is not installed is left out)."""
+    out = {"python": platform.python_version()}
+    for package in ("torch", "transformers"):
+        try:
+            out[package] = __import__(package).__version__
+        except ImportError:
+            pass
+    return out
+
+
+class Run:
+    """One run of a benchmark: its flags (--quick, --threads, --out and its own), its header (command, hardware, when,
+    for how long, the load and the matmul probes of its start and end), and its results file
+    (bench/results/NAME.json, NAME-quick.json for --quick)."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str] | None,
+        description: str,
+        flags: Callable[[argparse.ArgumentParser], None] | None = None,
+        threads: str = "1",
+    ):
+        parser = argparse.ArgumentParser(
+            prog=f"python -m bench {name}",
+            description=description,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        parser.add_argument("--quick", action="store_true", help="a small version (results in NAME-quick.json)")
+        parser.add_argument("--threads", default=threads, help=f"CPU threads (default {threads}; 0: every core)")
+        parser.add_argument("--out", default=RESULTS, help="folder for the results file (default bench/results)")
+        if flags is not None:
+            flags(parser)
+        self.argv = list(argv or [])
+        self.args = parser.parse_args(self.argv)
+        self.name = name
+        self.quick: bool = self.args.quick
+        self.threads: int | str | dict = int(self.args.threads) if self.args.threads.isdigit() else self.args.threads
+        if isinstance(self.threads, int) and self.threads > 0:
+            import torch
+
+            torch.set_num_threads(self.threads)
+        self.started, self.stopwatch, self.load0 = time.time(), Stopwatch(), load_average()
+        self.probes: list[float] = []
+        self.device = None  # where the probes run: the first probe's device
+        self.written: dict = {}  # the header and results write() wrote
+
+    def probe(self, device=None) -> float:
+        """The machine's matmul GFLOP/s now (matmul_flops; on a CPU unless told): the first call is the run's start,
+        the last its end (write() takes the end when only the start was taken)."""
+        import torch
+
+        self.device = self.device or device or torch.device("cpu")
+        self.probes.append(matmul_flops(self.device) / 1e9)
+        return self.probes[-1]
+
+    @property
+    def matmul_gflops(self) -> float:
+        """The best of the matmul probes so far: the closer to the machine's ceiling."""
+        return max(self.probes)
+
+    def header(self) -> dict:
+        """How the run ran: the command, the hardware and versions, when and for how long, the load average at its
+        start and end, its threads, and (where it probed) the matmul probes and whether the machine held steady."""
+        out = {
+            "command": command(self.name, self.argv),
+            "quick": self.quick,
+            "hardware": blink.hardware(),
+            **versions(),
+            "threads": self.threads,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+            "duration_s": round(self.stopwatch.seconds(), 1),
+            "load_average": {"start": self.load0, "end": load_average()},
+        }
+        if self.probes:
+            out["matmul_gflops"] = round(self.matmul_gflops, 2)
+            out.update(steadiness(self.probes[0], self.probes[-1]))
+        return {**out, "cpu_matmul_verdicts": blink.kernel_verdicts()}
+
+    def write(self, results: dict, stem: str | None = None) -> str:
+        """The header and `results` as bench/results/STEM.json (STEM-quick.json for --quick; STEM: the benchmark's
+        name unless told); its path. What it wrote stays in `written`, for the run's last line. A run that probed its
+        start probes its end here, unless it already has."""
+        if len(self.probes) == 1:
+            self.probe()
+        path = os.path.join(self.args.out, f"{stem or self.name}{'-quick' if self.quick else ''}.json")
+        self.written = {**self.header(), **results}
+        return write_json(path, self.written)

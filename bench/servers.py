@@ -1,0 +1,160 @@
+"""The one way a server is started, for the benchmarks and the tests alike: blink's own app (`python app.py`), a peer's
+server (`transformers serve`, vLLM's), each a process of its own in a process group of its own with its output in a
+log file, waited for until it answers, and stopped with everything it started (vLLM's engine core outlives a server
+stopped alone)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+APP = os.path.join(ROOT, "app.py")
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bench_env(threads: int | None = None) -> dict:
+    """The environment of a server a benchmark starts: this one without BLINK_* variables (blink at its defaults),
+    no hub access, and `threads` CPU threads where given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1", TOKENIZERS_PARALLELISM="false")
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+def app_env(port: int, env: dict | None = None) -> dict:
+    """What blink's app is told on top of its environment: serve on 127.0.0.1:`port`, Gradio's analytics off, and
+    `env` (its BLINK_* variables)."""
+    return {
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "GRADIO_SERVER_NAME": "127.0.0.1",
+        "GRADIO_SERVER_PORT": str(port),
+        **(env or {}),
+    }
+
+
+def start(cmd: list[str], log: str, env: dict) -> subprocess.Popen:
+    """`cmd` started from the repository root with environment `env`, its output to the file `log`, leading a
+    process group of its own (stop() ends it and whatever it started)."""
+    with open(log, "w", encoding="utf-8") as out:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_up(proc: subprocess.Popen, url: str, timeout_s: float) -> str | None:
+    """None once GET url answers below 500; else why not: the process ended (at once), or the time ran out."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"the server exited with status {proc.returncode}"
+        try:
+            if httpx.get(url, timeout=5).status_code < 500:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return f"the server did not answer within {timeout_s:.0f} s"
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a process started by start() and everything in its process group: SIGINT, then SIGKILL."""
+    for sig, wait_s in ((signal.SIGINT, 30), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone already
+            return
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the leader is gone; what it started may not be
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+
+
+def log_tail(log: str, chars: int = 3000) -> str:
+    """The end of a server's log."""
+    with open(log, encoding="utf-8", errors="replace") as fh:
+        return fh.read()[-chars:]
+
+
+@dataclass
+class Server:
+    """A started server: its process, its base url (ending in /), its log file, and why it is not up (None: up, or
+    not waited for yet)."""
+
+    proc: subprocess.Popen
+    url: str
+    log: str
+    down: str | None = None
+
+    def wait(self, health: str = "", timeout_s: float = 600) -> Server:
+        """Wait until GET url + health answers; `down` says why it did not."""
+        self.down = wait_up(self.proc, self.url + health, timeout_s)
+        return self
+
+
+@contextlib.contextmanager
+def started(cmd: list[str], url: str, log: str, env: dict) -> Iterator[Server]:
+    """A server started for the duration, not waited for (start several, then wait for each: they start side by
+    side); stopped with its process group on leaving."""
+    proc = start(cmd, log, env)
+    try:
+        yield Server(proc, url, log)
+    finally:
+        stop(proc)
+
+
+@contextlib.contextmanager
+def running(
+    cmd: list[str], url: str, log: str, env: dict, health: str = "", timeout_s: float = 600
+) -> Iterator[Server]:
+    """A server for the duration, waited for until GET url + health answers (`down` says why it did not)."""
+    with started(cmd, url, log, env) as server:
+        yield server.wait(health, timeout_s)
+
+
+def app_command(python: str = sys.executable, prelude: str | None = None) -> list[str]:
+    """blink's app as a user starts it, `python app.py` (in `python`'s environment); with a `prelude`, that Python
+    run before `import app`, then the app launched (on GRADIO_SERVER_NAME and GRADIO_SERVER_PORT)."""
+    if prelude is None:
+        return [python, APP]
+    return [python, "-c", f"{prelude}\nimport app\napp.launch(quiet=True)\n"]
+
+
+@contextlib.contextmanager
+def app_started(
+    env: dict, log_dir: str, base: dict | None = None, python: str = sys.executable, prelude: str | None = None
+) -> Iterator[Server]:
+    """blink's app (app_command) on a free loopback port for the duration, not waited for, with `env` on top of
+    `base` (default: bench_env())."""
+    port = free_port()
+    environment = {**(bench_env() if base is None else base), **app_env(port, env)}
+    log = os.path.join(log_dir, f"app-{port}.log")
+    with started(app_command(python, prelude), f"http://127.0.0.1:{port}/", log, environment) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def app(
+    env: dict, log_dir: str, base: dict | None = None, python: str = sys.executable, timeout_s: float = 600
+) -> Iterator[Server]:
+    """blink's app as app_started() starts it, waited for until its page answers."""
+    with app_started(env, log_dir, base, python) as server:
+        yield server.wait(timeout_s=timeout_s)
