@@ -1,53 +1,46 @@
-"""Serving past one machine: blink on Ray Serve (adapters/serve.py) on a local cluster of two Ray nodes, one replica
-against two under each routing policy, over HTTP with concurrent clients.
+"""blink's Ray Serve app on a local two-node cluster: one replica against two under each router, over HTTP.
 
-    python bench/serve.py            # documents of ~3,000 tokens (about 20 minutes on a 2-core CPU)
-    python bench/serve.py --quick    # documents of ~400 tokens, fewer of them (a few minutes)
+    python -m bench serve            # documents of ~3,400 tokens (about 30 minutes on a 2-core CPU)
+    python -m bench serve --quick    # documents of ~540 tokens, fewer of them (about 8 minutes)
 
-The cluster: two Ray nodes of one CPU each on this machine (Ray's ray.cluster_utils.Cluster), a replica holding one
-CPU (one torch thread), blink at its defaults (no BLINK_* variable read). Arms, each a fresh deployment of the app
-(replicas start with empty prefix caches), in this order: one replica; two replicas under `pow2` (Serve's default
-router), `prefix_tree` (Ray Serve LLM's PrefixCacheAffinityRouter) and `evidence` (blink's: each document's home by
-rendezvous hashing of its evidence key, the least loaded past BLINK_ROUTE_MAX_LEAD); then `evidence` at other
-thresholds (--leads), on the hot workload only. Workloads, each over documents of its own (no arm sees a document
-another workload of it saw), every request a System One call of two questions:
+The cluster: two Ray nodes of one CPU each on this machine (bench/servers.py ray_serve: Ray's ray.cluster_utils), each
+replica holding one CPU and one torch thread, blink at its defaults (no BLINK_* variable read). The arms (the
+registry's "serve" arms, bench/arms.py), each a fresh deployment of adapters/serve.py's app, so every arm's replicas
+start with empty caches: one replica; two replicas under `pow2` (Serve's default router), `prefix_tree` (Ray Serve
+LLM's PrefixCacheAffinityRouter) and `evidence` (blink's); then `evidence` at other BLINK_ROUTE_MAX_LEAD values
+(--leads), on the re-ask and hot workloads: the measurement behind the default. The workloads, every request a System
+One call of two questions over one document (~3,400 prompt tokens a question; ~540 with --quick), sent by C
+concurrent clients (8; 4 with --quick) over HTTP, each workload over documents no other asks about:
 
-- reask: D documents x Q asks each, interleaved (every document's first ask, then every second ask, ...), from C
-  concurrent clients. Every ask about a document asks questions no other ask asked, so no request repeats another:
-  what a replica can reuse is the document's prefix in its cache, not a whole answer.
-- distinct: D documents asked once each (nothing to reuse: routing can only spread the load).
-- hot: one hot document asked by half the requests (each with new questions), the other half new documents, from C
-  clients: the load fallback at work.
+- reask: D documents x Q asks each (6 x 4; 4 x 3), interleaved (every document's first ask, then every second, ...).
+  Each ask asks questions no other ask asks, so no request repeats another: a replica's answer cache (exact repeats)
+  never answers, and what routing can keep is the document's prefix in a replica's prefix cache.
+- distinct: 2D documents asked once each: nothing to keep, routing can only spread the load.
+- hot: one document asked by every other request (with new questions each time), new documents in between (32
+  requests; 16): the load fallback at work.
 
-Per arm and workload: requests per second (requests over the wall time from the first request sent to the last
-answer), p50 and p99 latency, the cached share of prompt tokens (the answers' cached_tokens over input_tokens), how
-the requests split over the replicas, and each document's replicas. After every arm, the same requests are answered
-in this process by blink at the same settings (decide(), one at a time), and each arm's largest probability gap from
-those answers is reported. Writes bench/results/serve.json (serve-quick.json for --quick); prints the table.
+Per arm and workload: requests per second (the requests over the wall time from the first sent to the last answered),
+p50 and p99 latency, the cached share of prompt tokens (the answers' cached_tokens over their input_tokens), the
+requests each replica answered, and how many of the documents asked more than once more than one replica answered.
+Then, with the cluster gone, every request is answered again in this process by blink at the same defaults (one at a
+time), and each arm's answers are compared with those (bench/answers.py). The targets (issue 31): under `evidence` the
+re-ask workload's cached share within 5 points of one replica's, its req/s at least 1.3x `pow2`'s and 1.2x
+`prefix_tree`'s; on the hot workload a p99 at most 1.2x `pow2`'s.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
-import shutil
-import socket
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-
-import blink  # noqa: E402
-from adapters.serve import RouteSettings  # noqa: E402
+import blink
+from adapters import wire
+from bench import answers, arms, harness, report, servers
 
 APP = "blink"
 WORDS = (
@@ -70,26 +63,26 @@ TOPICS = (
     "an admin leaving",
     "a deadline",
 )
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+CONFIGS = {
+    "full": {"words": 2300, "docs": 6, "asks": 4, "clients": 8, "hot_requests": 32},
+    "quick": {"words": 300, "docs": 4, "asks": 3, "clients": 4, "hot_requests": 16},
+}
+# The workloads' first document numbers: each workload asks about documents of its own.
+FIRST_DOCUMENT = {"reask": 100, "distinct": 200, "hot": 300}
+Request = tuple[int, str, dict]  # (document number, state, questions)
 
 
 def document(n: int, words: int) -> str:
-    """Document n: a support log of `words` words, distinct for every n."""
-    lines, i = [], 0
-    while i < words:
-        lines.append(f"[{n}.{len(lines)}] " + " ".join(WORDS[(n * 13 + i + k) % len(WORDS)] for k in range(24)))
-        i += 24
+    """Document n: a support log of about `words` words, distinct for every n."""
+    lines = [
+        f"[{n}.{i}] " + " ".join(WORDS[(n * 13 + 24 * i + k) % len(WORDS)] for k in range(24))
+        for i in range(-(-words // 24))
+    ]
     return f"Support log {n}\n" + "\n".join(lines)
 
 
 def questions(ask: int) -> dict:
-    """The two questions of ask number `ask` about a document: a yes/no and a three-way choice, worded for this ask
+    """The two questions of ask number `ask` about a document, a yes/no and a three-way choice, worded for that ask
     alone (no two asks send the same questions)."""
     topic, nth = TOPICS[ask % len(TOPICS)], ask // len(TOPICS)
     return {
@@ -102,77 +95,44 @@ def questions(ask: int) -> dict:
     }
 
 
-def reask(first: int, docs: int, asks: int, words: int) -> list[tuple[int, str, dict]]:
-    """(document, state, questions) of `docs` documents x `asks` asks, interleaved."""
-    return [(first + d, document(first + d, words), questions(a)) for a in range(asks) for d in range(docs)]
-
-
-def distinct(first: int, docs: int, words: int) -> list[tuple[int, str, dict]]:
-    """`docs` documents asked once each."""
-    return [(first + d, document(first + d, words), questions(0)) for d in range(docs)]
-
-
-def hot(first: int, requests: int, words: int) -> list[tuple[int, str, dict]]:
-    """`requests` requests, every other one about one hot document (new questions each time), the rest about new
-    documents."""
-    out = []
-    for i in range(requests):
-        n = first if i % 2 == 0 else first + 1 + i // 2
-        out.append((n, document(n, words), questions(i)))
-    return out
-
-
-@contextlib.contextmanager
-def two_nodes() -> Iterator[object]:
-    """A local Ray cluster of two nodes with one CPU each (Ray's ray.cluster_utils.Cluster), this process its driver
-    (the repository shipped as the working directory), Serve's proxy on a free loopback port; yields the app's URL.
-    Everything it started is stopped at the end."""
-    import ray
-    from ray import serve
-    from ray.cluster_utils import Cluster
-
-    temp = tempfile.mkdtemp(prefix="blink-serve-bench-", dir="/tmp")  # Ray's socket paths must fit 107 characters
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ["RAY_memory_monitor_refresh_ms"] = "0"  # other programs must not get this cluster's workers killed
-    nodes = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "gcs_server_port": free_port(), "include_dashboard": False, "temp_dir": temp},
-    )
-    nodes.add_node(num_cpus=1)
-    try:
-        ray.init(
-            address=nodes.address,
-            runtime_env={"working_dir": ROOT, "excludes": [".git", ".venv", ".venv-vllm", "bench/results", "tests"]},
-            logging_level="ERROR",
-            log_to_driver=False,
-        )
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        nodes.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
+def workloads(cfg: dict) -> dict[str, tuple[list[Request], int]]:
+    """Each workload's requests, in the order they are sent, and its clients."""
+    words, docs, asks = cfg["words"], cfg["docs"], cfg["asks"]
+    first = FIRST_DOCUMENT
+    hot = [first["hot"] if i % 2 == 0 else first["hot"] + 1 + i // 2 for i in range(cfg["hot_requests"])]
+    return {
+        "reask": (
+            [
+                (first["reask"] + d, document(first["reask"] + d, words), questions(a))
+                for a in range(asks)
+                for d in range(docs)
+            ],
+            cfg["clients"],
+        ),
+        "distinct": (
+            [(first["distinct"] + d, document(first["distinct"] + d, words), questions(0)) for d in range(2 * docs)],
+            cfg["clients"],
+        ),
+        "hot": ([(n, document(n, words), questions(i)) for i, n in enumerate(hot)], cfg["clients"]),
+    }
 
 
 @contextlib.contextmanager
-def deployed(args: dict, lead: int | None = None) -> Iterator[None]:
-    """The app deployed with `args` (BLINK_ROUTE_MAX_LEAD=`lead` where given), deleted afterwards."""
+def deployed(app_args: dict, lead: int | None = None) -> Iterator[None]:
+    """The Serve app deployed with `app_args` (its router's BLINK_ROUTE_MAX_LEAD = `lead` where given: the app builder
+    reads it here), deleted on leaving."""
     from ray import serve
 
     from adapters import serve as serve_app
 
-    before = os.environ.get("BLINK_ROUTE_MAX_LEAD")
+    before = os.environ.pop("BLINK_ROUTE_MAX_LEAD", None)
     if lead is not None:
         os.environ["BLINK_ROUTE_MAX_LEAD"] = str(lead)
     try:
-        serve.run(serve_app.app(args), name=APP, route_prefix="/")
+        serve.run(serve_app.app(app_args), name=APP, route_prefix="/")
     finally:
-        if before is None:
-            os.environ.pop("BLINK_ROUTE_MAX_LEAD", None)
-        else:
+        os.environ.pop("BLINK_ROUTE_MAX_LEAD", None)
+        if before is not None:
             os.environ["BLINK_ROUTE_MAX_LEAD"] = before
     try:
         yield
@@ -180,48 +140,50 @@ def deployed(args: dict, lead: int | None = None) -> Iterator[None]:
         serve.delete(APP)
 
 
-def ask(client, url: str, state: str, qs: dict) -> dict:
-    """One System One request: its latency and reply (a refusal retried after its Retry-After, as the SDKs do)."""
-    body = {"model": "jev-latest", "state": state, "questions": qs}
-    started = time.perf_counter()
-    while True:
-        reply = client.post(url + "/v1/systemone", json=body, timeout=900)
-        if reply.status_code != 503:
-            break
-        time.sleep(float(reply.headers.get("retry-after", 1)))
+def ask(client, url: str, request: Request) -> tuple[float, dict]:
+    """One System One request: (seconds to its answer, the reply). A 503 is asked again after its Retry-After, as the
+    SDKs do; any other refusal stops the run."""
+    body = {"model": "jev-latest", "state": request[1], "questions": request[2]}
+
+    def answered():
+        while True:
+            reply = client.post(url + "/v1/systemone", json=body, timeout=1800)
+            if reply.status_code != 503:
+                return reply
+            time.sleep(float(reply.headers.get("retry-after", 1)))  # as long as the server asks
+
+    seconds, _, reply = harness.timed(answered)
     if reply.status_code != 200:
-        raise RuntimeError(f"{reply.status_code}: {reply.text[:300]}")
-    return {"seconds": time.perf_counter() - started, "reply": reply.json()}
+        raise SystemExit(f"the Serve app refused a request: {reply.status_code} {reply.text[:300]}")
+    return seconds, reply.json()
 
 
-def drive(url: str, requests: list[tuple[int, str, dict]], clients: int) -> dict:
-    """Every request, in order, taken by `clients` concurrent clients; returns the replies and the wall time."""
+def drive(url: str, requests: list[Request], clients: int) -> dict:
+    """Every request, taken in order by `clients` concurrent clients: the wall time and each (seconds, reply)."""
     import httpx
 
     with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(clients) as pool:
-        started = time.perf_counter()
-        done = list(pool.map(lambda r: ask(client, url, r[1], r[2]), requests))
-        wall = time.perf_counter() - started
+        wall, _, done = harness.timed(lambda: list(pool.map(lambda r: ask(client, url, r), requests)))
     return {"wall_s": wall, "done": done}
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) of the values, interpolated."""
-    ordered = sorted(values)
-    return statistics.quantiles(ordered, n=100, method="inclusive")[int(q) - 1] if len(ordered) > 1 else ordered[0]
+def percentile(values: list[float], q: int) -> float:
+    """The q-th percentile (1-99) of the values, interpolated between the nearest two."""
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
 
 
-def summary(requests: list[tuple[int, str, dict]], run: dict) -> dict:
-    """Requests per second, latency, cached share, the split over replicas and how many documents more than one
-    replica answered."""
-    metas = [d["reply"]["x_meta"] for d in run["done"]]
-    seconds = [d["seconds"] for d in run["done"]]
-    by_doc: dict[int, set] = {}
+def row(workload: str, arm: str, requests: list[Request], run: dict) -> dict:
+    """One arm on one workload: req/s, latency, cached share, the requests per replica and the documents split."""
+    metas = [reply["x_meta"] for _, reply in run["done"]]
+    seconds = [s for s, _ in run["done"]]
+    replicas_of: dict[int, set] = {}
     for (doc, _, _), meta in zip(requests, metas):
-        by_doc.setdefault(doc, set()).add(meta["replica"])
+        replicas_of.setdefault(doc, set()).add(meta["replica"])
+    again = [doc for doc in replicas_of if sum(r[0] == doc for r in requests) > 1]
     replicas = sorted({m["replica"] for m in metas})
-    asked_often = [doc for doc in by_doc if sum(r[0] == doc for r in requests) > 1]
     return {
+        "workload": workload,
+        "arm": arm,
         "requests": len(requests),
         "wall_s": round(run["wall_s"], 2),
         "req_per_s": round(len(requests) / run["wall_s"], 3),
@@ -230,130 +192,97 @@ def summary(requests: list[tuple[int, str, dict]], run: dict) -> dict:
         "cached_share": round(
             sum(m.get("cached_tokens") or 0 for m in metas) / sum(m["input_tokens"] for m in metas), 4
         ),
-        "by_replica": [sum(m["replica"] == r for m in metas) for r in replicas],
-        "documents_split": sum(len(by_doc[doc]) > 1 for doc in asked_often),
-        "documents_asked_again": len(asked_often),
+        "by_replica": sorted((sum(m["replica"] == r for m in metas) for r in replicas), reverse=True),
+        "documents_split": sum(len(replicas_of[doc]) > 1 for doc in again),
+        "documents_asked_again": len(again),
     }
 
 
-def probabilities(reply: dict) -> dict[str, list[float]]:
-    """Each answer's probabilities, by question (noul: p(yes))."""
-    out = {}
-    for key, answer in reply["answers"].items():
-        out[key] = [answer["noul"]] if "noul" in answer else list(answer["probabilities"].values())
-    return out
-
-
-def largest_gap(replies: list[dict], references: list[dict]) -> float:
-    """The largest probability difference between the replies and the in-process answers to the same requests."""
-    gap = 0.0
-    for reply, want in zip(replies, references):
-        for key, got in probabilities(reply).items():
-            gap = max(gap, *(abs(a - b) for a, b in zip(got, want[key])))
-    return gap
-
-
-def in_process(requests: list[tuple[int, str, dict]]) -> list[dict]:
-    """The same requests answered in this process, one at a time, by blink at its defaults, shaped as System One
-    answers (probabilities by question)."""
-    from adapters import wire
-
+def in_process(requests: list[Request]) -> list[dict]:
+    """The same requests answered one at a time in this process by blink at its defaults, shaped as System One
+    answers."""
     deployment = blink.Deployment(blink.Settings.from_env({}))
     out = []
     for _, state, qs in requests:
         call = wire.systemone_call({"model": "jev-latest", "state": state, "questions": qs}, {}, deployment)
-        out.append(probabilities(wire.systemone_response(call, deployment.decide(state, qs))))
+        out.append(wire.systemone_response(call, deployment.decide(state, qs))["answers"])
     return out
 
 
-ARMS = (
-    ("one replica", {"replicas": 1}),
-    ("pow2", {"replicas": 2, "routing": "pow2"}),
-    ("prefix_tree", {"replicas": 2, "routing": "prefix_tree"}),
-    ("evidence", {"replicas": 2, "routing": "evidence"}),
-)
-
-
-def table(results: dict) -> list[str]:
-    """The markdown table: per workload and arm, req/s, latency, cached share, split and gap."""
-    lines = [
-        "| workload | arm | req/s | p50 s | p99 s | cached share | requests per replica | documents split | gap |",
-        "|---|---|---|---|---|---|---|---|---|",
+def targets(rows: list[dict]) -> list[dict]:
+    """Issue 31's targets, with the measured values."""
+    at = {(r["workload"], r["arm"]): r for r in rows}
+    reask = {arm: at[("reask", arm)] for arm in ("one_replica", "pow2", "prefix_tree", "evidence")}
+    gap = reask["one_replica"]["cached_share"] - reask["evidence"]["cached_share"]
+    out = [
+        {"target": "re-ask cached share within 5 points of one replica's", "value": round(gap, 4), "met": gap <= 0.05},
     ]
-    for workload, arms in results["workloads"].items():
-        for arm, row in arms.items():
-            split = f"{row['documents_split']}/{row['documents_asked_again']}" if row["documents_asked_again"] else "-"
-            lines.append(
-                f"| {workload} | {arm} | {row['req_per_s']:.3f} | {row['p50_s']:.2f} | {row['p99_s']:.2f} | "
-                f"{row['cached_share']:.1%} | {'/'.join(map(str, row['by_replica']))} | {split} | "
-                f"{row['largest_gap']:.1e} |"
-            )
-    return lines
+    for peer, times in (("pow2", 1.3), ("prefix_tree", 1.2)):
+        ratio = reask["evidence"]["req_per_s"] / reask[peer]["req_per_s"]
+        out.append(
+            {"target": f"re-ask req/s at least {times}x {peer}'s", "value": round(ratio, 3), "met": ratio >= times}
+        )
+    ratio = at[("hot", "evidence")]["p99_s"] / at[("hot", "pow2")]["p99_s"]
+    out.append({"target": "hot p99 at most 1.2x pow2's", "value": round(ratio, 3), "met": ratio <= 1.2})
+    return out
+
+
+def flags(ap) -> None:
+    """serve's own flags."""
+    ap.add_argument(
+        "--leads", default="0,2,4,16", help="BLINK_ROUTE_MAX_LEAD values for re-ask and hot (the default's skipped)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the arms over the workloads on a local two-node cluster, print the table, write the results."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short documents, fewer of them")
-    parser.add_argument(
-        "--leads", default="0,2,4,8,16", help="BLINK_ROUTE_MAX_LEAD values for the hot workload (the default's skipped)"
-    )
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = parser.parse_args(argv)
-    words, docs, asks, clients, hot_requests = (300, 4, 3, 4, 16) if args.quick else (2300, 6, 4, 4, 32)
-    workloads = {
-        "reask": (reask(100, docs, asks, words), clients),
-        "distinct": (distinct(200, 2 * docs, words), clients),
-        "hot": (hot(300, hot_requests, words), 2 * clients),
-    }
+    """Run the arms over the workloads on a local two-node cluster, print the tables, write bench/results/serve.json."""
+    run = harness.Run("serve", argv, __doc__, flags)
+    cfg = CONFIGS["quick" if run.quick else "full"]
+    from adapters.serve import RouteSettings
+
     default_lead = RouteSettings().max_lead
-    leads = [int(x) for x in args.leads.split(",") if x.strip() and int(x) != default_lead]
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    for name in [k for k in os.environ if k.startswith("BLINK_")]:  # blink at its defaults, in every process
+    leads = [int(x) for x in run.args.leads.split(",") if x.strip() and int(x) != default_lead]
+    for name in [k for k in os.environ if k.startswith("BLINK_")]:  # blink at its defaults in every process
         del os.environ[name]
-    started = time.time()
-    runs: dict[str, dict[str, tuple[list, dict]]] = {}
-    with two_nodes() as url:
-        for arm, app_args in ARMS + tuple(
-            (f"evidence, lead {n}", {"replicas": 2, "routing": "evidence"}) for n in leads
-        ):
-            lead = int(arm.rsplit(" ", 1)[1]) if arm.startswith("evidence, lead") else None
-            chosen = workloads if lead is None else {"hot": workloads["hot"]}
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    work = workloads(cfg)
+    registry = arms.of("serve")
+    plan = [(name, arm.app_args, None, list(work)) for name, arm in registry.items() if name != "evidence_lead"]
+    plan += [("evidence_lead", registry["evidence_lead"].app_args, lead, ["reask", "hot"]) for lead in leads]
+    run.probe()
+    runs = []
+    with servers.ray_serve(nodes=2, cpus=1) as url:
+        for name, app_args, lead, names in plan:
             with deployed(app_args, lead):
-                for name, (requests, n_clients) in chosen.items():
-                    runs.setdefault(name, {})[arm] = (requests, drive(url, requests, n_clients))
-                    print(f"{name:9} {arm:20} {runs[name][arm][1]['wall_s']:.1f} s", flush=True)
-    references = {name: in_process(requests) for name, (requests, _) in workloads.items()}
-    results = {
-        "command": "python bench/serve.py" + (" --quick" if args.quick else "") + f" --leads {args.leads}",
-        "hardware": blink.hardware(),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-        "duration_s": round(time.time() - started, 1),
-        "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        "cluster": "two Ray nodes of one CPU each on this machine (ray.cluster_utils.Cluster); one replica per CPU",
-        "documents": {"words": words, "reask": [docs, asks], "distinct": 2 * docs, "hot_requests": hot_requests},
-        "clients": {name: n for name, (_, n) in workloads.items()},
-        "default_lead": default_lead,
-        "dtype": next(iter(next(iter(runs.values())).values()))[1]["done"][0]["reply"]["x_meta"].get("dtype"),
-        "workloads": {
-            name: {
-                arm: {
-                    **summary(requests, run),
-                    "largest_gap": largest_gap([d["reply"] for d in run["done"]], references[name]),
-                }
-                for arm, (requests, run) in arms.items()
+                for workload in names:
+                    requests, clients = work[workload]
+                    runs.append((workload, name, lead, requests, drive(url, requests, clients)))
+                    print(
+                        f"{workload:9} {name} {'' if lead is None else lead} {runs[-1][4]['wall_s']:.1f} s", flush=True
+                    )
+    reference = {name: answers.flat(in_process(requests)) for name, (requests, _) in work.items()}
+    rows = []
+    for workload, name, lead, requests, done in runs:
+        rows.append(
+            {
+                **row(workload, name, requests, done),
+                **({} if lead is None else {"lead": lead}),
+                "vs_in_process": answers.compare(
+                    reference[workload], answers.flat([reply["answers"] for _, reply in done["done"]])
+                ),
             }
-            for name, arms in runs.items()
-        },
+        )
+    first = runs[0][4]["done"][0][1]["x_meta"]
+    result = {
+        "model": first["model"],
+        "dtype": first.get("dtype"),
+        "cluster": "two Ray nodes of one CPU each on this machine (ray.cluster_utils), one replica per node's CPU",
+        "config": cfg,
+        "default_lead": default_lead,
+        "rows": rows,
+        "targets": targets(rows),
     }
-    path = os.path.join(args.out, f"serve{'-quick' if args.quick else ''}.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(results, fh, indent=1)
-        fh.write("\n")
-    print("\n".join(table(results)))
-    print(f"wrote {path}")
+    path = run.write(result)
+    print("\n".join(report.serve_report(run.written)))
+    print(report.serve_summary(run.written, path))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,15 +8,12 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import shutil
-import tempfile
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
-from conftest import ROOT, free_port
+from conftest import ROOT
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai import AuthenticationError, OpenAI
@@ -24,6 +21,7 @@ from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeAuthenticatio
 
 import blink
 from adapters import http, wire
+from bench import servers
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -101,83 +99,13 @@ def poll(check, timeout_s: float, every_s: float = 0.25):
     return value
 
 
-@contextmanager
-def environ(values: dict):
-    """os.environ with `values` for the duration (a Ray node inherits the environment it is started in)."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def ray_processes(cluster) -> list:
-    """Every process of the cluster's nodes and their children (workers, replicas), as psutil processes."""
-    import psutil
-
-    found = []
-    for node in cluster.list_all_nodes():
-        for infos in node.all_processes.values():
-            for proc_info in infos:
-                try:
-                    proc = psutil.Process(proc_info.process.pid)
-                    found += [proc, *proc.children(recursive=True)]
-                except psutil.NoSuchProcess:
-                    pass
-    return found
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    """Two Ray nodes of one CPU each on this machine (Ray's own cluster_utils), Serve on them with the app (one
-    replica to start), its HTTP proxy on a free loopback port; yields the app's URL. Afterwards every process the
-    cluster started is gone (checked)."""
-    from ray.cluster_utils import Cluster
-
-    temp = tempfile.mkdtemp(prefix="blink-serve-", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
-    # Ray's memory monitor off: other programs on a shared machine must not get this cluster's workers killed
-    with environ({"RAY_memory_monitor_refresh_ms": "0", "RAY_USAGE_STATS_ENABLED": "0"}):
-        nodes = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 1,
-                "gcs_server_port": free_port(),
-                "include_dashboard": False,
-                "temp_dir": temp,
-            },
-        )
-        nodes.add_node(num_cpus=1)
-    processes = ray_processes(nodes)
-    try:
-        ray.init(
-            address=nodes.address,
-            runtime_env={
-                "working_dir": ROOT,
-                "excludes": [".git", ".venv", ".venv-vllm", "bench/results", "tests/data", "*.pyc"],
-                "env_vars": CLUSTER_ENV,
-            },
-            logging_level="ERROR",
-            log_to_driver=False,
-        )
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+    """Two Ray nodes of one CPU each on this machine, Serve on them with the app (one replica to start): the bench's
+    servers.ray_serve, which checks on leaving that every process of the cluster is gone; yields the app's URL."""
+    with servers.ray_serve(CLUSTER_ENV, nodes=2, cpus=1) as url:
         serve.run(serve_app.app(ARGS), name=APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        nodes.shutdown()
-        processes += [p for p in ray_processes(nodes) if p not in processes]
-        shutil.rmtree(temp, ignore_errors=True)
-        assert poll(lambda: not [p for p in processes if p.is_running() and p.status() != "zombie"], 60, 0.5), [
-            p.cmdline()[:2] for p in processes if p.is_running()
-        ]
+        yield url
 
 
 def answer_of(response: httpx.Response) -> dict:
@@ -400,7 +328,7 @@ def test_a_request_goes_home_until_home_leads_the_least_loaded_by_more_than_the_
     assert serve_app.pick(None, {"r2": 1, "r1": 0, "r3": 0}, 5) == "r1"  # no key: the least loaded
 
 
-def test_the_app_arguments_are_read_and_refused_by_name():
+def test_the_app_arguments_are_read_and_refused_by_name(monkeypatch):
     args = serve_app.AppArgs.read({"min_replicas": "1", "max_replicas": 3, "autoscaling": {"upscale_delay_s": 0}})
     assert args.autoscaling_config() == {"upscale_delay_s": 0, "min_replicas": 1, "max_replicas": 3}
     assert serve_app.AppArgs.read({"replicas": "2"}).autoscaling_config() is None
@@ -416,9 +344,9 @@ def test_the_app_arguments_are_read_and_refused_by_name():
         with pytest.raises(blink.BlinkError) as refused:
             serve_app.AppArgs.read(bad)
         assert str(refused.value).startswith(message), (bad, str(refused.value))
+    monkeypatch.setenv("BLINK_ROUTE_MAX_LEAD", "-1")
     with pytest.raises(SystemExit, match="^blink: BLINK_ROUTE_MAX_LEAD must be a whole number of at least 0"):
-        with environ({"BLINK_ROUTE_MAX_LEAD": "-1"}):
-            serve_app.app({})
+        serve_app.app({})
 
 
 def test_the_config_file_is_serves_and_builds_the_app():
