@@ -6,13 +6,15 @@
 The cluster: two Ray nodes of one CPU each on this machine (bench/servers.py ray_serve: Ray's ray.cluster_utils), each
 replica holding one CPU and one torch thread, blink at its defaults (no BLINK_* variable read). The arms (the
 registry's "serve" arms, bench/arms.py), each a fresh deployment of adapters/serve.py's app, so every arm's replicas
-start with empty caches: one replica; two replicas under `pow2` (Serve's default router), `prefix_tree` (Ray Serve
-LLM's PrefixCacheAffinityRouter) and `evidence` (blink's); then `evidence` at other BLINK_ROUTE_MAX_LEAD values
-(--leads), on the re-ask and hot workloads: the measurement behind the default. The workloads, every request a System
-One call of two questions over one document (~3,400 prompt tokens a question; ~540 with --quick), sent by C
-concurrent clients (8; 4 with --quick) over HTTP, each workload over documents no other asks about:
+start with empty caches (each replica first answers a warm-up request about a document of its own, so no workload
+times a fresh process's first forwards): one replica; two replicas under `pow2` (Serve's default router),
+`prefix_tree` (Ray Serve LLM's PrefixCacheAffinityRouter) and `evidence` (blink's); then `evidence` at other
+BLINK_ROUTE_MAX_LEAD values (--leads), on the re-ask and hot workloads: the measurement behind the default. The
+workloads, every request a System One call of two questions over one document (~3,400 prompt tokens a question; ~540
+with --quick), sent by C concurrent clients (8; 4 with --quick) over HTTP, each workload over documents no other
+asks about:
 
-- reask: D documents x Q asks each (6 x 4; 4 x 3), interleaved (every document's first ask, then every second, ...).
+- reask: D documents x Q asks each (8 x 4; 4 x 3), interleaved (every document's first ask, then every second, ...).
   Each ask asks questions no other ask asks, so no request repeats another: a replica's answer cache (exact repeats)
   never answers, and what routing can keep is the document's prefix in a replica's prefix cache.
 - distinct: 2D documents asked once each: nothing to keep, routing can only spread the load.
@@ -64,11 +66,12 @@ TOPICS = (
     "a deadline",
 )
 CONFIGS = {
-    "full": {"words": 2300, "docs": 6, "asks": 4, "clients": 8, "hot_requests": 32},
+    "full": {"words": 2300, "docs": 8, "asks": 4, "clients": 8, "hot_requests": 32},
     "quick": {"words": 300, "docs": 4, "asks": 3, "clients": 4, "hot_requests": 16},
 }
-# The workloads' first document numbers: each workload asks about documents of its own.
+# The workloads' first document numbers: each workload asks about documents of its own, the warm-up about others.
 FIRST_DOCUMENT = {"reask": 100, "distinct": 200, "hot": 300}
+WARM_UP = 900
 Request = tuple[int, str, dict]  # (document number, state, questions)
 
 
@@ -156,6 +159,20 @@ def ask(client, url: str, request: Request) -> tuple[float, dict]:
     if reply.status_code != 200:
         raise SystemExit(f"the Serve app refused a request: {reply.status_code} {reply.text[:300]}")
     return seconds, reply.json()
+
+
+def warm_up(url: str, replicas: int, words: int) -> int:
+    """Ask about documents no workload asks about, one at a time, until each of the app's replicas has answered one
+    (a fresh process's first forwards set up its kernels and memory); the requests it took."""
+    import httpx
+
+    with httpx.Client() as client:
+        for n in range(1, 8 * replicas + 1):
+            ask(client, url, (WARM_UP + n, document(WARM_UP + n, words), questions(0)))
+            rows = client.get(url + "/info", timeout=60).json()["replicas"]
+            if sum(r["live"] and r["answered"] > 0 for r in rows) == replicas:
+                return n
+    raise SystemExit(f"the app's {replicas} replicas did not all answer {8 * replicas} warm-up requests")
 
 
 def drive(url: str, requests: list[Request], clients: int) -> dict:
@@ -254,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     with servers.ray_serve(nodes=2, cpus=1) as url:
         for name, app_args, lead, names in plan:
             with deployed(app_args, lead):
+                warm_up(url, app_args["replicas"], cfg["words"])
                 for workload in names:
                     requests, clients = work[workload]
                     runs.append((workload, name, lead, requests, drive(url, requests, clients)))
