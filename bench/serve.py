@@ -246,6 +246,7 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def flags(ap) -> None:
     """serve's own flags."""
+    ap.add_argument("--clients", type=int, default=None, help="concurrent clients of every workload (8; quick 4)")
     ap.add_argument(
         "--leads", default="0,2,4,16", help="BLINK_ROUTE_MAX_LEAD values for re-ask and hot (the default's skipped)"
     )
@@ -254,7 +255,7 @@ def flags(ap) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the arms over the workloads on a local two-node cluster, print the tables, write bench/results/serve.json."""
     run = harness.Run("serve", argv, __doc__, flags)
-    cfg = CONFIGS["quick" if run.quick else "full"]
+    cfg = {**CONFIGS["quick" if run.quick else "full"], **({"clients": run.args.clients} if run.args.clients else {})}
     from adapters.serve import RouteSettings
 
     default_lead = RouteSettings().max_lead
