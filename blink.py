@@ -388,7 +388,7 @@ class Settings:
         return self.dtype or default_dtype(self.gpu, self.cpu_bf16)
 
     def derived_defaults(self) -> dict:
-        """The defaults that depend on the hardware and dtype (each measured by a bench/ command, see README):
+        """Defaults that depend on the hardware and dtype (each measured by a bench/ command, docs/configuration.md):
         shared prefixes on in float32 and bfloat16 (PREFIX_DEFAULT_DTYPES); 4,096 padded tokens per forward on a
         CPU (bench/budget.py: no slower than 32,768 there, and it holds less memory), 32,768 on a GPU; 8,192 prefix
         copies x length at once on a CPU (bench/budget.py: as fast as 131,072 there, with far less memory held),

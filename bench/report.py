@@ -129,6 +129,36 @@ def decision_table(res: dict) -> list[str]:
     return lines
 
 
+def glance_peers(res: dict) -> list[tuple[str, str]]:
+    """The peers of the at-a-glance table, in its order, with their column titles: the pipeline at blink's own dtype
+    and blink on vLLM first (the same dtype on both sides), then the pipeline as from_pretrained loads the checkpoint,
+    then llama.cpp with its prefix reuse (its own 4-bit file); only those the run has."""
+    ran = next(iter(res["decision"].values()))
+    same = f"pipeline_{res['dtype']}"
+    titles = {
+        same: f"vs pipeline, {res['dtype']} (same dtype)",
+        "blink_vllm": "vs blink on vLLM (same dtype)",
+        "pipeline": "vs pipeline as loaded (checkpoint dtype)"
+        if f"vs_{same}" in ran
+        else f"vs pipeline, {res['dtype']} (same dtype)",
+        "llama.cpp_reuse": "vs llama.cpp, Q4_1, prefix reuse",
+    }
+    return [(peer, title) for peer, title in titles.items() if f"vs_{peer}" in ran]
+
+
+def glance_table(res: dict) -> list[str]:
+    """The decision cases at a glance: blink's time per request and how many times faster it answered than each main
+    peer (wall clock; decision_table has every peer, CPU time and the picks)."""
+    peers = glance_peers(res)
+    head = "| case | blink (s) | " + " | ".join(title for _, title in peers) + " |"
+    lines = [head, "|" + "---|" * (len(peers) + 2)]
+    for case, row in res["decision"].items():
+        blink_s = row["arms"]["blink"]["total_wall_s"] / len(row["arms"]["blink"]["wall_s"])
+        ratios = " | ".join(f"{row['vs_' + peer]['wall']:.2f}x" for peer, _ in peers)
+        lines.append(f"| {CASE_NAMES[case]} | {blink_s:.2f} | {ratios} |")
+    return lines
+
+
 def unbatched(row: dict) -> str:
     """How many of a case's blink answers picked otherwise than the unbatched path, of how many (a file written
     before the one answer comparison names the two counts differ and compared)."""
@@ -197,6 +227,11 @@ def run_report(res: dict) -> list[str]:
     parts = [head, "", steadiness_line(res), "", *targets_list(res)]
     if res.get("decision"):  # runs before the decision peers existed have none
         parts += [
+            "",
+            "At a glance (blink's time per request, the mean of the repetitions, and how many times faster it "
+            "answered than each peer, wall clock; the peers at blink's own dtype first):",
+            "",
+            *glance_table(res),
             "",
             'Against transformers\' pipeline("decision"), time per request (mean of the repetitions; '
             "ratios > 1: blink faster; `pipeline` runs its own built-in prompt, `pipeline_export` blink's "

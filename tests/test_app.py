@@ -627,7 +627,7 @@ def test_gpu_reservation_fits_the_work(launched):
     app, _ = launched
     eng = app.DEPLOYMENT.engine()
     key = eng.live.key  # the served live model, whose settings cap the reservation
-    # README: "10 + 1 per 5,000 prompt tokens", at most BLINK_GPU_DURATION
+    # docs/security.md: "10 + 1 per 5,000 prompt tokens", at most BLINK_GPU_DURATION
     small = blink._gpu_seconds(key, [[1] * 200] * 4, [[1, 2]] * 4)  # 800 tokens: 10 + 1
     middle = blink._gpu_seconds(key, [[1] * 5_000] * 4, [[1, 2]] * 4)  # 20,000 tokens: 10 + 4
     large = blink._gpu_seconds(key, [[1] * 100_000] * 8, [[1, 2]] * 8)  # 800,000 tokens: 10 + 160, capped

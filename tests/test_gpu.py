@@ -1,6 +1,6 @@
 """GPU checks: the torch engine on a CUDA device against the CPU's exact path (float32), on the tiny Qwen3.5 text
 and vision models. Skipped where torch sees no CUDA device, as in CI; run by hand on a GPU with
-`python -m pytest -q tests/test_gpu.py` (README, *GPU*, says where and when it last ran)."""
+`python -m pytest -q tests/test_gpu.py` (docs/testing.md, *On a GPU*, says where and when it last ran)."""
 
 from __future__ import annotations
 

@@ -83,9 +83,9 @@ FIELDS = [
 ]
 
 
-# What blink takes at each place (README, "Request format"), of the hostile values above; any other value there is
-# refused with its location. A value past JSON's limits (a 4001-digit integer, an unpaired surrogate, nesting deeper
-# than 64) is refused wherever it stands.
+# What blink takes at each place (docs/page.md, "The questions format"), of the hostile values above; any other value
+# there is refused with its location. A value past JSON's limits (a 4001-digit integer, an unpaired surrogate, nesting
+# deeper than 64) is refused wherever it stands.
 UNREADABLE = {"4001 digits", "surrogate", "inner surrogate", "deep list", "deep object"}
 ANY = set(HOSTILE) - UNREADABLE
 NUMBERS = {"true", "zero", "negative", "2**70", "nan", "inf", "-inf"}  # a bool, or a number

@@ -1,5 +1,6 @@
-"""The README documents every setting blink.py and app.py read, with the defaults the code has, so the docs cannot
-drift from the code."""
+"""README.md and docs/ document every setting blink.py and app.py read, with the defaults the code has, so the docs
+cannot drift from the code; their client examples run against the launched app; README's speed figures are what
+bench/report.py prints; and every docs/ page is reachable from README's index."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTING = re.compile(r"[\"'](BLINK_[A-Z][A-Z0-9_]*)[\"']")  # a quoted name: each is an environment variable
 # Read in Settings.from_env itself rather than from a field of their own.
 FROM_ENV_ONLY = {"BLINK_MOCK", "BLINK_MODEL", "BLINK_MODELS", "BLINK_REVISION"}
+CONFIGURATION = "docs/configuration.md"  # the Environment variables table
+SECURITY = "docs/security.md"  # the limits tables
+TICKET = "Our card was charged twice for March and now nobody on the team can log in."  # README's examples ask this
 
 
 def source(name: str) -> str:
@@ -58,19 +62,20 @@ def variables_read() -> set[str]:
     )
 
 
-def section(title: str) -> str:
-    """One "## " section of the README."""
-    return source("README.md").split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+def section(title: str, name: str = "README.md") -> str:
+    """One "## " section of a markdown file of the project (README.md unless named)."""
+    return source(name).split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
 def limits_rows() -> list[str]:
-    """The table rows of the README's "Security and limits" section."""
-    return [line for line in section("Security and limits").splitlines() if line.startswith("|")]
+    """The table rows of the "Limits" section of docs/security.md (the request limits and the image limits)."""
+    return [line for line in section("Limits", SECURITY).splitlines() if line.startswith("|")]
 
 
 def variable_rows() -> list[list[str]]:
-    """The cells of each row of the README's "Environment variables" table (header and rule left out)."""
-    lines = [line for line in section("Environment variables").splitlines() if line.startswith("|")][2:]
+    """The cells of each row of the "Environment variables" table of docs/configuration.md (header and rule left
+    out)."""
+    lines = [line for line in section("Environment variables", CONFIGURATION).splitlines() if line.startswith("|")][2:]
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
 
 
@@ -128,7 +133,7 @@ def test_each_variable_sets_its_field():
 
 def test_every_setting_the_code_reads_is_documented():
     read = variables_read()
-    documented = set(re.findall(r"`(BLINK_[A-Z0-9_]+)`", source("README.md")))
+    documented = set(re.findall(r"`(BLINK_[A-Z0-9_]+)`", source(CONFIGURATION)))
     assert len(read) >= 30
     assert sorted(read - documented) == []
     in_table = {name for cells in variable_rows() for name in re.findall(r"`(BLINK_[A-Z0-9_]+)`", cells[0])}
@@ -202,7 +207,7 @@ def test_the_variables_table_shows_the_defaults_of_the_code():
     checked = set()
     for names_cell, default_cell, *_ in variable_rows():
         names = re.findall(r"`(BLINK_[A-Z0-9_]+)`", names_cell)
-        if default_cell == "see below":  # the limits tables state these (test above)
+        if default_cell == "see [security.md](security.md)":  # the limits tables state these (test above)
             assert all(any(f"`{name}`" in row for row in limits_rows()) for name in names), names
             checked.update(names)
             continue
@@ -232,34 +237,39 @@ def test_the_variables_table_shows_the_defaults_of_the_code():
     assert blink.Settings.from_env({}, gpu=False).default_model == blink.STANDIN_MODEL
 
 
-def code_blocks(title: str) -> list[tuple[str, str]]:
-    """The fenced code blocks of one README section: (language, code)."""
-    return re.findall(r"```(\w+)\n(.*?)```", section(title), re.S)
+def code_blocks(title: str, name: str = "README.md") -> list[tuple[str, str]]:
+    """The fenced code blocks of one section of a markdown file: (language, code)."""
+    return re.findall(r"```(\w+)\n(.*?)```", section(title, name), re.S)
 
 
-def test_the_wire_examples_run_against_the_launched_app(launched, tmp_path):
-    """Every curl, typesafe-sdk, openai and MCP example of the wire section, run as written against the launched
-    app (on the mock engine, standing in for a model that reads images), prints answers."""
+def run_example(lang: str, code: str, url: str, cwd) -> str:
+    """Run one documented example as written, against the launched app at `url` rather than the documented
+    http://127.0.0.1:7860; its stdout (it must exit 0)."""
     import subprocess
     import sys
 
+    code = code.replace("http://127.0.0.1:7860", url.rstrip("/"))
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    command = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (code, done.stdout, done.stderr)
+    return done.stdout
+
+
+def test_the_wire_examples_run_against_the_launched_app(launched, tmp_path):
+    """Every curl, typesafe-sdk and openai example of docs/wire.md, run as written against the launched app (on the
+    mock engine, standing in for a model that reads images), prints the answers the served engine gives the same
+    request in process."""
     from conftest import serving
 
     app, url = launched
-    blocks = code_blocks("System One and OpenAI Decisions clients")
-    assert [lang for lang, _ in blocks] == ["bash", "python", "python", "python", "bash"]
+    blocks = code_blocks("Routes and clients", "docs/wire.md")
+    assert [lang for lang, _ in blocks] == ["bash", "python", "python", "bash"]
     reader = blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)
     reader.reads_images = True
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
-    outputs = []
     with serving(app, reader):
-        for lang, code in blocks:
-            code = code.replace("http://127.0.0.1:7860", url.rstrip("/"))
-            command = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
-            done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-            assert done.returncode == 0, (code, done.stdout, done.stderr)
-            out = done.stdout
-            outputs.append(out)
+        outputs = [run_example(lang, code, url, tmp_path) for lang, code in blocks]
+        for lang, out in zip([lang for lang, _ in blocks], outputs):
             if lang == "bash":  # curl prints the System One response
                 answers = json.loads(out)["answers"]
                 assert answers and all("type" in a for a in answers.values()), out
@@ -321,34 +331,67 @@ def test_the_wire_examples_run_against_the_launched_app(launched, tmp_path):
             f"queue choice None {want['answers']['queue']['choice']}",
             "urgency score None None",
         ]
-        tools, result = outputs[3].splitlines()  # MCP: the tools, then decide's result as JSON
-        assert tools == "['decide', 'decide_batch', 'info']"
-        want = app.DEPLOYMENT.decide("I was charged twice.", {"refund": {"type": "noul"}})
-        assert json.loads(result)["answers"] == want["answers"]
 
 
-def test_the_gradio_client_example_runs_against_the_launched_app(launched, tmp_path):
-    """The API section's gradio_client example, run as written against the launched app (the live stand-in), prints
-    the answers the app's deployment gives the same request in process."""
-    import subprocess
-    import sys
-
+def test_the_api_examples_run_against_the_launched_app(launched, tmp_path):
+    """docs/api.md's gradio_client example, run as written against the launched app (the live stand-in), prints the
+    answers the app's deployment gives the same requests in process, at the deployment's own temperature; its MCP
+    example lists the tools and prints decide's result as JSON."""
     app, url = launched
-    ((code,),) = [[c] for lang, c in code_blocks("API") if lang == "python" and "gradio_client" in c]
-    code = code.replace("http://127.0.0.1:7860", url.rstrip("/"))
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (done.stdout, done.stderr)
-    choice, noul, engine = done.stdout.splitlines()[-1].split()  # after gradio_client's "Loaded as API" line
+    ((code,),) = [[c] for lang, c in code_blocks("Endpoints", "docs/api.md") if lang == "python"]
+    assert "gradio_client" in code and "temperature=" not in code
+    *_, line, noul_list = run_example("python", code, url, tmp_path).splitlines()
+    choice, noul, engine = line.split()
     want = app.DEPLOYMENT.decide(
-        "Our card was charged twice for March and now nobody on the team can log in.",
+        TICKET,
         {
             "queue": {"type": "choice", "criteria": ["billing", "access", "bug"]},
             "urgent": {"type": "noul", "instructions": "Is the customer blocked right now?"},
         },
-        temperature=1.0,
     )
     assert (choice, engine) == (want["answers"]["queue"]["choice"], want["meta"]["engine"]) == (choice, "torch")
     assert abs(float(noul) - want["answers"]["urgent"]["noul"]) < 1e-5
+    batch = [
+        app.DEPLOYMENT.decide(state, {"spam": {"type": "noul"}}) for state in ("WIN A FREE CRUISE", "Lunch at noon?")
+    ]
+    got = json.loads(noul_list)
+    assert len(got) == 2 and all(abs(g - w["answers"]["spam"]["noul"]) < 1e-5 for g, w in zip(got, batch))
+    ((code,),) = [[c] for lang, c in code_blocks("MCP", "docs/api.md") if lang == "python"]
+    tools, result = run_example("python", code, url, tmp_path).splitlines()  # the tools, then decide's result
+    assert tools == "['decide', 'decide_batch', 'info']"
+    want = app.DEPLOYMENT.decide("I was charged twice.", {"refund": {"type": "noul"}})
+    assert json.loads(result)["answers"] == want["answers"]
+
+
+def test_the_readme_client_examples_run_against_the_launched_app(launched, tmp_path):
+    """README's examples (gradio_client in the quick start; typesafe-sdk, openai and MCP under "Calling it from
+    code"), each with its pip install line, run as written against the launched app (the live stand-in): each prints
+    the choice, and where it prints one the p(yes), that the deployment gives README's question in process, at the
+    deployment's own temperature (no example sets one)."""
+    app, url = launched
+    quick = [c for lang, c in code_blocks("Quick start") if lang == "python"]
+    clients = [c for lang, c in code_blocks("Calling it from code") if lang == "python"]
+    examples = quick + clients
+    assert [re.match(r"# pip install (\S+)", c).group(1) for c in examples] == [
+        "gradio_client",
+        "typesafe-sdk",
+        '"openai>=3.26"',
+        "mcp",
+    ]
+    for code in examples:  # README's question, and no temperature: the deployment's calibrated or default one
+        assert TICKET in code and "temperature=" not in code and not re.search(r"^\s*\d+\.\d+,", code, re.M), code
+    want = app.DEPLOYMENT.decide(
+        TICKET,
+        {
+            "queue": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "access", "bug"]},
+            "urgent": {"type": "noul", "instructions": "Is the customer blocked right now?"},
+        },
+    )
+    choice, p_yes = want["answers"]["queue"]["choice"], want["answers"]["urgent"]["noul"]
+    gradio, typesafe, openai, mcp = [run_example("python", c, url, tmp_path).splitlines()[-1].split() for c in examples]
+    assert [gradio[0], typesafe[0], openai[0], *mcp] == [choice] * 4, (gradio, typesafe, openai, mcp)
+    assert all(abs(float(printed[1]) - p_yes) < 1e-5 for printed in (gradio, typesafe, openai))
+    assert gradio[2] == "torch" and {typesafe[2], openai[2]} <= {app.DEPLOYMENT.default_model, "jev-latest"}
 
 
 def test_the_space_installs_the_mcp_extra_of_its_own_gradio():
@@ -356,3 +399,111 @@ def test_the_space_installs_the_mcp_extra_of_its_own_gradio():
     sdk = re.search(r"^sdk_version: (\S+)", source("README.md"), re.M)
     assert pinned and sdk and pinned.group(1) == sdk.group(1)
     assert re.search(r"^backports\.zstd", source("requirements.txt"), re.M)  # zstd request bodies
+
+
+def test_the_front_matter_names_the_licence_of_the_license_file():
+    front = source("README.md").split("\n---\n", 1)[0]
+    assert re.search(r"^license: apache-2.0$", front, re.M) and re.search(r"^tags:\n  - mcp-server$", front, re.M)
+    licence = source("LICENSE")
+    assert (
+        "Apache License" in licence
+        and "Version 2.0, January 2004" in licence
+        and "END OF TERMS AND CONDITIONS" in licence
+    )
+
+
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def markdown_files() -> list[str]:
+    """README.md, bench/README.md and every page of docs/, relative to the repository root."""
+    docs = sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))
+    return ["README.md", os.path.join("bench", "README.md"), *docs]
+
+
+def anchor(heading: str) -> str:
+    """A heading's anchor as GitHub and the Hub make it: lower case, punctuation other than hyphens dropped, each
+    space a hyphen."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(name: str) -> set[str]:
+    """The anchors of a markdown file's headings (code blocks left out)."""
+    return {anchor(h) for h in re.findall(r"^#+ (.+)$", FENCE.sub("", source(name)), re.M)}
+
+
+def test_every_docs_page_is_in_the_readme_index_and_every_relative_link_resolves():
+    index = section("Documentation")
+    pages = [name for name in markdown_files() if name.startswith("docs")]
+    assert len(pages) >= 11 and [p for p in pages if f"]({p})" not in index] == []
+    assert [p for p in re.findall(r"\]\((docs/[^)#]+)\)", index) if p not in pages] == []
+    broken = []
+    for name in markdown_files():
+        for target in LINK.findall(FENCE.sub("", source(name))):
+            if re.match(r"[a-z]+:", target):  # https:, mailto: ...
+                continue
+            path, _, fragment = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(name), path)) if path else name
+            if not os.path.exists(os.path.join(ROOT, resolved)):
+                broken.append((name, target))
+            elif fragment and (not resolved.endswith(".md") or fragment not in anchors(resolved)):
+                broken.append((name, target))
+    assert broken == []
+
+
+def test_the_readme_keeps_the_newcomer_path_short():
+    lines = source("README.md").splitlines()
+    assert len(lines) < 250
+    head = "\n".join(lines[:80])  # clone, the demo and one client call
+    assert "git clone https://huggingface.co/spaces/thegovind/blink" in head
+    assert "bash tools/setup.sh && .venv/bin/python app.py" in head
+    assert 'api_name="/decide"' in head and head.count("```") % 2 == 0
+
+
+def test_the_hardened_example_is_tighter_than_the_defaults():
+    """README's hardened server settings, exported by bash as written, parse into the settings they name, each
+    tighter than its default; docs/security.md's table gives the same values."""
+    import subprocess
+
+    (code,) = [c for lang, c in code_blocks("Serving it yourself") if lang == "bash" and "export BLINK_" in c]
+    exports = "\n".join(line for line in code.splitlines() if line.startswith("export "))
+    done = subprocess.run(
+        ["bash", "-c", exports + "\nenv -0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ["PATH"]},
+    )
+    assert done.returncode == 0, done.stderr
+    env = dict(item.split("=", 1) for item in done.stdout.split("\0") if item.startswith("BLINK_"))
+    key = env.pop("BLINK_API_KEY")
+    assert len(key) >= 32 and ServerSettings.from_env({"BLINK_API_KEY": key}).api_key == key
+    assert len(env) >= 7
+    rows = [row for row in section("A hardened public server", SECURITY).splitlines() if row.startswith("| `BLINK")]
+    for name, raw in env.items():
+        f = setting_fields()[name]
+        tight, default = getattr(from_env(name, {name: raw}), f.name), getattr(from_env(name, {}), f.name)
+        assert tight == int(raw) < default, (name, tight, default)
+        (row,) = [r for r in rows if f"`{name}`" in r.split("|")[1]]
+        names = re.findall(r"`(BLINK_[A-Z_]+)`", row.split("|")[1])
+        example = row.split("|")[3].split(", ")[names.index(name)]
+        assert shows(example, int(raw)), (name, raw, row)
+
+
+def test_the_speed_figures_are_what_report_prints():
+    """Every table row and every decimal figure of README's Speed section is printed by bench/report.py for the
+    results files the section names."""
+    from bench import report
+
+    text = section("Speed")
+    names = sorted(set(re.findall(r"bench/results/([\w.-]+\.json)", text)))
+    assert names == ["decision.json", "vllm-cpu.json"]
+    printed = ""
+    for name in names:
+        with open(os.path.join(ROOT, "bench", "results", name), encoding="utf-8") as fh:
+            printed += report.report(json.load(fh), name)
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(rows) >= 5 and [row for row in rows if row not in printed] == []
+    figures = re.findall(r"(?<![\w.])(\d+\.\d+)[x×]?(?![\w.])", FENCE.sub("", text))  # 3.86x too
+    assert len(figures) >= 12 and [f for f in figures if f not in printed] == []

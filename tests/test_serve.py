@@ -376,20 +376,24 @@ def test_serves_own_refusals_are_the_503_a_full_queue_gets(protocol):
         assert json.loads(body).keys() == json.loads(full[2]).keys() and "overloaded" in body and says in body
 
 
-def test_the_readmes_system_one_example_is_answered_by_the_ingress(cluster, scaled, standin, served, tmp_path):
-    import subprocess
+def test_the_readmes_system_one_and_decisions_examples_are_answered_by_the_ingress(
+    cluster, scaled, standin, served, tmp_path
+):
+    """README's typesafe-sdk and openai examples, run as written but for the URL and the key, print the choice and
+    p(yes) in-process decide() gives README's question."""
+    from test_readme import TICKET, code_blocks, run_example
 
-    from test_readme import code_blocks
-
-    lang, curl = code_blocks("System One and OpenAI Decisions clients")[0]
-    assert lang == "bash" and "Bearer any-key" in curl
-    curl = curl.replace("http://127.0.0.1:7860", cluster).replace("Bearer any-key", f"Bearer {KEY}")
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", curl], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout)
-    body = json.loads(curl.split("-d '", 1)[1].rsplit("'", 1)[0])
-    want = served(standin).decide(body["state"], body["questions"])["answers"]
-    assert abs(got["answers"]["spam"]["noul"] - want["spam"]["noul"]) < 1e-5
-    assert got["answers"]["queue"]["choice"] == want["queue"]["choice"]
-    assert abs(got["answers"]["urgency"]["score"] - want["urgency"]["score"]) < 1e-5
-    assert got["x_meta"]["replica"] in live(cluster)
+    examples = [c for lang, c in code_blocks("Calling it from code") if "typesafe_sdk" in c or "from openai" in c]
+    assert len(examples) == 2 and all('api_key="any-key"' in c for c in examples)
+    want = served(standin).decide(
+        TICKET,
+        {
+            "queue": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "access", "bug"]},
+            "urgent": {"type": "noul", "instructions": "Is the customer blocked right now?"},
+        },
+    )["answers"]
+    for code in examples:
+        keyed = code.replace('api_key="any-key"', f'api_key="{KEY}"')
+        choice, p_yes, model = run_example("python", keyed, cluster, tmp_path).splitlines()[-1].split()
+        assert choice == want["queue"]["choice"] and abs(float(p_yes) - want["urgent"]["noul"]) < 1e-5
+        assert model in (blink.STANDIN_MODEL, wire.DEFAULT_MODEL_ALIAS)

@@ -52,7 +52,7 @@ fi
 if $vllm; then
   python3 -m venv .venv-vllm
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-    # CUDA: vLLM's own build (not run by this project's tests; see README, "vLLM backend")
+    # CUDA: vLLM's own build (not run by this project's tests; see docs/export-and-vllm.md, "vLLM backend")
     pip_install .venv-vllm/bin/pip install 'vllm>=0.32,<0.35' -r tools/requirements-vllm.txt
   else
     # No CUDA: vLLM's CPU build. It asks for torch 2.13.0+cpu (PyTorch's CPU index where pip has no local copy).
