@@ -768,8 +768,9 @@ def serve_report(res: dict) -> list[str]:
     c = res["config"]
     return [
         f"{res['model']} in {res['dtype']} on {res['cluster']}; documents of ~{c['words']:,} words; re-ask "
-        f"{c['docs']} documents x {c['asks']} asks, distinct {2 * c['docs']} documents, hot {c['hot_requests']} "
-        f"requests, each from {c['clients']} clients; BLINK_ROUTE_MAX_LEAD {res['default_lead']} unless the arm says.",
+        f"{c['docs']} documents x {c['asks']} asks and distinct {2 * c['docs']} documents from {c['clients']} "
+        f"clients, hot {c['hot_requests']} requests from {2 * c['clients']}; BLINK_ROUTE_MAX_LEAD "
+        f"{res['default_lead']} unless the arm says.",
         "",
         *serve_table(res),
         "",

@@ -19,7 +19,8 @@ asks about:
   never answers, and what routing can keep is the document's prefix in a replica's prefix cache.
 - distinct: 2D documents asked once each: nothing to keep, routing can only spread the load.
 - hot: one document asked by every other request (with new questions each time), new documents in between (32
-  requests; 16): the load fallback at work.
+  requests; 16), from twice the clients, so the hot document's home can hold more requests than BLINK_ROUTE_MAX_LEAD's
+  default beyond the other replica: the load fallback at work.
 
 Per arm and workload: requests per second (the requests over the wall time from the first sent to the last answered),
 p50 and p99 latency, the cached share of prompt tokens (the answers' cached_tokens over their input_tokens), the
@@ -116,7 +117,7 @@ def workloads(cfg: dict) -> dict[str, tuple[list[Request], int]]:
             [(first["distinct"] + d, document(first["distinct"] + d, words), questions(0)) for d in range(2 * docs)],
             cfg["clients"],
         ),
-        "hot": ([(n, document(n, words), questions(i)) for i, n in enumerate(hot)], cfg["clients"]),
+        "hot": ([(n, document(n, words), questions(i)) for i, n in enumerate(hot)], 2 * cfg["clients"]),
     }
 
 
@@ -246,7 +247,7 @@ def targets(rows: list[dict]) -> list[dict]:
 
 def flags(ap) -> None:
     """serve's own flags."""
-    ap.add_argument("--clients", type=int, default=None, help="concurrent clients of every workload (8; quick 4)")
+    ap.add_argument("--clients", type=int, default=None, help="concurrent clients (8; quick 4; hot: twice as many)")
     ap.add_argument(
         "--leads", default="0,2,4,16", help="BLINK_ROUTE_MAX_LEAD values for re-ask and hot (the default's skipped)"
     )
