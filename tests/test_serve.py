@@ -13,19 +13,18 @@ import time
 
 import httpx
 import pytest
+import ray
 from conftest import ROOT
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai import AuthenticationError, OpenAI
+from ray import serve
 from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeAuthenticationError, TypeSafeClient
 
 import blink
 from adapters import http, wire
+from adapters import serve as serve_app
 from bench import servers
-
-ray = pytest.importorskip("ray")
-serve = pytest.importorskip("ray.serve")
-serve_app = pytest.importorskip("adapters.serve")
 
 KEY = "serve-test-key"
 APP = "blink"
