@@ -49,6 +49,22 @@ def best_of(
     return best
 
 
+def settle(
+    cpu_seconds: Callable[[], float], interval_s: float = 0.05, busy_share: float = 0.2, cap_s: float = 5.0
+) -> float:
+    """Wait until the processes whose CPU seconds `cpu_seconds()` counts go idle (less than `busy_share` of a core
+    over an interval of `interval_s`), for at most `cap_s`; the seconds waited. A server that spins after answering
+    (vLLM's engine core keeps a core busy for about a second) would otherwise slow whichever arm is timed next."""
+    watch, last = Stopwatch(), cpu_seconds()
+    while watch.seconds() < cap_s:
+        time.sleep(interval_s)
+        now = cpu_seconds()
+        if now - last < busy_share * interval_s:
+            break
+        last = now
+    return watch.seconds()
+
+
 class Stopwatch:
     """Wall seconds since it was made: how long a part of a run took (a measurement is timed() instead)."""
 

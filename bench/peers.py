@@ -67,13 +67,17 @@ def decision_pipeline(engine: blink.TorchEngine, config=None, model=None):
 
 
 def own_pipeline(engine: blink.TorchEngine, dtype: torch.dtype):
-    """transformers' decision pipeline as a user runs it at `dtype`: `pipeline("decision", model=<checkpoint>,
-    dtype=dtype)`, its own model and tokenizer freshly loaded from the engine's checkpoint, its own prompt, on the
-    engine's device."""
-    from transformers import pipeline
+    """transformers' decision pipeline as a user runs it at `dtype`, its own prompt: its own model and tokenizer freshly
+    loaded from the engine's checkpoint, the model by AutoModelForCausalLM at `dtype` (what `pipeline("decision",
+    model=<checkpoint>, dtype=dtype)` loads for a causal LM such as the stand-in; for a Qwen3.5 config that call
+    loads transformers' JevForDecision instead, a decision head of its own that a causal LM checkpoint does not
+    carry), on the engine's device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
     device = engine.model.lm_head.weight.device
-    return pipeline("decision", model=engine.source, revision=engine.revision, dtype=dtype, device=device)
+    model = AutoModelForCausalLM.from_pretrained(engine.source, revision=engine.revision, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(engine.source, revision=engine.revision)
+    return pipeline("decision", model=model.to(device).eval(), tokenizer=tok, device=device)
 
 
 class CountedPipeline:
@@ -154,8 +158,9 @@ def export_config(model: str, folder: str) -> str | None:
 
 def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
     """blink at its defaults (a Deployment serving the engine) against each peer on the three cases, interleaved per
-    request so both sides see the same machine; what each computed (computed_work); plus every blink answer of the
-    first repetition against the cold, unbatched path (each question alone, by hand)."""
+    request so both sides see the same machine (a peer with processes of its own is waited for until they are idle
+    before the next arm is timed: harness.settle); what each computed (computed_work); plus every blink answer of
+    the first repetition against the cold, unbatched path (each question alone, by hand)."""
     dep = blink.Deployment.serving(engine)
     dep.decide("warm-up", {"w": {"type": "noul"}})
     for pipe in pipes.values():
@@ -166,6 +171,7 @@ def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
         case: {arm: [] for arm in names} for case in workloads.CASES
     }  # computed per request (None: unknown)
     answered: dict = {}  # (case, arm): the first repetition's answers, one per request
+    settled: dict = {case: {} for case in workloads.CASES}  # seconds waited for an arm's own processes to go idle
     first: dict = {}  # the first repetition's requests, checked against the unbatched path below
     for rep in range(cfg["reps"]):
         requests = workloads.case_requests(engine.tok, cfg, rep)
@@ -180,6 +186,8 @@ def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
                     wall, cpu, out = harness.timed(lambda: pipe(body))  # noqa: B023 (called at once)
                     times[case][name].append((wall, cpu + elsewhere() - before))
                     tokens[case][name].append(None if tokens_before is None else computed() - tokens_before)
+                    if hasattr(pipe, "elsewhere_cpu"):  # its processes idle before the next arm is timed
+                        settled[case][name] = settled[case].get(name, 0.0) + harness.settle(elsewhere)
                     if rep == 0:
                         answered.setdefault((case, name), []).append(out)
                 wall, cpu, out = harness.timed(lambda: dep.decide(state, questions))  # noqa: B023 (called at once)
@@ -220,6 +228,7 @@ def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
             }
         cold = [unbatched_answers(engine, state, questions) for state, questions in first[case]]
         row["vs_unbatched"] = answers.compare(answers.flat(cold), mine)
+        row["settled_s"] = {name: round(waited, 2) for name, waited in settled[case].items()}
         rows[case] = row
     return rows
 

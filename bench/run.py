@@ -658,7 +658,9 @@ NOTES = [
     "llama.cpp and llama.cpp_reuse run llama-cpp-python on the stand-in's own Q4_1 GGUF file, fed blink's prompt "
     "token ids; llama.cpp_reuse keeps the longest common prefix with the previous prompt in its KV cache. blink_vllm "
     "is `python app.py` with BLINK_BACKEND=vllm in .venv-vllm, asked over /v1/systemone; its CPU time is its "
-    "server's process group's.",
+    "server's process group's. After a peer with processes of its own answers, the next arm waits until those "
+    "processes are idle (decision.<case>.settled_s: vLLM's engine core keeps a core busy for about a second after "
+    "each request, which would otherwise slow whichever arm came next).",
     "Prompts: every arm of the grid (cells) runs blink's rendered prompts (blink's template), and so do llama.cpp, "
     "blink_vllm and pipeline_export (blink's exported config, token for token). pipeline('decision') and "
     "pipeline_bfloat16 run the pipeline's own built-in prompt, so they answer a different prompt and may pick "

@@ -192,8 +192,8 @@ def test_peers_load_the_checkpoint_as_a_user_does_and_a_same_dtype_pipeline_load
         assert peer.model.dtype == torch.bfloat16 and peer.dtype == "bfloat16"
         assert peer.pipe.tokenizer is not bf16.tok
         assert not any("forward" in vars(m) for m in peer.model.modules())  # torch's own layers, nothing of blink's
-        name, weight = next((n, w) for n, w in bf16.model.named_parameters() if "mlp" in n)
-        assert torch.equal(dict(peer.model.named_parameters())[name], weight)  # the same checkpoint, at bfloat16
+        name, weight = next((n, w) for n, w in grid.user_model(bf16).named_parameters() if "mlp" in n)
+        assert torch.equal(dict(peer.model.named_parameters())[name], weight.to(torch.bfloat16))  # the checkpoint's
         # it counts the prompt tokens its model computes: every forward's input_ids (one prompt per question)
         prompts = peer.pipe.preprocess(body)["prompts"]
         peer(body)
@@ -207,6 +207,17 @@ def test_peers_load_the_checkpoint_as_a_user_does_and_a_same_dtype_pipeline_load
     assert peer.computed_tokens() == sum(inputs["input_ids"].numel() for inputs, _ in prompts)
     assert grid.user_model(tiny_qwen).dtype == torch.float32
     assert (grid.user_model(tiny_qwen) is tiny_qwen.model) == (tiny_qwen.matmul == "torch")
+
+
+def test_the_same_dtype_pipeline_is_what_pipeline_loads_from_the_checkpoint(standin):
+    # on a causal LM such as the stand-in, pipeline("decision", model=<checkpoint>, dtype=...) loads the model the
+    # arm loads: the same class, the same weights, at that dtype
+    from transformers import pipeline
+
+    theirs = pipeline("decision", model=standin.source, dtype=torch.bfloat16).model
+    mine = peers.own_pipeline(standin, torch.bfloat16).model
+    assert type(mine) is type(theirs) and mine.dtype == theirs.dtype == torch.bfloat16 and mine is not standin.model
+    assert all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), theirs.state_dict().values()))
 
 
 def test_model_flop_utilisation_is_the_weights_flops_over_the_time_against_the_probe_at_its_dtype():
@@ -235,6 +246,19 @@ def test_model_flop_utilisation_is_the_weights_flops_over_the_time_against_the_p
     assert (arms_["blink"]["utilisation"], arms_["blink"]["probe_dtype"]) == (0.25, "bfloat16")  # 40 of 160
     assert (arms_["llama.cpp"]["utilisation"], arms_["llama.cpp"]["probe_dtype"]) == (0.2, "float32")  # 10 of 50
     assert "utilisation" not in arms_["pipeline"]
+
+
+def test_settle_waits_until_a_peers_processes_go_idle():
+    used = iter([0.0, 1.0, 2.0, 2.0])  # fabricated CPU seconds: busy for two intervals, then idle
+    calls = []
+
+    def cpu() -> float:
+        calls.append(1)
+        return next(used)
+
+    assert harness.settle(cpu, interval_s=0.001) >= 0.002 and len(calls) == 4
+    busy = iter(float(i) for i in range(10_000))  # never idle: given up at the cap
+    assert harness.settle(lambda: next(busy), interval_s=0.001, cap_s=0.02) >= 0.02
 
 
 def test_http_workloads_distinct_requests_are_all_new_and_repeated_ones_repeat(tiny_qwen):
