@@ -115,10 +115,10 @@ def decision_table(res: dict) -> list[str]:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for case, row in res["decision"].items():
         a, reps = row["arms"], len(row["arms"]["blink"]["wall_s"])
+        compared = row["questions"] * row.get("requests_per_rep", 1)  # the first repetition's questions
         cells = " | ".join(
             f"{a[p]['total_wall_s'] / reps:.2f} | {row['vs_' + p]['wall']:.2f}x / "
-            f"{row['vs_' + p]['cpu']:.2f}x | {len(row['vs_' + p]['picks_differ_from_blink'])} of "
-            f"{row['questions']}"
+            f"{row['vs_' + p]['cpu']:.2f}x | {len(row['vs_' + p]['picks_differ_from_blink'])} of {compared}"
             for p in peers_
         )
         lines.append(
@@ -240,8 +240,9 @@ def run_report(res: dict) -> list[str]:
             "",
             'Against transformers\' pipeline("decision"), time per request (mean of the repetitions; '
             "ratios > 1: blink faster; `pipeline` runs its own built-in prompt, `pipeline_export` blink's "
-            "exported one, both on the model as from_pretrained loads it; `pipeline_<dtype>` its own prompt on "
-            "blink's model, in blink's dtype; `llama.cpp` the GGUF file, fed blink's prompt ids):",
+            "exported one, both on the model as from_pretrained loads it; `pipeline_bfloat16` its own prompt in "
+            "blink's dtype (on which model: the file's notes); `llama.cpp` the GGUF file, fed blink's prompt ids; "
+            "`blink_vllm` blink on vLLM, over HTTP):",
             "",
             *decision_table(res),
             *(
