@@ -189,7 +189,8 @@ def serving_targets(rows: list[dict], torch_arm: str, vllm_arm: str, exact: bool
         row[ratio_key(vllm_arm)] = value
         out.append(
             {
-                "target": f"{torch_arm} >= {VLLM_TARGET:g}x {vllm_arm} requests/s: {load} requests, {clients} clients",
+                "target": f"{torch_arm} >= {VLLM_TARGET:g}x {vllm_arm} requests/s: {load} requests, {clients} "
+                f"client{'' if clients == 1 else 's'}",
                 "workload": load,
                 "clients": clients,
                 "value": value,

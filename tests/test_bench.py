@@ -555,7 +555,9 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         shown = set(report.HEADER) | set(report.REPORTS[which][1])
         for key in res.keys() - shown:  # every field the tables leave out prints after them
             assert f"\n- {key}: " in out or f"\n{key}:\n" in out, (path, key)
+    runs = {name: "run" for name in kinds if name.startswith("decision-")}  # e.g. decision-2threads.json (--name)
     assert kinds == {
+        **runs,
         "batch.json": "batch",
         "budget.json": "budget",
         "decision.json": "run",
