@@ -241,12 +241,13 @@ class Bench:
         return out
 
 
-def against_matmul(cells: list[dict], matmul_gflops: float) -> None:
-    """Each arm's achieved FLOP/s as a fraction of the machine's measured matmul FLOP/s."""
+def against_matmul(cells: list[dict], gflops_by_arm: dict[str, float]) -> None:
+    """Each arm's achieved FLOP/s as a fraction of the machine's measured matmul FLOP/s at the dtype it computes in
+    ({arm: GFLOP/s})."""
     for c in cells:
-        for row in c["arms"].values():
+        for name, row in c["arms"].items():
             for kind in ("2pt", "body_attention"):
-                row[f"fraction_of_matmul_{kind}"] = round(row[f"gflops_{kind}"] / matmul_gflops, 3)
+                row[f"fraction_of_matmul_{kind}"] = round(row[f"gflops_{kind}"] / gflops_by_arm[name], 3)
 
 
 def agreement(plain: grid.Measured, prefix: grid.Measured, peer_runs: dict) -> dict:
@@ -592,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     # Measured again after the cells: the best of the two is the closer to the ceiling, and a large change between
     # the two flags the run as unsteady (harness.steadiness).
     run.probe()
-    against_matmul(cells, run.matmul_gflops)
+    dtypes = {name: grid.user_model(engine).dtype if arm.runs else engine.model.dtype for name, arm in GRID.items()}
+    against_matmul(cells, {name: run.matmul_probe(blink.dtype_name(d))[1] for name, d in dtypes.items()})
     peers.utilisation(decision, run.matmul_probe)
 
     rows = (
@@ -689,7 +691,9 @@ NOTES = [
     "generate: model.generate greedy, 4 new tokens, then the first offered letter in the text.",
     "gflops_2pt is 2 x all parameters x prefill tokens / wall time (the usual definition); "
     "gflops_body_attention counts what the prompt tokens need: 2 x non-embedding parameters per token plus "
-    "attention products (4 x width x keys per full-attention layer), not the peers' LM head on every position.",
+    "attention products (4 x width x keys per full-attention layer), not the peers' LM head on every position. "
+    "fraction_of_matmul_* holds each against the matmul probe at the dtype the arm computes in (blink's arms: "
+    "blink's dtype; the peers: the checkpoint's).",
     "peak_mb: CPU resident-set peak above the level at the start of the arm (sampled every 5 ms), or the CUDA "
     "allocator peak on a GPU. On a CPU, memory an earlier arm freed may be reused without growing the resident "
     "set, so small figures are lower bounds.",
