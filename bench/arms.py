@@ -103,8 +103,8 @@ REGISTRY: dict[str, dict[str, Arm]] = {
         Arm(
             "pipeline_bfloat16",
             "pipeline_bfloat16",
-            "the pipeline with its own prompt on blink's own model where blink computes in bfloat16 and the "
-            "checkpoint is not: the same dtype and kernels on both sides",
+            "the pipeline as a user runs it at blink's dtype where blink computes in bfloat16 and the checkpoint is "
+            "not: pipeline('decision', model=<checkpoint>, dtype=torch.bfloat16), its own model freshly loaded",
             runs="peers:start_pipeline_bfloat16",
         ),
         Arm(

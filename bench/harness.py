@@ -49,6 +49,22 @@ def best_of(
     return best
 
 
+def settle(
+    cpu_seconds: Callable[[], float], interval_s: float = 0.05, busy_share: float = 0.2, cap_s: float = 5.0
+) -> float:
+    """Wait until the processes whose CPU seconds `cpu_seconds()` counts go idle (less than `busy_share` of a core
+    over an interval of `interval_s`), for at most `cap_s`; the seconds waited. A server that spins after answering
+    (vLLM's engine core keeps a core busy for about a second) would otherwise slow whichever arm is timed next."""
+    watch, last = Stopwatch(), cpu_seconds()
+    while watch.seconds() < cap_s:
+        time.sleep(interval_s)
+        now = cpu_seconds()
+        if now - last < busy_share * interval_s:
+            break
+        last = now
+    return watch.seconds()
+
+
 class Stopwatch:
     """Wall seconds since it was made: how long a part of a run took (a measurement is timed() instead)."""
 
@@ -83,13 +99,18 @@ def sync(device) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def matmul_flops(device, n: int = 2048, reps: int = 10) -> float:
-    """Best-of-`reps` FLOP/s of an n x n x n product on the device (float32 on a CPU, bfloat16 on a GPU), by the
-    faster of torch's default kernel and, on a CPU, oneDNN's (which blink runs where it is faster, BLINK_CPU_MATMUL):
-    the practical ceiling."""
+def default_probe_dtype(device) -> str:
+    """The dtype of a run's matmul probe: float32 on a CPU, bfloat16 on a GPU."""
+    return "float32" if device.type == "cpu" else "bfloat16"
+
+
+def matmul_flops(device, n: int = 2048, reps: int = 10, dtype: str | None = None) -> float:
+    """Best-of-`reps` FLOP/s of an n x n x n product on the device in `dtype` (default: float32 on a CPU, bfloat16 on a
+    GPU), by the faster of torch's default kernel and, on a CPU, oneDNN's (which blink runs where it is faster,
+    BLINK_CPU_MATMUL, and for every bfloat16 model): the practical ceiling at that dtype."""
     import torch
 
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = getattr(torch, dtype or default_probe_dtype(device))
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     if device.type == "cpu":
         return 2 * n**3 / min(kernel_seconds(a, b, reps).values())  # a @ b.T: the same work as a @ b
@@ -118,6 +139,14 @@ def choose_threads(model, device) -> dict:
     best = min(tried, key=tried.get)
     torch.set_num_threads(best)
     return {"threads": best, "how": "auto", "probe_s_by_threads": tried}
+
+
+def utilisation(flops: float, seconds: float, gflops: float) -> float | None:
+    """Model FLOP utilisation: `flops` done in `seconds`, as a share of a matmul rate of `gflops` GFLOP/s (None where
+    nothing was timed or no rate was probed)."""
+    if seconds <= 0 or not gflops:
+        return None
+    return flops / seconds / (gflops * 1e9)
 
 
 def steadiness(start_gflops: float, end_gflops: float) -> dict:
@@ -203,21 +232,33 @@ class Run:
         self.started, self.stopwatch, self.load0 = time.time(), Stopwatch(), load_average()
         self.probes: list[float] = []
         self.device = None  # where the probes run: the first probe's device
+        self.probe_dtypes: list[str] = []  # dtypes probed beside the default one at every probe (set before probing)
+        self.dtype_probes: dict[str, list[float]] = {}
         self.written: dict = {}  # the header and results write() wrote
 
     def probe(self, device=None) -> float:
-        """The machine's matmul GFLOP/s now (matmul_flops; on a CPU unless told): the first call is the run's start,
-        the last its end (write() takes the end when only the start was taken)."""
+        """The machine's matmul GFLOP/s now (matmul_flops; on a CPU unless told), and at each of `probe_dtypes`: the
+        first call is the run's start, the last its end (write() takes the end when only the start was taken)."""
         import torch
 
         self.device = self.device or device or torch.device("cpu")
         self.probes.append(matmul_flops(self.device) / 1e9)
+        for dtype in (d for d in self.probe_dtypes if d != default_probe_dtype(self.device)):
+            self.dtype_probes.setdefault(dtype, []).append(matmul_flops(self.device, dtype=dtype) / 1e9)
         return self.probes[-1]
 
     @property
     def matmul_gflops(self) -> float:
         """The best of the matmul probes so far: the closer to the machine's ceiling."""
         return max(self.probes)
+
+    def matmul_probe(self, dtype: str | None) -> tuple[str, float]:
+        """(the dtype probed, its best GFLOP/s so far) for work in `dtype`: its own probe where `probe_dtypes` has
+        it, else the default probe (float32 on a CPU: also what a dtype with no probe of its own, e.g. a GGUF file's
+        Q4_1, is held against)."""
+        if dtype in self.dtype_probes:
+            return dtype, max(self.dtype_probes[dtype])
+        return default_probe_dtype(self.device), self.matmul_gflops
 
     def header(self) -> dict:
         """How the run ran: the command, the hardware and versions, when and for how long, the load average at its
@@ -235,6 +276,8 @@ class Run:
         if self.probes:
             out["matmul_gflops"] = round(self.matmul_gflops, 2)
             out.update(steadiness(self.probes[0], self.probes[-1]))
+        if self.dtype_probes:
+            out["matmul_gflops_by_dtype"] = {k: [round(g, 2) for g in v] for k, v in self.dtype_probes.items()}
         return {**out, "cpu_matmul_verdicts": blink.kernel_verdicts()}
 
     def write(self, results: dict, stem: str | None = None) -> str:

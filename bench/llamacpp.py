@@ -89,6 +89,8 @@ class LlamaArm:
     """A llama.cpp peer answering System One bodies with blink's rendered prompts. Its LlamaReader computes in a
     child process of its own (isolated.Child, whose CPU time counts as the arm's), or in this one (isolated.Local)."""
 
+    dtype = "q4_1"  # the stand-in's GGUF weights: no matmul probe of their own (held against float32's)
+
     def __init__(self, engine: blink.TorchEngine, reader: isolated.Child | isolated.Local):
         self.engine, self.reader = engine, reader
 
@@ -96,6 +98,10 @@ class LlamaArm:
     def evaluated(self) -> int:
         """Tokens the reader has evaluated so far."""
         return self.reader.call("tokens_evaluated")
+
+    def computed_tokens(self) -> int:
+        """Prompt tokens computed so far (those evaluated)."""
+        return self.evaluated
 
     def elsewhere_cpu(self) -> float:
         """CPU seconds the reader's process has used, where it is a child process (0 in this one)."""

@@ -66,23 +66,75 @@ def decision_pipeline(engine: blink.TorchEngine, config=None, model=None):
     return pipeline("decision", model=model, tokenizer=tok, device=model.device, **kwargs)
 
 
+def own_pipeline(engine: blink.TorchEngine, dtype: torch.dtype):
+    """transformers' decision pipeline as a user runs it at `dtype`, its own prompt: its own model and tokenizer freshly
+    loaded from the engine's checkpoint, the model by AutoModelForCausalLM at `dtype` (what `pipeline("decision",
+    model=<checkpoint>, dtype=dtype)` loads for a causal LM such as the stand-in; for a Qwen3.5 config that call
+    loads transformers' JevForDecision instead, a decision head of its own that a causal LM checkpoint does not
+    carry), on the engine's device."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    device = engine.model.lm_head.weight.device
+    model = AutoModelForCausalLM.from_pretrained(engine.source, revision=engine.revision, dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(engine.source, revision=engine.revision)
+    return pipeline("decision", model=model.to(device).eval(), tokenizer=tok, device=device)
+
+
+class CountedPipeline:
+    """A decision pipeline answering System One bodies, counting the prompt tokens its model computes (a forward
+    pre-hook reads every call's input_ids; removed by close())."""
+
+    def __init__(self, pipe):
+        self.pipe, self.tokens = pipe, 0
+        self.dtype = blink.dtype_name(pipe.model.dtype)
+        self.hook = pipe.model.register_forward_pre_hook(self.count, with_kwargs=True)
+
+    @property
+    def model(self):
+        """The pipeline's model."""
+        return self.pipe.model
+
+    def count(self, module, args: tuple, kwargs: dict) -> None:
+        """Add one forward's prompt tokens (its input_ids, every row: the pipeline runs one prompt per call)."""
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.tokens += int(ids.numel()) if ids is not None else 0
+
+    def computed_tokens(self) -> int:
+        """Prompt tokens the pipeline's model has computed so far."""
+        return self.tokens
+
+    def close(self) -> None:
+        """Stop counting."""
+        self.hook.remove()
+
+    def __call__(self, body: dict) -> list:
+        return self.pipe(body)
+
+
+def counted(pipe, ctx: PeerContext) -> CountedPipeline:
+    """The pipeline counting its prompt tokens until ctx.stack closes."""
+    peer = CountedPipeline(pipe)
+    ctx.stack.callback(peer.close)
+    return peer
+
+
 def start_pipeline(arm: arms.Arm, ctx: PeerContext):
     """The pipeline with its own built-in prompt, on the model as from_pretrained loads it."""
-    return decision_pipeline(ctx.engine)
+    return counted(decision_pipeline(ctx.engine), ctx)
 
 
 def start_pipeline_export(arm: arms.Arm, ctx: PeerContext):
     """The pipeline reading blink's exported DecisionConfig, or why there is none."""
-    return decision_pipeline(ctx.engine, ctx.export_dir) if ctx.export_dir else ctx.export_missing
+    return counted(decision_pipeline(ctx.engine, ctx.export_dir), ctx) if ctx.export_dir else ctx.export_missing
 
 
 def start_pipeline_bfloat16(arm: arms.Arm, ctx: PeerContext):
-    """The pipeline with its own prompt on blink's own bfloat16 model (the same dtype and kernels on both sides), or
+    """The pipeline as a user runs it at blink's dtype, bfloat16 (own_pipeline: its own model, freshly loaded), or
     why it is not a separate arm here."""
     dtype = ctx.engine.model.dtype
     if dtype != torch.bfloat16 or dtype == grid.user_model(ctx.engine).dtype:
         return f"blink computes in {blink.dtype_name(dtype)}, the dtype the pipeline arm already runs"
-    return decision_pipeline(ctx.engine, model=ctx.engine.model)
+    return counted(own_pipeline(ctx.engine, dtype), ctx)
 
 
 def export_config(model: str, folder: str) -> str | None:
@@ -106,50 +158,67 @@ def export_config(model: str, folder: str) -> str | None:
 
 def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
     """blink at its defaults (a Deployment serving the engine) against each peer on the three cases, interleaved per
-    repetition so both sides see the same machine; plus every blink answer of the first repetition against the cold,
-    unbatched path (each question alone, by hand)."""
+    request so both sides see the same machine (a peer with processes of its own is waited for until they are idle
+    before the next arm is timed: harness.settle); what each computed (computed_work); plus every blink answer of
+    the first repetition against the cold, unbatched path (each question alone, by hand)."""
     dep = blink.Deployment.serving(engine)
     dep.decide("warm-up", {"w": {"type": "noul"}})
     for pipe in pipes.values():
         pipe(workloads.system_one("warm-up", {"w": {"type": "noul"}}))
-    times: dict = {case: {arm: [] for arm in ("blink", *pipes)} for case in workloads.CASES}
-    answered: dict = {}
+    names = ("blink", *pipes)
+    times: dict = {case: {arm: [] for arm in names} for case in workloads.CASES}
+    tokens: dict = {
+        case: {arm: [] for arm in names} for case in workloads.CASES
+    }  # computed per request (None: unknown)
+    answered: dict = {}  # (case, arm): the first repetition's answers, one per request
+    settled: dict = {case: {} for case in workloads.CASES}  # seconds waited for an arm's own processes to go idle
     first: dict = {}  # the first repetition's requests, checked against the unbatched path below
     for rep in range(cfg["reps"]):
         requests = workloads.case_requests(engine.tok, cfg, rep)
         first = first or requests
         for case in workloads.CASES:  # "again" follows "document": its document is the one blink has just seen
-            state, questions = requests[case]
-            for name, pipe in pipes.items():
-                elsewhere = getattr(pipe, "elsewhere_cpu", lambda: 0.0)  # a peer's own processes
-                before = elsewhere()
-                body = workloads.system_one(state, questions)
-                wall, cpu, out = harness.timed(lambda: pipe(body))  # noqa: B023 (called at once)
-                times[case][name].append((wall, cpu + elsewhere() - before))
-                answered.setdefault((rep, case, name), out)
-            wall, cpu, out = harness.timed(lambda: dep.decide(state, questions))  # noqa: B023 (called at once)
-            times[case]["blink"].append((wall, cpu))
-            answered[(rep, case, "blink")] = out
+            for state, questions in requests[case]:
+                for name, pipe in pipes.items():
+                    elsewhere = getattr(pipe, "elsewhere_cpu", lambda: 0.0)  # a peer's own processes
+                    computed = getattr(pipe, "computed_tokens", lambda: None)
+                    before, tokens_before = elsewhere(), computed()
+                    body = workloads.system_one(state, questions)
+                    wall, cpu, out = harness.timed(lambda: pipe(body))  # noqa: B023 (called at once)
+                    times[case][name].append((wall, cpu + elsewhere() - before))
+                    tokens[case][name].append(None if tokens_before is None else computed() - tokens_before)
+                    if hasattr(pipe, "elsewhere_cpu"):  # its processes idle before the next arm is timed
+                        settled[case][name] = settled[case].get(name, 0.0) + harness.settle(elsewhere)
+                    if rep == 0:
+                        answered.setdefault((case, name), []).append(out)
+                wall, cpu, out = harness.timed(lambda: dep.decide(state, questions))  # noqa: B023 (called at once)
+                times[case]["blink"].append((wall, cpu))
+                tokens[case]["blink"].append(out["meta"]["prefill_tokens"])
+                if rep == 0:
+                    answered.setdefault((case, "blink"), []).append(out)
     rows = {}
     for case in workloads.CASES:
-        state, questions = first[case]
-        mine = answered[(0, case, "blink")]
+        state, questions = first[case][0]
+        meta = answered[(case, "blink")][0]["meta"]
+        mine = answers.flat([out["answers"] for out in answered[(case, "blink")]])
         row = {
             "questions": len(questions),
-            "prompt_tokens": mine["meta"]["input_tokens"],
-            "prefill_tokens": mine["meta"]["prefill_tokens"],
-            "cached_tokens": mine["meta"]["cached_tokens"],
+            "requests_per_rep": len(first[case]),
+            "prompt_tokens": meta["input_tokens"],
+            "prefill_tokens": meta["prefill_tokens"],
+            "cached_tokens": meta["cached_tokens"],
             "arms": {},
         }
         for arm, runs in times[case].items():
+            dtype = blink.dtype_name(engine.model.dtype) if arm == "blink" else getattr(pipes[arm], "dtype", None)
             row["arms"][arm] = {
                 "wall_s": [round(w, 4) for w, _ in runs],
                 "cpu_s": [round(c, 4) for _, c in runs],
                 "total_wall_s": round(sum(w for w, _ in runs), 4),
                 "total_cpu_s": round(sum(c for _, c in runs), 4),
+                **computed_work(engine.prefill_cost, tokens[case][arm], sum(w for w, _ in runs), dtype),
             }
         for name in pipes:
-            theirs = answers.compare(mine["answers"], answered[(0, case, name)])
+            theirs = answers.compare(mine, answers.flat(answered[(case, name)]))
             row[f"vs_{name}"] = {
                 "wall": ratio(row["arms"], name, "total_wall_s"),
                 "cpu": ratio(row["arms"], name, "total_cpu_s"),
@@ -157,9 +226,40 @@ def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
                 "picks_differ_from_blink": sorted(theirs["picks_differ"]),
                 "max_prob_diff_from_blink": theirs["max_prob_diff"],
             }
-        row["vs_unbatched"] = answers.compare(unbatched_answers(engine, state, questions), mine["answers"])
+        cold = [unbatched_answers(engine, state, questions) for state, questions in first[case]]
+        row["vs_unbatched"] = answers.compare(answers.flat(cold), mine)
+        row["settled_s"] = {name: round(waited, 2) for name, waited in settled[case].items()}
         rows[case] = row
     return rows
+
+
+def computed_work(cost: blink.PrefillCost, tokens: list[int | None], wall_s: float, dtype: str | None) -> dict:
+    """What an arm computed over a case: the prompt tokens its model ran (None where it does not say), the prefill
+    FLOPs of the non-embedding weights those need (2 x those weights per token: PrefillCost.token_flops; attention
+    left out), the rate it ran them at, and the dtype it computes in (its matmul probe: utilisation())."""
+    if any(t is None for t in tokens):
+        return {"computed_tokens": None, "dtype": dtype}
+    gflop = cost.token_flops * sum(tokens) / 1e9
+    return {
+        "computed_tokens": sum(tokens),
+        "model_gflop": round(gflop, 3),
+        "gflops": round(gflop / wall_s, 2) if wall_s > 0 else None,
+        "dtype": dtype,
+    }
+
+
+def utilisation(decision: dict, probe_of) -> None:
+    """Each arm's model FLOP utilisation in every case (harness.utilisation): its model_gflop over its time, against
+    the matmul probe at the dtype it computes in (`probe_of(dtype)` -> (dtype probed, GFLOP/s): harness.Run's
+    matmul_probe), written beside its times."""
+    for row in decision.values():
+        for arm in row["arms"].values():
+            if arm.get("model_gflop") is None:
+                continue
+            arm["probe_dtype"], probe = probe_of(arm["dtype"])
+            arm["matmul_gflops"] = round(probe, 2)
+            share = harness.utilisation(arm["model_gflop"] * 1e9, arm["total_wall_s"], probe)
+            arm["utilisation"] = None if share is None else round(share, 3)
 
 
 def ratio(arms_: dict, peer: str, clock: str) -> float:
@@ -202,21 +302,23 @@ def serve_config(export_dir: str) -> str:
     return os.path.join(export_dir, "decision_serve.json")
 
 
-def http_drive(url: str, model: str, requests: list[dict], clients: int, per_client: int) -> dict:
-    """`clients` threads, each with its own HTTP connection, posting System One requests back to back."""
+def http_drive(url: str, model: str, requests: list[dict], clients: int, warm: dict | None = None) -> dict:
+    """`clients` threads, each with its own HTTP connection, posting System One requests back to back: client c sends
+    requests[c * per_client + r], r < per_client = len(requests) // clients. `warm` is sent first, unclocked: the
+    server answers at all, and is warm, before the clock starts."""
     import httpx
 
+    per_client = max(1, len(requests) // clients)
     conns = [httpx.Client(timeout=600) for _ in range(clients)]
 
-    def call(c: int, r: int) -> dict:
-        body = {"model": model, **requests[(c * per_client + r) % len(requests)]}
-        got = conns[c].post(url, json=body)
+    def post(conn, body: dict) -> dict:
+        got = conn.post(url, json={"model": model, **body})
         got.raise_for_status()
         return got.json()
 
     try:
-        call(0, 0)  # answers at all, and warm, before the clock starts
-        row = throughput.drive(call, clients, per_client)
+        post(conns[0], warm or requests[0])
+        row = throughput.drive(lambda c, r: post(conns[c], requests[c * per_client + r]), clients, per_client)
         row.pop("mean_batched_requests")  # a System One answer has no meta to read it from
         return row
     finally:
@@ -224,10 +326,20 @@ def http_drive(url: str, model: str, requests: list[dict], clients: int, per_cli
             conn.close()
 
 
+def http_prime(url: str, model: str, workload: workloads.HttpWorkload) -> None:
+    """A workload's primed requests asked once, one after another, before its clock starts."""
+    import httpx
+
+    with httpx.Client(timeout=600) as http:
+        for body in workload.primed:
+            http.post(url, json={"model": model, **body}).raise_for_status()
+
+
 def http_rows(engine: blink.TorchEngine, cfg: dict, threads: int, export_dir: str | None, log_dir: str) -> list[dict]:
     """Both servers up side by side (idle while the other is measured), each concurrency level measured on one then
-    the other; a server that cannot run here is one row saying why."""
-    requests = workloads.http_requests(engine.tok, cfg["requests"], cfg["doc"])
+    the other, every request new (the DISTINCT workload: transformers serve keeps nothing across requests, blink's
+    answer cache would answer a repeat); a server that cannot run here is one row saying why."""
+    workload = workloads.http_workload(engine.tok, workloads.DISTINCT, cfg["clients"], cfg["per_level"], cfg["doc"])
     serve, own = arms.of("http")
     port = servers.free_port()
     serve_cmd = transformers_serve_cmd(engine.source, port, serve_config(export_dir) if export_dir else None)
@@ -249,19 +361,18 @@ def http_rows(engine: blink.TorchEngine, cfg: dict, threads: int, export_dir: st
         app = stack.enter_context(
             servers.app({"BLINK_MODEL": engine.model_id}, log_dir, servers.bench_env(threads), timeout_s=300)
         )  # the same model; nothing else set
-        why = app.down or systemone_probe(app.url + "v1/systemone", engine.model_id, requests[0])
+        why = app.down or systemone_probe(app.url + "v1/systemone", engine.model_id, workload.warm)
         if why:
             rows.append({"target": own, "skipped": why})
         else:
             targets[own] = (app.url + "v1/systemone", engine.model_id)
-        for clients in cfg["clients"]:
-            per_client = max(1, cfg["per_level"] // clients)
+        for clients, requests in workload.levels.items():
             for name, (url, model) in targets.items():
                 try:
-                    row = http_drive(url, model, requests, clients, per_client)
+                    row = http_drive(url, model, requests, clients, workload.warm)
                 except Exception as exc:  # noqa: BLE001 - the server's failure, reported in its row
                     row = {"skipped": f"{type(exc).__name__}: {exc}"[:300]}
-                rows.append({"target": name, "clients": clients, **row})
+                rows.append({"target": name, "workload": workload.name, "clients": clients, **row})
     return rows
 
 

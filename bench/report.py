@@ -115,10 +115,10 @@ def decision_table(res: dict) -> list[str]:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for case, row in res["decision"].items():
         a, reps = row["arms"], len(row["arms"]["blink"]["wall_s"])
+        compared = row["questions"] * row.get("requests_per_rep", 1)  # the first repetition's questions
         cells = " | ".join(
             f"{a[p]['total_wall_s'] / reps:.2f} | {row['vs_' + p]['wall']:.2f}x / "
-            f"{row['vs_' + p]['cpu']:.2f}x | {len(row['vs_' + p]['picks_differ_from_blink'])} of "
-            f"{row['questions']}"
+            f"{row['vs_' + p]['cpu']:.2f}x | {len(row['vs_' + p]['picks_differ_from_blink'])} of {compared}"
             for p in peers_
         )
         lines.append(
@@ -166,17 +166,54 @@ def unbatched(row: dict) -> str:
     return f"{len(got.get('picks_differ', got.get('differ')))} of {got.get('questions', got.get('compared'))}"
 
 
+def utilisation_table(res: dict) -> list[str]:
+    """Each decision arm's model FLOP utilisation per case: the prefill FLOPs of the non-embedding weights its model
+    computed, over its time, against the matmul probe at the dtype it computes in (arms that do not say what they
+    computed are left out)."""
+    head = [
+        "case",
+        "arm",
+        "dtype",
+        "tokens computed (all requests)",
+        "model GFLOP/s",
+        "matmul probe GFLOP/s (dtype)",
+        "model FLOP utilisation",
+    ]
+    rows = [
+        [
+            CASE_NAMES[case],
+            name,
+            a["dtype"],
+            f"{a['computed_tokens']:,}",
+            f"{a['gflops']:.0f}",
+            f"{a['matmul_gflops']:.0f} ({a['probe_dtype']})",
+            pct(a["utilisation"]),
+        ]
+        for case, row in res["decision"].items()
+        for name, a in row["arms"].items()
+        if a.get("utilisation") is not None
+    ]
+    return table(head, rows) if rows else []
+
+
 def http_table(res: dict) -> list[str]:
-    """Requests per second and latency over HTTP, per server and concurrency; skipped servers with the reason."""
-    lines = ["| server | clients | requests | requests/s | p50 (ms) | p99 (ms) |", "|---|---|---|---|---|---|"]
-    for r in res.get("http", []):
+    """Requests per second and latency over HTTP, per server and concurrency (and workload, where the file names
+    one); skipped servers with the reason."""
+    rows = res.get("http", [])
+    named = any("workload" in r for r in rows)  # files before the two workloads name none
+    lines = [
+        "| server |" + (" workload |" if named else "") + " clients | requests | requests/s | p50 (ms) | p99 (ms) |",
+        "|---|" + ("---|" if named else "") + "---|---|---|---|---|",
+    ]
+    for r in rows:
+        workload = f" {r.get('workload', '')} |" if named else ""
         if "requests_per_s" in r:
             lines.append(
-                f"| {r['target']} | {r['clients']} | {r['completed']} | {r['requests_per_s']:.2f} | "
+                f"| {r['target']} |{workload} {r['clients']} | {r['completed']} | {r['requests_per_s']:.2f} | "
                 f"{r['p50_ms']:.0f} | {r['p99_ms']:.0f} |"
             )
         elif "skipped" in r:
-            lines.append(f"| {r['target']} | skipped: {r['skipped']} | | | | |")
+            lines.append(f"| {r['target']} |{workload} skipped: {r['skipped']} | | | | |")
     return lines
 
 
@@ -193,6 +230,8 @@ def targets_list(res: dict) -> list[str]:
             f"{t['value']}" if t["threshold"] == 0 else f"{t['value']:.2f}x ({t['value_cpu_time']:.2f}x on CPU time)"
         )
         extra = f" of {t['compared']} compared" if t["threshold"] == 0 else f" ({t['cell']})"
+        if "max_prob_diff_threshold" in t:
+            extra += f", largest |dp| {t['max_prob_diff']:.4f}"
         out.append(f"- {t['target']}: {value}{extra} — {verdict[t['met']]}")
     return out
 
@@ -221,8 +260,9 @@ def run_report(res: dict) -> list[str]:
         f"{res['duration_s'] / 60:.1f} min: {res['model']} "
         f"({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), {res['hardware']}, "
         f"torch {res['torch']} with {res['threads']['threads']} thread(s) ({res['threads']['how']}), "
-        f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run), blink's "
-        f"linear layers by {res['settings'].get('linear_layers', 'torch')}."
+        f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run)"
+        + "".join(f", {d} {max(g):.0f}" for d, g in res.get("matmul_gflops_by_dtype", {}).items())
+        + f", blink's linear layers by {res['settings'].get('linear_layers', 'torch')}."
     )
     parts = [head, "", steadiness_line(res), "", *targets_list(res)]
     if res.get("decision"):  # runs before the decision peers existed have none
@@ -235,10 +275,23 @@ def run_report(res: dict) -> list[str]:
             "",
             'Against transformers\' pipeline("decision"), time per request (mean of the repetitions; '
             "ratios > 1: blink faster; `pipeline` runs its own built-in prompt, `pipeline_export` blink's "
-            "exported one, both on the model as from_pretrained loads it; `pipeline_<dtype>` its own prompt on "
-            "blink's model, in blink's dtype; `llama.cpp` the GGUF file, fed blink's prompt ids):",
+            "exported one, both on the model as from_pretrained loads it; `pipeline_bfloat16` its own prompt in "
+            "blink's dtype (on which model: the file's notes); `llama.cpp` the GGUF file, fed blink's prompt ids; "
+            "`blink_vllm` blink on vLLM, over HTTP):",
             "",
             *decision_table(res),
+            *(
+                [
+                    "",
+                    "Model FLOP utilisation: the prefill FLOPs of the non-embedding weights each arm's model computed "
+                    "(2 x those weights per token; attention and the LM head left out), over its time, against the "
+                    "matmul probe at the dtype it computes in:",
+                    "",
+                    *utilisation_table(res),
+                ]
+                if utilisation_table(res)
+                else []
+            ),
             *(
                 [""] + [f"- {r['target']}: skipped, {r['skipped']}" for r in res.get("peers_skipped", [])]
                 if res.get("peers_skipped")
@@ -545,8 +598,9 @@ def models_report(res: dict) -> list[str]:
 
 
 def vllm_report(res: dict) -> list[str]:
-    """vllm_check: each blink arm's answers against the reference's, then /v1/systemone throughput per arm and
-    concurrency with the ratio to the reference, then what vLLM's own route did."""
+    """vllm_check: each blink arm's answers against the reference's, then /v1/systemone throughput (per workload where
+    the file has two: vllm_serving; else per arm and concurrency with the ratio to the reference), then what vLLM's
+    own route did."""
     reference = res["answers"]["reference"]
     compared = res["answers"]["arms"]
     lines = [
@@ -565,33 +619,18 @@ def vllm_report(res: dict) -> list[str]:
         ),
     ]
     rows = res["http"]["rows"]
-    names = list(dict.fromkeys(r["target"] for r in rows))
-    ratio = f"vs_{reference.replace(' ', '_')}"
-    by = {(r["target"], r["clients"]): r for r in rows}
-    levels = sorted({r["clients"] for r in rows})
-
-    def rate(name: str, clients: int) -> str:
-        r = by.get((name, clients))
-        if r is None:
-            return "—"
-        return f"{r['requests_per_s']:.2f}" + ("" if name == reference else f" ({r[ratio]:.2f}×)")
-
+    lines += vllm_serving(res) if "workloads" in res["http"] else vllm_levels(rows, reference)
     lines += [
-        "",
-        "Throughput, `/v1/systemone` requests/s (ratio to the reference):",
-        "",
-        *table(
-            ["clients", *(arms.title("vllm_check", n) for n in names)],
-            [[c, *(rate(n, c) for n in names)] for c in levels],
-        ),
         "",
         "Latency:",
         "",
         *table(
-            ["arm", "clients", "requests", "requests/s", "p50 (ms)", "p99 (ms)"],
+            ["arm", *(["workload"] if "workloads" in res["http"] else []), "clients", "requests", "requests/s"]
+            + ["p50 (ms)", "p99 (ms)"],
             [
                 [
                     arms.title("vllm_check", r["target"]),
+                    *([r["workload"]] if "workloads" in res["http"] else []),
                     r["clients"],
                     r["completed"],
                     f"{r['requests_per_s']:.2f}",
@@ -606,6 +645,88 @@ def vllm_report(res: dict) -> list[str]:
         *(f"Not up: {name}: {why}" for name, why in res["not_up"].items()),
     ]
     return lines
+
+
+def vllm_levels(rows: list[dict], reference: str) -> list[str]:
+    """vllm_check files of one workload: requests/s per arm and concurrency, with the ratio to the reference."""
+    names = list(dict.fromkeys(r["target"] for r in rows))
+    ratio = f"vs_{reference.replace(' ', '_')}"
+    by = {(r["target"], r["clients"]): r for r in rows}
+    levels = sorted({r["clients"] for r in rows})
+
+    def rate(name: str, clients: int) -> str:
+        r = by.get((name, clients))
+        if r is None:
+            return "—"
+        return f"{r['requests_per_s']:.2f}" + ("" if name == reference else f" ({r[ratio]:.2f}×)")
+
+    return [
+        "",
+        "Throughput, `/v1/systemone` requests/s (ratio to the reference):",
+        "",
+        *table(
+            ["clients", *(arms.title("vllm_check", n) for n in names)],
+            [[c, *(rate(n, c) for n in names)] for c in levels],
+        ),
+    ]
+
+
+def vllm_serving(res: dict) -> list[str]:
+    """vllm_check's two workloads: per workload and concurrency, blink on torch's and blink on vLLM's requests/s and
+    their ratio (the target: at least 1.0x), then the targets."""
+    torch_arm, vllm_arm = res["http"]["pair"]
+    by = {(r["target"], r["workload"], r["clients"]): r for r in res["http"]["rows"]}
+    ratio = f"vs_{vllm_arm.replace(' ', '_')}"
+    rows = []
+    for load, what in res["http"]["workloads"].items():
+        for clients in res["http"]["clients"]:
+            mine, theirs = by.get((torch_arm, load, clients)), by.get((vllm_arm, load, clients))
+            rows.append(
+                [
+                    f"{load} ({what})",
+                    clients,
+                    f"{mine['requests_per_s']:.2f}" if mine else "—",
+                    f"{theirs['requests_per_s']:.2f}" if theirs else "—",
+                    f"{mine[ratio]:.2f}×" if mine and ratio in mine else "—",
+                ]
+            )
+    verdict = {True: "met", False: "**missed**", None: "the target's levels are measured by the full run"}
+    return [
+        "",
+        f"Throughput, `/v1/systemone` requests/s, {res['http']['per_level']} requests per level:",
+        "",
+        *table(
+            [
+                "workload",
+                "clients",
+                arms.title("vllm_check", torch_arm),
+                arms.title("vllm_check", vllm_arm),
+                f"{arms.title('vllm_check', torch_arm)} / {arms.title('vllm_check', vllm_arm)}",
+            ],
+            rows,
+        ),
+        "",
+        *(f"- {t['target']}: {t['value']:.2f}x — {verdict[t['met']]}" for t in res.get("targets", [])),
+    ]
+
+
+def vllm_summary(res: dict, path: str) -> str:
+    """vllm_check's last line: the answers' largest gap per arm, then the throughput targets."""
+    gaps = [
+        f"{arms.title('vllm_check', a)} |dp| {r['max_prob_diff']:.2g}, {len(r['picks_differ'])} picks differ"
+        for a, r in res["answers"]["arms"].items()
+    ]
+    verdict = {True: "met", False: "MISSED", None: "quick"}
+    rates = [
+        f"{t['workload']} x{t['value']:.2f} at {t['clients']} client(s) ({verdict[t['met']]})" for t in res["targets"]
+    ]
+    torch_arm, vllm_arm = res["http"]["pair"]
+    return (
+        f"blink vllm_check ({'quick, ' if res['quick'] else ''}{res['hardware']}, {res['duration_s']:.0f} s): "
+        f"{'; '.join(gaps)}; {torch_arm} over {vllm_arm} requests/s: {', '.join(rates) or 'not measured'}"
+        + "".join(f"; not up: {name}: {why}" for name, why in res["not_up"].items())
+        + f"; results {os.path.relpath(path)}"
+    )
 
 
 def _cell(value) -> str:
@@ -839,7 +960,7 @@ REPORTS = {
     ),
     "models": (models_report, ("models", "skipped")),
     "order": (order_report, ("model", "questions", "temperature", "arms")),
-    "vllm_check": (vllm_report, ("answers", "http", "not_up", "vllm_own_route")),
+    "vllm_check": (vllm_report, ("answers", "http", "not_up", "vllm_own_route", "targets")),
     "serve": (serve_report, ("model", "dtype", "cluster", "config", "default_lead", "rows", "targets")),
 }
 # The header every run writes (harness.Run.header), and the names older files gave some of its fields.
@@ -856,6 +977,7 @@ HEADER = (
     "load_average",
     "matmul_gflops",
     "matmul_gflops_start_end",
+    "matmul_gflops_by_dtype",
     "matmul_change",
     "unsteady_threshold",
     "unsteady",

@@ -64,15 +64,25 @@ def group_cpu_seconds(pgid: int) -> float:
 
 
 class VllmPipe:
-    """One blink-on-vLLM server answering System One bodies (its answers in System One's shapes)."""
+    """One blink-on-vLLM server answering System One bodies (its answers in System One's shapes), counting the prompt
+    tokens its engine computed (x_meta.prefill_tokens: those vLLM's prefix cache did not hold) and naming the dtype
+    it computes in (x_meta.dtype)."""
 
     def __init__(self, url: str, model: str, pgid: int, http):
         self.url, self.model, self.pgid, self.http = url, model, pgid, http
+        self.tokens, self.dtype = 0, None
 
     def __call__(self, body: dict) -> dict:
         got = self.http.post(self.url, json={"model": self.model, **body})
         got.raise_for_status()
-        return got.json()["answers"]
+        answered = got.json()
+        self.tokens += int(answered["x_meta"]["prefill_tokens"])
+        self.dtype = answered["x_meta"].get("dtype", self.dtype)
+        return answered["answers"]
+
+    def computed_tokens(self) -> int:
+        """Prompt tokens the server's engine has computed so far."""
+        return self.tokens
 
     def elsewhere_cpu(self) -> float:
         """CPU seconds the server's processes have used so far."""

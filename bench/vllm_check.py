@@ -1,7 +1,7 @@
 """blink on vLLM against blink on torch, on one model, side by side in one run, over HTTP.
 
     python -m bench vllm_check [--model ID] [--requests 40] [--threads 1]   # writes bench/results/vllm-cpu.json
-    python -m bench vllm_check --quick      # 8 requests, fewer HTTP requests per level (vllm-cpu-quick.json)
+    python -m bench vllm_check --quick      # 8 requests; 4 HTTP requests per level, 1 and 4 clients (-quick.json)
 
 Runs where the vLLM environment exists (.venv-vllm, built by `bash tools/setup.sh --vllm`: vLLM pins its own torch
 and transformers, so blink on vLLM runs there and blink on torch in .venv, where this benchmark runs). Without it,
@@ -18,9 +18,14 @@ being named vllm-cpu) with raw log-probs.
    /v1/systemone. Per arm against blink on torch in float32 (bench/answers.py): the largest probability gap (p(yes)
    for a noul) and every pick that differs, with how far torch's own top two stood apart. This is the bfloat16 gap
    the dtype rule rests on.
-2. Throughput: run's HTTP workload (one choice over a ~120-token ticket log per request) at 1, 8 and 32 concurrent
-   clients (peers.http_drive): requests/s and latency per arm, and each arm's ratio to torch float32.
-3. vLLM's own decision route: /v1/systemone with its own fixed prompt. Driven like the others where it answers;
+2. Throughput, at blink's dtype (bfloat16 where the CPU computes it natively): blink on torch (`python app.py` at
+   its defaults, the answer cache on) against blink on vLLM, every other server stopped first. Two workloads of one
+   choice over a ~120-token ticket log per request (bench/workloads.py), each at 1, 8 and 32 concurrent clients
+   (peers.http_drive), 64 requests per level: DISTINCT, every request new (no answer and no whole prompt can be
+   reused), and REPEATED, the same 64 requests asked once unclocked and then sent again at every level (agents
+   re-ask, clients retry). Requests/s and p50/p99 latency per arm; the target: blink on torch >= 1.0x blink on
+   vLLM's requests/s at every level of both workloads.
+3. vLLM's own decision route: /v1/systemone with its own fixed prompt. Driven like the blink pair where it answers;
    else its answer is recorded (vllm-cpu 0.32 serves the route only for the architectures of its READ_STRATEGIES:
    Qwen3ForCausalLM, Qwen3_5ForConditionalGeneration, ...; a Llama model such as the stand-in gets 501).
 
@@ -35,15 +40,21 @@ import subprocess
 import tempfile
 
 import blink
-from bench import answers, arms, harness, peers, servers, workloads
-from bench.run import HTTP
+from bench import answers, arms, harness, peers, report, servers, workloads
 from bench.vllm_arm import VLLM_PYTHON, app_env, missing, python_of, vllm_args, vllm_env
 from tests import systemone_requests
 
 ARMS = arms.of("vllm_check")
-REFERENCE = next(iter(ARMS))  # what every arm's answers and speed are compared with: blink on torch in float32
+REFERENCE = next(iter(ARMS))  # what every arm's answers are compared with: blink on torch in float32
 OWN_ROUTE = "vLLM's own /v1/systemone"
 START_S = 900  # three vLLM engines and two torch apps start side by side on a small machine
+# The two HTTP workloads (workloads.DISTINCT and REPEATED): one choice over a ~doc-token ticket log per request,
+# per_level requests at each level of concurrent clients
+HTTP = {
+    "full": {"doc": 120, "clients": [1, 8, 32], "per_level": 64},
+    "quick": {"doc": 60, "clients": [1, 4], "per_level": 4},
+}
+VLLM_TARGET = 1.0  # blink on torch at least this many times blink on vLLM's requests/s, at every level and workload
 
 
 def workload(count: int, seed: int = 7) -> list[dict]:
@@ -101,22 +112,27 @@ def vllm_version() -> str:
 
 def start_all(
     stack: contextlib.ExitStack, model: str, threads: int, max_model_len: int, logs: str
-) -> tuple[dict, dict]:
-    """Every server up side by side: {target: (url, model name) or a reason it is not up}, and {target: seconds from
-    the start of them all until it answered} (waited for in turn: for all but the first, an upper bound)."""
+) -> tuple[dict, dict, dict]:
+    """Every server up side by side: {target: (url, model name) or a reason it is not up}, {target: seconds from the
+    start of them all until it answered} (waited for in turn: for all but the first, an upper bound), and {target:
+    an exit stack that stops it} (all of them stop with `stack` too)."""
     watch = harness.Stopwatch()
     folder = blink.model_source(model, blink.Settings().cache_dir)
     base = servers.bench_env(threads)
+    stops = {name: stack.enter_context(contextlib.ExitStack()) for name in [*ARMS, OWN_ROUTE]}
     # every process is started before the first is waited for: the engines start side by side
     starting = {
-        name: stack.enter_context(servers.app_started(app_env(model, arm, max_model_len), logs, base, python_of(arm)))
+        name: stops[name].enter_context(
+            servers.app_started(app_env(model, arm, max_model_len), logs, base, python_of(arm))
+        )
         for name, arm in ARMS.items()
     }
     port = servers.free_port()
     own_cmd = own_route_cmd(folder, port, max_model_len)
     own_log = os.path.join(logs, "vllm-serve.log")
     own_url = f"http://127.0.0.1:{port}/"
-    starting[OWN_ROUTE] = stack.enter_context(servers.started(own_cmd, own_url, own_log, {**base, **vllm_env()}))
+    own = servers.started(own_cmd, own_url, own_log, {**base, **vllm_env()})
+    starting[OWN_ROUTE] = stops[OWN_ROUTE].enter_context(own)
     up, up_after = {}, {}
     for name, server in starting.items():
         served = folder if name == OWN_ROUTE else model
@@ -124,7 +140,65 @@ def start_all(
         up_after[name] = round(watch.seconds(), 1)
         url = server.url + "v1/systemone"
         up[name] = why or peers.systemone_probe(url, served, workload(2)[0]) or (url, served)
-    return up, up_after
+    return up, up_after, stops
+
+
+def throughput_pair() -> tuple[str, str]:
+    """The two arms whose throughput is compared: blink on torch and blink on vLLM, each at the dtype blink's
+    defaults pick on this hardware (bfloat16 where the CPU computes it natively, else float32). The torch arm is then
+    `python app.py` at its defaults (its BLINK_DTYPE is what the default is here; the answer cache on)."""
+    dtype = blink.Settings.from_env({}).compute_dtype
+    pick = {arm.settings["backend"]: name for name, arm in ARMS.items() if arm.settings["dtype"] == dtype}
+    return pick["torch"], pick["vllm"]
+
+
+def ratio_key(name: str) -> str:
+    """The field of a row holding its requests/s over those of the arm `name` at the same workload and level."""
+    return f"vs_{name.replace(' ', '_')}"
+
+
+def serving_rows(driven: dict, workloads_: list[workloads.HttpWorkload]) -> list[dict]:
+    """Each workload at each level on every driven server ({target: (url, model)}), the servers taking turns per
+    level; a REPEATED workload's requests asked once, unclocked, on every server first."""
+    rows = []
+    for load in workloads_:
+        for url, served in driven.values():
+            peers.http_prime(url, served, load)
+        for clients, requests in load.levels.items():
+            for name, (url, served) in driven.items():
+                row = peers.http_drive(url, served, requests, clients, load.warm)
+                rows.append({"target": name, "workload": load.name, **row})
+                print(
+                    f"{load.name:>9} {clients:>3} clients {name}: {row['requests_per_s']} req/s, p50 "
+                    f"{row['p50_ms']} ms, p99 {row['p99_ms']} ms",
+                    flush=True,
+                )
+    return rows
+
+
+def serving_targets(rows: list[dict], torch_arm: str, vllm_arm: str, exact: bool) -> list[dict]:
+    """blink on torch at least VLLM_TARGET times blink on vLLM's requests/s, per workload and level (each torch row
+    gets its ratio); met is None where the levels are not the target's (--quick)."""
+    by = {(r["target"], r["workload"], r["clients"]): r for r in rows}
+    out = []
+    for (target, load, clients), row in by.items():
+        theirs = by.get((vllm_arm, load, clients))
+        if target != torch_arm or theirs is None or not theirs["requests_per_s"]:
+            continue
+        value = round(row["requests_per_s"] / theirs["requests_per_s"], 2)
+        row[ratio_key(vllm_arm)] = value
+        out.append(
+            {
+                "target": f"{torch_arm} >= {VLLM_TARGET:g}x {vllm_arm} requests/s: {load} requests, {clients} "
+                f"client{'' if clients == 1 else 's'}",
+                "workload": load,
+                "clients": clients,
+                "value": value,
+                "threshold": VLLM_TARGET,
+                "met": value >= VLLM_TARGET if exact else None,
+            }
+        )
+    return out
 
 
 def flags(ap) -> None:
@@ -135,7 +209,8 @@ def flags(ap) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Start every server, measure answers then throughput, write the results file, print a summary."""
+    """Start every server, measure answers, stop all but the throughput pair, measure both workloads' throughput,
+    write the results file, print a summary."""
     run = harness.Run("vllm_check", argv, __doc__, flags)
     args = run.args
     why = missing()
@@ -146,13 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(blink.model_source(args.model, blink.Settings().cache_dir))
-    http_requests = workloads.http_requests(tokenizer, http_cfg["requests"], http_cfg["doc"])
+    loads = [
+        workloads.http_workload(tokenizer, kind, http_cfg["clients"], http_cfg["per_level"], http_cfg["doc"])
+        for kind in workloads.HTTP_WORKLOADS
+    ]
     parity_requests = workload(args.requests or (8 if run.quick else 40))
+    torch_arm, vllm_arm = throughput_pair()
     logs = tempfile.mkdtemp(prefix="blink-bench-vllm-")
     print(f"server logs in {logs}", flush=True)
     run.probe()
     with contextlib.ExitStack() as stack:
-        up, up_after = start_all(stack, args.model, run.threads, args.max_model_len, logs)
+        up, up_after, stops = start_all(stack, args.model, run.threads, args.max_model_len, logs)
         print(
             f"servers up after {run.stopwatch.seconds():.0f} s: "
             + "; ".join(f"{k}: {'up' if isinstance(v, tuple) else v}" for k, v in up.items()),
@@ -169,23 +248,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['questions']} questions, {len(row['picks_differ'])} picks differ",
                 flush=True,
             )
-        driven = {name: target for name, target in up.items() if isinstance(target, tuple)}
-        serving = []
-        for clients in http_cfg["clients"]:
-            per_client = max(1, http_cfg["per_level"] // clients)
-            for name, (url, served) in driven.items():
-                row = peers.http_drive(url, served, http_requests, clients, per_client)
-                serving.append({"target": name, **row})
-                print(
-                    f"{clients:>3} clients {name}: {row['requests_per_s']} req/s, p50 {row['p50_ms']} ms, "
-                    f"p99 {row['p99_ms']} ms",
-                    flush=True,
-                )
-    base = {r["clients"]: r["requests_per_s"] for r in serving if r["target"] == REFERENCE}
-    for row in serving:
-        row[f"vs_{REFERENCE.replace(' ', '_')}"] = (
-            round(row["requests_per_s"] / base[row["clients"]], 2) if base.get(row["clients"]) else None
-        )
+        measured = (torch_arm, vllm_arm, OWN_ROUTE)  # vLLM's own route where it answers (a listed architecture)
+        driven = {name: up[name] for name in measured if isinstance(up[name], tuple)}
+        for name, stop in stops.items():
+            if name not in driven:
+                stop.close()  # idle servers stopped: nothing but the measured ones on the cores
+        serving = serving_rows(driven, loads)
+    targets = serving_targets(serving, torch_arm, vllm_arm, exact=not run.quick)
     result = {
         "model": args.model,
         "vllm": vllm_version(),
@@ -196,8 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         "up_after_s": up_after,
         "vllm_own_route": ("answered: driven in the http rows" if isinstance(up[OWN_ROUTE], tuple) else up[OWN_ROUTE]),
         "answers": {"requests": len(parity_requests), "reference": REFERENCE, "arms": parity},
-        "http": {**http_cfg, "rows": serving},
+        "http": {
+            **http_cfg,
+            "pair": [torch_arm, vllm_arm],
+            "workloads": {load.name: load.what for load in loads},
+            "rows": serving,
+        },
+        "targets": targets,
     }
     path = run.write(result, f"vllm-{'cuda' if blink.cuda_available() else 'cpu'}")
-    print(f"wrote {path}")
+    print(report.vllm_summary(run.written, path))
     return 1 if result["not_up"] else 0

@@ -7,6 +7,7 @@ Everything is generated from a fixed seed, so every arm and every run sees the s
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 TEAMS = [
     "billing",
@@ -132,10 +133,10 @@ def questions(n_questions: int, n_options: int, n_tickets: int) -> dict:
     return out
 
 
-def case_requests(tok, cfg: dict, rep: int) -> dict[str, tuple]:
-    """The decision cases of one repetition: a document not seen before with `questions` questions ("document"), the
-    same document with as many new questions ("again"), and one short yes/no question over a short new text
-    ("short")."""
+def case_requests(tok, cfg: dict, rep: int) -> dict[str, list[tuple]]:
+    """The decision cases of one repetition, each a list of (state, questions) requests: a document not seen before
+    with `questions` questions ("document"), the same document with as many new questions ("again"), and
+    `short_per_rep` (default 1) short yes/no questions, each over a short new text ("short")."""
     doc = document(tok, cfg["doc"], seed=1000 + rep)
     n = ticket_count(doc)
     first = questions(cfg["questions"], cfg["options"], n)
@@ -143,23 +144,59 @@ def case_requests(tok, cfg: dict, rep: int) -> dict[str, tuple]:
         f"r{k}": {**q, "instructions": q["instructions"].replace("Which team", "What team, in your view,")}
         for k, q in questions(cfg["questions"], cfg["options"], n).items()
     }
-    short = (
-        f"Order {4100 + rep}: I was charged twice for the same order and want my money back.",
-        {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
-    )
-    return {"document": (doc, first), "again": (doc, again), "short": short}
+    short = [
+        (
+            f"Order {4100 + 100 * i + rep}: I was charged twice for the same order and want my money back.",
+            {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
+        )
+        for i in range(cfg.get("short_per_rep", 1))
+    ]
+    return {"document": [(doc, first)], "again": [(doc, again)], "short": short}
 
 
 CASES = ("document", "again", "short")
 
 
-def http_requests(tok, n: int, doc_tokens: int) -> list[dict]:
-    """n System One requests, each one choice question over its own short ticket log."""
+def http_requests(tok, n: int, doc_tokens: int, seed: int = 500) -> list[dict]:
+    """n System One requests, each one choice question over its own short ticket log (seeds seed .. seed + n - 1)."""
     out = []
     for i in range(n):
-        doc = document(tok, doc_tokens, seed=500 + i)
+        doc = document(tok, doc_tokens, seed=seed + i)
         out.append(system_one(doc, questions(1, 4, ticket_count(doc))))
     return out
+
+
+@dataclass(frozen=True)
+class HttpWorkload:
+    """System One requests for concurrent HTTP clients: `primed` are sent once before any clock starts, `warm` before
+    each level's clock (a request of its own, never timed), and at each level of `levels` ({clients: requests}) client
+    c sends requests[c * per_client + r], r < per_client, where per_client = len(requests) // clients."""
+
+    name: str
+    what: str
+    warm: dict
+    primed: list[dict]
+    levels: dict[int, list[dict]]
+
+
+DISTINCT, REPEATED = "distinct", "repeated"
+HTTP_WORKLOADS = (DISTINCT, REPEATED)
+
+
+def http_workload(tok, kind: str, clients: list[int], per_level: int, doc_tokens: int) -> HttpWorkload:
+    """One of the two HTTP workloads, per_level requests at each level of `clients`. DISTINCT: every request new,
+    across every level too (nothing a cache of answers or whole prompts could serve). REPEATED: per_level requests
+    asked once unclocked (primed), then sent again at every level, as agents re-ask and clients retry. The two use
+    documents of their own (seeds 500.. and 5000..)."""
+    warm = http_requests(tok, 1, doc_tokens, seed=400)[0]
+    if kind == DISTINCT:
+        every = http_requests(tok, per_level * len(clients), doc_tokens, seed=500)
+        levels = {c: every[i * per_level : (i + 1) * per_level] for i, c in enumerate(clients)}
+        return HttpWorkload(kind, "every request new", warm, [], levels)
+    if kind == REPEATED:
+        asked = http_requests(tok, per_level, doc_tokens, seed=5000)
+        return HttpWorkload(kind, "the same requests sent again", warm, asked, {c: asked for c in clients})
+    raise ValueError(f"kind must be one of {HTTP_WORKLOADS}")
 
 
 def system_one_question(q: dict) -> dict:

@@ -32,6 +32,7 @@ from bench import (
     run,
     servers,
     throughput,
+    vllm_check,
     workloads,
 )
 
@@ -154,38 +155,163 @@ def test_decision_cases_time_both_sides_and_check_blink_against_unbatched(tiny_q
         handle.remove()
     assert len(forwards) == 3
     assert "<|mark|>" not in tiny_qwen.tok.get_vocab()  # blink's tokenizer is untouched
-    rows = peers.decision_cases(tiny_qwen, {"doc": 300, "questions": 3, "options": 4, "reps": 1}, {"pipeline": pipe})
+    cfg = {"doc": 300, "questions": 3, "options": 4, "reps": 1, "short_per_rep": 2}
+    rows = peers.decision_cases(tiny_qwen, cfg, {"pipeline": pipe})
     assert set(rows) == set(workloads.CASES)
     for row in rows.values():
         assert row["vs_unbatched"]["picks_differ"] == [] and row["vs_unbatched"]["max_prob_diff"] < 1e-4
-        assert row["vs_unbatched"]["questions"] == row["questions"]
+        assert row["vs_unbatched"]["questions"] == row["questions"] * row["requests_per_rep"]
         arms_ = row["arms"]
-        assert len(arms_["pipeline"]["wall_s"]) == len(arms_["blink"]["wall_s"]) == 1
+        assert len(arms_["pipeline"]["wall_s"]) == len(arms_["blink"]["wall_s"]) == row["requests_per_rep"]
         # the ratio is the pipeline's time over blink's, each the sum of its timed runs
-        assert arms_["pipeline"]["total_wall_s"] == round(sum(arms_["pipeline"]["wall_s"]), 4)
+        assert arms_["pipeline"]["total_wall_s"] == pytest.approx(sum(arms_["pipeline"]["wall_s"]), abs=1e-3)
         assert row["vs_pipeline"]["wall"] == round(
             arms_["pipeline"]["total_wall_s"] / arms_["blink"]["total_wall_s"], 2
         )
+        # blink says what it computed (its meta); a bare pipeline does not, so it has no utilisation
+        assert arms_["blink"]["computed_tokens"] > 0 and arms_["blink"]["dtype"] == "float32"
+        assert arms_["pipeline"]["computed_tokens"] is None and "model_gflop" not in arms_["pipeline"]
+    assert rows["short"]["requests_per_rep"] == 2 and rows["document"]["requests_per_rep"] == 1
     again = rows["again"]
     assert again["cached_tokens"] > 0 and again["prefill_tokens"] + again["cached_tokens"] == again["prompt_tokens"]
+    assert again["arms"]["blink"]["computed_tokens"] == again["prefill_tokens"]  # one request: its meta's count
 
 
-def test_peers_load_the_checkpoint_as_a_user_does_and_a_same_dtype_pipeline_runs_blinks_model(tiny_qwen_dir, tiny_qwen):
+def test_peers_load_the_checkpoint_as_a_user_does_and_a_same_dtype_pipeline_loads_its_own(tiny_qwen_dir, tiny_qwen):
     # blink in bfloat16 (its default on a CPU that computes it natively): the peers get from_pretrained's default
-    # load, the float32 checkpoint, and pipeline_bfloat16 runs on blink's own model
+    # load, the float32 checkpoint, and pipeline_bfloat16 is the pipeline as a user runs it at bfloat16: its own
+    # model and tokenizer loaded from the checkpoint, not blink's model (whose packed weights are blink's work)
     bf16 = blink.TorchEngine(tiny_qwen_dir, settings=blink.Settings(dtype="bfloat16"))
     assert grid.checkpoint_dtype(bf16) == torch.float32
     assert grid.user_model(bf16).dtype == torch.float32 and grid.user_model(bf16) is not bf16.model
+    body = workloads.system_one(STATE, workloads.questions(3, 4, 1))
     with contextlib.ExitStack() as stack:
         pipes, skipped = peers.start_peers(peers.PeerContext(bf16, 1, "", stack), ["pipeline_bfloat16"])
-        assert skipped == [] and pipes["pipeline_bfloat16"].model is bf16.model
+        peer = pipes["pipeline_bfloat16"]
+        assert skipped == [] and peer.model is not bf16.model and peer.model is not grid.user_model(bf16)
+        assert peer.model.dtype == torch.bfloat16 and peer.dtype == "bfloat16"
+        assert peer.pipe.tokenizer is not bf16.tok
+        assert not any("forward" in vars(m) for m in peer.model.modules())  # torch's own layers, nothing of blink's
+        name, weight = next((n, w) for n, w in grid.user_model(bf16).named_parameters() if "mlp" in n)
+        assert torch.equal(dict(peer.model.named_parameters())[name], weight.to(torch.bfloat16))  # the checkpoint's
+        # it counts the prompt tokens its model computes: every forward's input_ids (one prompt per question)
+        prompts = peer.pipe.preprocess(body)["prompts"]
+        peer(body)
+        assert peer.computed_tokens() == sum(inputs["input_ids"].numel() for inputs, _ in prompts) > 0
         # in float32 there is no second pipeline; the peers share blink's model where blink runs torch's kernels too
         pipes, skipped = peers.start_peers(peers.PeerContext(tiny_qwen, 1, "", stack), ["pipeline_bfloat16"])
     assert pipes == {} and skipped == [
         {"target": "pipeline_bfloat16", "skipped": "blink computes in float32, the dtype the pipeline arm already runs"}
     ]
+    peer(body)  # the stack closed: it no longer counts
+    assert peer.computed_tokens() == sum(inputs["input_ids"].numel() for inputs, _ in prompts)
     assert grid.user_model(tiny_qwen).dtype == torch.float32
     assert (grid.user_model(tiny_qwen) is tiny_qwen.model) == (tiny_qwen.matmul == "torch")
+
+
+def test_the_same_dtype_pipeline_is_what_pipeline_loads_from_the_checkpoint(standin):
+    # on a causal LM such as the stand-in, pipeline("decision", model=<checkpoint>, dtype=...) loads the model the
+    # arm loads: the same class, the same weights, at that dtype
+    from transformers import pipeline
+
+    theirs = pipeline("decision", model=standin.source, dtype=torch.bfloat16).model
+    mine = peers.own_pipeline(standin, torch.bfloat16).model
+    assert type(mine) is type(theirs) and mine.dtype == theirs.dtype == torch.bfloat16 and mine is not standin.model
+    assert all(torch.equal(a, b) for a, b in zip(mine.state_dict().values(), theirs.state_dict().values()))
+
+
+def test_model_flop_utilisation_is_the_weights_flops_over_the_time_against_the_probe_at_its_dtype():
+    assert harness.utilisation(2e11, 2.0, 200.0) == pytest.approx(0.5)  # 100 GFLOP/s of a 200 GFLOP/s probe
+    assert harness.utilisation(1e9, 0.0, 200.0) is None and harness.utilisation(1e9, 1.0, 0.0) is None
+    cost = blink.PrefillCost(token_flops=2e8, pair_flops=4e3)  # a model of 1e8 non-embedding weights
+    work = peers.computed_work(cost, [300, 100], 2.0, "bfloat16")  # 400 tokens in 2 s: 80 GFLOP, 40 GFLOP/s
+    assert work == {"computed_tokens": 400, "model_gflop": 80.0, "gflops": 40.0, "dtype": "bfloat16"}
+    assert peers.computed_work(cost, [300, None], 2.0, "q4_1") == {"computed_tokens": None, "dtype": "q4_1"}
+    # fabricated times and probes: each arm against the probe at the dtype it computes in (float32's where its
+    # dtype has none of its own)
+    decision = {
+        "short": {
+            "arms": {
+                "blink": {**work, "total_wall_s": 2.0},
+                "llama.cpp": {**peers.computed_work(cost, [200], 4.0, "q4_1"), "total_wall_s": 4.0},
+                "pipeline": {"computed_tokens": None, "dtype": "float32", "total_wall_s": 1.0},
+            }
+        }
+    }
+    ran = harness.Run("run", ["--threads", "0"], "a test run")
+    ran.device, ran.probes, ran.dtype_probes = torch.device("cpu"), [50.0, 40.0], {"bfloat16": [150.0, 160.0]}
+    assert ran.matmul_probe("bfloat16") == ("bfloat16", 160.0) and ran.matmul_probe("q4_1") == ("float32", 50.0)
+    peers.utilisation(decision, ran.matmul_probe)
+    arms_ = decision["short"]["arms"]
+    assert (arms_["blink"]["utilisation"], arms_["blink"]["probe_dtype"]) == (0.25, "bfloat16")  # 40 of 160
+    assert (arms_["llama.cpp"]["utilisation"], arms_["llama.cpp"]["probe_dtype"]) == (0.2, "float32")  # 10 of 50
+    assert "utilisation" not in arms_["pipeline"]
+
+
+def test_settle_waits_until_a_peers_processes_go_idle():
+    used = iter([0.0, 1.0, 2.0, 2.0])  # fabricated CPU seconds: busy for two intervals, then idle
+    calls = []
+
+    def cpu() -> float:
+        calls.append(1)
+        return next(used)
+
+    assert harness.settle(cpu, interval_s=0.001) >= 0.002 and len(calls) == 4
+    busy = iter(float(i) for i in range(10_000))  # never idle: given up at the cap
+    assert harness.settle(lambda: next(busy), interval_s=0.001, cap_s=0.02) >= 0.02
+
+
+def test_http_workloads_distinct_requests_are_all_new_and_repeated_ones_repeat(tiny_qwen):
+    clients = [1, 2, 4]
+    distinct = workloads.http_workload(tiny_qwen.tok, workloads.DISTINCT, clients, 4, 40)
+    repeated = workloads.http_workload(tiny_qwen.tok, workloads.REPEATED, clients, 4, 40)
+
+    def key(body: dict) -> str:
+        return json.dumps(body, sort_keys=True)
+
+    sent = [key(b) for level in distinct.levels.values() for b in level]
+    assert list(distinct.levels) == clients and all(len(level) == 4 for level in distinct.levels.values())
+    assert len(set(sent)) == len(sent) == 12 and distinct.primed == []  # every request new, at every level
+    assert key(distinct.warm) not in sent  # the unclocked warm-up is none of the timed requests
+    asked = [key(b) for b in repeated.primed]
+    assert len(set(asked)) == len(asked) == 4
+    for level in repeated.levels.values():  # every timed request was asked before: sent again
+        assert [key(b) for b in level] == asked
+    assert key(repeated.warm) not in asked and not set(asked) & set(sent)  # documents of its own
+    with pytest.raises(ValueError, match="kind"):
+        workloads.http_workload(tiny_qwen.tok, "mixed", clients, 4, 40)
+
+
+def test_decision_targets_hold_blink_to_the_same_dtype_pipeline_vllm_and_the_float32_path():
+    # fabricated ratios (only the targets' logic is checked): blink in bfloat16, both own-prompt pipelines, blink_vllm
+    def case(ratio: float, gap: float) -> dict:
+        vs = {"wall": ratio, "cpu": ratio, "picks_differ_from_blink": []}
+        return {
+            "questions": 1,
+            "prompt_tokens": 100,
+            "arms": {"blink": {"dtype": "bfloat16"}, "pipeline": {"dtype": "float32"}},
+            **{f"vs_{p}": vs for p in ("pipeline", "blink_vllm")},
+            "vs_pipeline_bfloat16": {**vs, "wall": ratio / 2, "cpu": ratio / 2},
+            "vs_unbatched": {"questions": 1, "picks_differ": [], "max_prob_diff": gap},
+        }
+
+    decision = {c: case(3.0, 0.01) for c in workloads.CASES}
+    for row in decision.values():
+        row["arms"]["pipeline_bfloat16"] = {"dtype": "bfloat16"}
+    got = {(t.get("case"), t.get("peer")): t for t in run.decision_targets(decision, quick=False)}
+    assert [got[(c, "pipeline_bfloat16")]["threshold"] for c in workloads.CASES] == [2.0, 4.0, 1.2]
+    assert [got[(c, "pipeline_bfloat16")]["met"] for c in workloads.CASES] == [False, False, True]  # 1.5x each
+    assert all(got[(c, "blink_vllm")]["met"] for c in workloads.CASES) and (None, None) in got
+    assert got[(None, None)]["met"] is True
+    decision["short"]["vs_unbatched"]["max_prob_diff"] = 0.04  # no pick flipped, but too far from float32
+    assert run.decision_targets(decision, quick=False)[-1]["met"] is False
+    # blink in float32: the float32 pipeline is the same-dtype one; --quick evaluates nothing
+    for row in decision.values():
+        row["arms"]["blink"]["dtype"] = "float32"
+        del row["arms"]["pipeline_bfloat16"]
+    targets = run.decision_targets(decision, quick=True)
+    assert {t.get("peer") for t in targets} == {"pipeline", "blink_vllm", None}
+    assert all(t["met"] is None for t in targets if t["threshold"])
 
 
 class FakeLlama:
@@ -322,9 +448,8 @@ def test_llama_arms_say_why_they_cannot_run_here(tiny_qwen):
 
 
 def test_http_arm_drives_transformers_serve_and_says_why_a_side_is_missing(tiny_qwen, tmp_path):
-    rows = peers.http_rows(
-        tiny_qwen, {"requests": 2, "doc": 40, "clients": [2], "per_level": 2}, 1, None, str(tmp_path)
-    )
+    rows = peers.http_rows(tiny_qwen, {"doc": 40, "clients": [2], "per_level": 2}, 1, None, str(tmp_path))
+    assert {r.get("workload") for r in rows if "skipped" not in r} == {workloads.DISTINCT}
     serve = [r for r in rows if r["target"] == "transformers serve /v1/systemone"]
     assert serve and serve[-1]["completed"] == 2 and serve[-1]["errors"] == [] and serve[-1]["requests_per_s"] > 0
     own = [r for r in rows if r["target"] == "blink /v1/systemone"]
@@ -430,7 +555,9 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         shown = set(report.HEADER) | set(report.REPORTS[which][1])
         for key in res.keys() - shown:  # every field the tables leave out prints after them
             assert f"\n- {key}: " in out or f"\n{key}:\n" in out, (path, key)
+    runs = {name: "run" for name in kinds if name.startswith("decision-")}  # e.g. decision-2threads.json (--name)
     assert kinds == {
+        **runs,
         "batch.json": "batch",
         "budget.json": "budget",
         "decision.json": "run",
@@ -459,6 +586,48 @@ def test_report_prints_the_vllm_results_whole():
             f"{row['p99_ms']:.0f} |" in out
         )
     assert res["vllm_own_route"] in out
+
+
+def test_report_prints_the_utilisation_column_and_the_two_http_workloads():
+    # the committed files with the new fields added (fabricated numbers: only the printing is checked)
+    with open(os.path.join(RESULTS, "decision.json"), encoding="utf-8") as fh:
+        res = json.load(fh)
+    res["matmul_gflops_by_dtype"] = {"bfloat16": [180.0, 170.0]}
+    blink_arm = res["decision"]["short"]["arms"]["blink"]
+    blink_arm.update(computed_tokens=1234, model_gflop=300.0, gflops=41.7, dtype="bfloat16", probe_dtype="bfloat16")
+    blink_arm.update(matmul_gflops=180.0, utilisation=0.232)
+    for row in res["http"]:
+        row["workload"] = workloads.DISTINCT
+    out = report.report(res, "decision.json")
+    assert "| one short yes/no question | blink | bfloat16 | 1,234 | 42 | 180 (bfloat16) | 23% |" in out
+    assert ", bfloat16 180," in out  # the probe at blink's dtype, beside the float32 one
+    row = res["http"][0]
+    assert f"| {row['target']} | distinct | {row['clients']} | {row['completed']} |" in out
+
+    with open(os.path.join(RESULTS, "vllm-cpu.json"), encoding="utf-8") as fh:
+        res = json.load(fh)
+    pair = ["blink torch bfloat16", "blink vLLM bfloat16"]
+    rows = [r for r in res["http"]["rows"] if r["target"] in pair]
+    res["http"].update(pair=pair, workloads={"distinct": "every request new", "repeated": "sent again"})
+    res["http"]["rows"] = [{**r, "workload": w} for w in ("distinct", "repeated") for r in rows]
+    res.update(quick=False, duration_s=60.0)
+    res["targets"] = vllm_check.serving_targets(res["http"]["rows"], *pair, exact=True)
+    out = report.report(res, "vllm-cpu.json")
+    by = {(r["target"], r["workload"], r["clients"]): r for r in res["http"]["rows"]}
+    for w in ("distinct", "repeated"):
+        for clients in res["http"]["clients"]:
+            mine, theirs = by[(pair[0], w, clients)], by[(pair[1], w, clients)]
+            ratio = mine["requests_per_s"] / theirs["requests_per_s"]
+            assert (
+                f"| {w} ({res['http']['workloads'][w]}) | {clients} | {mine['requests_per_s']:.2f} | "
+                f"{theirs['requests_per_s']:.2f} | {ratio:.2f}× |" in out
+            )
+            assert f"| torch bfloat16 | {w} | {clients} | {mine['completed']} |" in out
+    assert len(res["targets"]) == 6 and all(f"- {t['target']}: {t['value']:.2f}x" in out for t in res["targets"])
+    eight = by[(pair[0], "repeated", 8)]["requests_per_s"] / by[(pair[1], "repeated", 8)]["requests_per_s"]
+    assert f"repeated x{eight:.2f} at 8 client(s) ({'met' if eight >= 1 else 'MISSED'})" in report.vllm_summary(
+        res, "vllm-cpu.json"
+    )
 
 
 def test_python_m_bench_lists_every_benchmark_and_each_has_a_main():

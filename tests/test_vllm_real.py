@@ -296,6 +296,9 @@ def test_the_bench_arm_asks_blink_on_vllm_and_counts_its_servers_cpu(torch_fp32,
         before = pipe.elsewhere_cpu()
         got = pipe(workloads.system_one(state, questions))
         assert pipe.elsewhere_cpu() > before
+    # what its engine computed, for the utilisation column: at most every prompt token, in the server's dtype
+    prompts = torch_fp32.render(blink.parse_request(state, workloads.system_one(state, questions)["questions"]))
+    assert 0 < pipe.computed_tokens() <= sum(len(p.ids) for p in prompts) and pipe.dtype == VLLM_ENV["BLINK_DTYPE"]
     want = blink.Deployment.serving(torch_fp32).decide(state, questions)["answers"]
     compared = answers.compare(want, got)  # a noul's p(yes) read as its distribution, as the bench reads it
     assert compared["questions"] == 2 and compared["picks_differ"] == [] and compared["max_prob_diff"] < TOLERANCE
