@@ -1,7 +1,7 @@
 """blink's Ray Serve app on a local two-node cluster: one replica against two under each router, over HTTP.
 
-    python -m bench serve            # documents of ~3,400 tokens (about 30 minutes on a 2-core CPU)
-    python -m bench serve --quick    # documents of ~540 tokens, fewer of them (about 8 minutes)
+    python -m bench serve            # documents of ~3,400 tokens
+    python -m bench serve --quick    # documents of ~540 tokens, fewer of them (5-8 minutes on a 2-core AMD EPYC)
 
 The cluster: two Ray nodes of one CPU each on this machine (bench/servers.py ray_serve: Ray's ray.cluster_utils), each
 replica holding one CPU and one torch thread, blink at its defaults (no BLINK_* variable read). The arms (the
