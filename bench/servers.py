@@ -164,6 +164,15 @@ def app(
 
 # What a Ray cluster's working directory leaves out: environments, history, results and tests (Ray uploads the rest).
 RAY_EXCLUDES = [".git", ".venv", ".venv-vllm", "bench/results", "tests/data", "tests/artifacts", "*.pyc"]
+# What a local cluster's nodes are started with: no usage reports; Ray's memory monitor off (other programs on a shared
+# machine must not get its workers killed); and a minute for Serve's HTTP proxy to answer its ready and health checks
+# (5 and 10 s by default: on a loaded 2-core machine a proxy still starting misses them, and Serve kills it).
+RAY_NODE_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_memory_monitor_refresh_ms": "0",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
 
 
 def cluster_processes(cluster) -> list:
@@ -187,15 +196,15 @@ def ray_serve(env_vars: dict | None = None, nodes: int = 2, cpus: int = 1) -> It
     this process its driver (the repository its working directory, `env_vars` set in each of its processes), Serve
     started with its HTTP proxy on a free loopback port; yields the proxy's URL. On leaving, Serve, the driver and
     every node stop, and every process the cluster started is waited for until it is gone (one left over is an error
-    naming it). Ray's memory monitor is off: other programs on a shared machine must not get its workers killed."""
+    naming it). The nodes start with RAY_NODE_ENV."""
     import psutil
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
     temp = tempfile.mkdtemp(prefix="blink-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
-    saved = {k: os.environ.get(k) for k in ("RAY_memory_monitor_refresh_ms", "RAY_USAGE_STATS_ENABLED")}
-    os.environ.update(RAY_memory_monitor_refresh_ms="0", RAY_USAGE_STATS_ENABLED="0")  # the nodes inherit these
+    saved = {k: os.environ.get(k) for k in RAY_NODE_ENV}
+    os.environ.update(RAY_NODE_ENV)  # the nodes, and every process they start, inherit these
     try:
         cluster = Cluster(
             initialize_head=True,
