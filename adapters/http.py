@@ -335,12 +335,20 @@ class HttpLayer:
         return wire.request_body(data, request.headers.get("content-type", "")), {}
 
     def answer(self, protocol: wire.WireProtocol, body, parts: dict, carried: object) -> dict:
-        """Parse, answer through the model's Batcher, shape; in a wire thread, with what the host carried in place
-        (the Batcher runs a batch in its oldest caller's context). A host whose model answers elsewhere (replicas
-        behind an ingress) overrides this one step."""
+        """Parse, decide, shape; in a wire thread, with what the host carried in place (the Batcher runs a batch in
+        its oldest caller's context)."""
         self.handoff.enter(carried)
         call = protocol.call(body, parts, self.deployment)
-        return protocol.response(call, self.deployment.submit(call.request, call.model))
+        return protocol.response(call, self.decided(call))
+
+    def decided(self, call: wire.WireCall) -> dict:
+        """{answers, meta} of a parsed call, answered by the model's Batcher. A host whose model answers elsewhere
+        (replicas behind an ingress: adapters/serve.py) overrides this one step."""
+        return self.deployment.submit(call.request, call.model)
+
+    def listing(self) -> dict:
+        """GET /v1/models' payload: the deployment's models (a host whose models load elsewhere overrides it)."""
+        return wire.models_listing(self.deployment)
 
     def reply(self, protocol: wire.WireProtocol, payload: dict | None, exc: Exception | None = None) -> Response:
         """The JSON reply of a wire route (wire.reply shapes it); a failure inside the model is logged here."""
@@ -378,7 +386,7 @@ class HttpLayer:
             self.check_key(request.headers)
         except wire.WireError as exc:
             return self.reply(wire.SYSTEM_ONE, None, exc)
-        return self.reply(wire.SYSTEM_ONE, wire.models_listing(self.deployment))
+        return self.reply(wire.SYSTEM_ONE, self.listing())
 
     async def metrics_page(self, request: HTTPRequest) -> Response:
         """Every metric in Prometheus' text format, behind the key when there is one."""

@@ -18,6 +18,7 @@ BENCHMARKS = (
     "order",
     "models",
     "batch",
+    "serve",
     "memory",
     "vllm_check",
     "gpu",

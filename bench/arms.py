@@ -24,6 +24,7 @@ class Arm:
     runs: str | None = None  # "module:function" in bench/ that runs or starts it
     python: str = "project"  # a server arm's environment: the project's (.venv) or vLLM's (.venv-vllm)
     quantize_int8: bool = False  # every linear layer but lm_head quantized to int8 after loading
+    app_args: dict = field(default_factory=dict)  # the Ray Serve app's arguments (adapters/serve.py; bench serve)
     colour: str | None = None  # in the figure
 
     def function(self) -> Callable:
@@ -232,6 +233,36 @@ REGISTRY: dict[str, dict[str, Arm]] = {
     "memory": _named(
         Arm("decide", "decide", "blink.decide() in a loop, in a process of its own"),
         Arm("app", "app", "`python app.py`, sent System One requests over HTTP"),
+    ),
+    # `python -m bench serve`: blink's Ray Serve app (adapters/serve.py), one replica against two under each router
+    "serve": _named(
+        Arm("one_replica", "one replica", "the Serve app with one replica", app_args={"replicas": 1}),
+        Arm(
+            "pow2",
+            "pow2",
+            "two replicas under Serve's default router (power of two choices over queue lengths)",
+            app_args={"replicas": 2, "routing": "pow2"},
+        ),
+        Arm(
+            "prefix_tree",
+            "prefix_tree",
+            "two replicas under Ray Serve LLM's PrefixCacheAffinityRouter (a character prefix tree over each "
+            "request's text)",
+            app_args={"replicas": 2, "routing": "prefix_tree"},
+        ),
+        Arm(
+            "evidence",
+            "evidence",
+            "two replicas under blink's router: each document's home by rendezvous hashing of its evidence key, the "
+            "least loaded past BLINK_ROUTE_MAX_LEAD",
+            app_args={"replicas": 2, "routing": "evidence"},
+        ),
+        Arm(
+            "evidence_lead",
+            "evidence, lead {lead}",
+            "the same at another BLINK_ROUTE_MAX_LEAD, on the hot workload",
+            app_args={"replicas": 2, "routing": "evidence"},
+        ),
     ),
 }
 

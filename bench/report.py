@@ -6,7 +6,7 @@
 
 Each file prints its header (the command, the hardware, when and for how long, whether the machine held steady), the
 tables of its kind (run's full/decision/quick, budget, overhead, drift, gpu, memory, batch, models, order,
-vllm_check), then every field those left out; a results file of any other kind prints as generic tables of its
+vllm_check, serve), then every field those left out; a results file of any other kind prints as generic tables of its
 fields, so every file prints, whole."""
 
 from __future__ import annotations
@@ -864,6 +864,61 @@ def memory_summary(res: dict, path: str) -> str:
     )
 
 
+def serve_table(res: dict) -> list[str]:
+    """bench/serve.py: per workload and arm, req/s, latency, cached share, the split over replicas and the answers
+    against in-process decide()."""
+    lines = [
+        "| workload | arm | req/s | p50 s | p99 s | cached share | requests per replica | documents split | "
+        "vs in-process: largest gap, picks changed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["rows"]:
+        split = f"{r['documents_split']} of {r['documents_asked_again']}" if r["documents_asked_again"] else "—"
+        vs = r["vs_in_process"]
+        lines.append(
+            f"| {r['workload']} | {arms.title('serve', r['arm']).format(lead=r.get('lead'))} | {r['req_per_s']:.3f} "
+            f"| {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['cached_share']:.1%} | "
+            f"{'/'.join(map(str, r['by_replica']))} | {split} | {vs['max_prob_diff']:.1e}, "
+            f"{len(vs['picks_differ'])} of {vs['questions']} |"
+        )
+    return lines
+
+
+def serve_report(res: dict) -> list[str]:
+    """serve: what ran, the table, then the targets."""
+    c = res["config"]
+    return [
+        f"{res['model']} in {res['dtype']} on {res['cluster']}; documents of ~{c['words']:,} words; re-ask "
+        f"{c['docs']} documents x {c['asks']} asks and distinct {2 * c['docs']} documents from {c['clients']} "
+        f"clients, hot {c['hot_requests']} requests from {2 * c['clients']}; BLINK_ROUTE_MAX_LEAD "
+        f"{res['default_lead']} unless the arm says.",
+        "",
+        *serve_table(res),
+        "",
+        *(f"- {t['target']}: {t['value']} ({'met' if t['met'] else 'MISSED'})" for t in res["targets"]),
+    ]
+
+
+def serve_summary(res: dict, path: str) -> str:
+    """serve's last line: evidence routing's re-ask figures against one replica and the other routers, and the hot
+    workload's p99."""
+    at = {(r["workload"], r["arm"]): r for r in res["rows"] if "lead" not in r}
+    ev = at[("reask", "evidence")]
+    peers = ", ".join(
+        f"{ev['req_per_s'] / at[('reask', peer)]['req_per_s']:.2f}x {arms.title('serve', peer)}"
+        for peer in ("one_replica", "pow2", "prefix_tree")
+    )
+    met = sum(t["met"] for t in res["targets"])
+    return (
+        f"blink on Ray Serve ({'quick' if res['quick'] else 'full'}, {res['hardware']}, {res['duration_s']:.0f} s): "
+        f"re-ask under evidence {ev['req_per_s']:.2f} req/s = {peers}; cached share {ev['cached_share']:.1%} "
+        f"(one replica {at[('reask', 'one_replica')]['cached_share']:.1%}); hot p99 "
+        f"{at[('hot', 'evidence')]['p99_s']:.1f} s (pow2 {at[('hot', 'pow2')]['p99_s']:.1f} s); targets met {met} of "
+        f"{len(res['targets'])}; "
+        f"results {os.path.relpath(path)}"
+    )
+
+
 # Each kind of results file: what prints its tables, and the fields those tables show (every other field prints
 # after them, so a file prints whole).
 def engine_ab_table(res: dict) -> list[str]:
@@ -906,6 +961,7 @@ REPORTS = {
     "models": (models_report, ("models", "skipped")),
     "order": (order_report, ("model", "questions", "temperature", "arms")),
     "vllm_check": (vllm_report, ("answers", "http", "not_up", "vllm_own_route", "targets")),
+    "serve": (serve_report, ("model", "dtype", "cluster", "config", "default_lead", "rows", "targets")),
 }
 # The header every run writes (harness.Run.header), and the names older files gave some of its fields.
 HEADER = (

@@ -1,16 +1,18 @@
 """The one way a server is started, for the benchmarks and the tests alike: blink's own app (`python app.py`), a peer's
 server (`transformers serve`, vLLM's), each a process of its own in a process group of its own with its output in a
 log file, waited for until it answers, and stopped with everything it started (vLLM's engine core outlives a server
-stopped alone)."""
+stopped alone); and a local Ray cluster with Serve on it (ray_serve), for blink's Serve app."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -158,3 +160,98 @@ def app(
     """blink's app as app_started() starts it, waited for until its page answers."""
     with app_started(env, log_dir, base, python) as server:
         yield server.wait(timeout_s=timeout_s)
+
+
+# What a Ray cluster's working directory leaves out: environments, history, results and tests (Ray uploads the rest).
+RAY_EXCLUDES = [".git", ".venv", ".venv-vllm", "bench/results", "tests/data", "tests/artifacts", "*.pyc"]
+# What a local cluster's nodes are started with: no usage reports; Ray's memory monitor off (other programs on a shared
+# machine must not get its workers killed); and a minute for Serve's HTTP proxy to answer its ready and health checks
+# (5 and 10 s by default: on a loaded 2-core machine a proxy still starting misses them, and Serve kills it).
+RAY_NODE_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_memory_monitor_refresh_ms": "0",
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+    "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60",
+}
+
+
+def cluster_processes(cluster) -> list:
+    """Every process of a ray.cluster_utils.Cluster's nodes and their children (workers, replicas), as psutil
+    processes."""
+    import psutil
+
+    found = []
+    for node in cluster.list_all_nodes():
+        for infos in node.all_processes.values():
+            for info in infos:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc = psutil.Process(info.process.pid)
+                    found += [proc, *proc.children(recursive=True)]
+    return found
+
+
+@contextlib.contextmanager
+def ray_serve(env_vars: dict | None = None, nodes: int = 2, cpus: int = 1) -> Iterator[str]:
+    """A local Ray cluster of `nodes` nodes with `cpus` CPUs each on this machine (Ray's own ray.cluster_utils),
+    this process its driver (the repository its working directory, `env_vars` set in each of its processes), Serve
+    started with its HTTP proxy on a free loopback port; yields the proxy's URL. On leaving, Serve, the driver and
+    every node stop, and every process the cluster started is waited for until it is gone (one left over is an error
+    naming it). The nodes start with RAY_NODE_ENV."""
+    import psutil
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="blink-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
+    saved = {k: os.environ.get(k) for k in RAY_NODE_ENV}
+    os.environ.update(RAY_NODE_ENV)  # the nodes, and every process they start, inherit these
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": cpus,
+                "gcs_server_port": free_port(),
+                "include_dashboard": False,
+                "temp_dir": temp,
+            },
+        )
+        for _ in range(nodes - 1):
+            cluster.add_node(num_cpus=cpus)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        ray.init(
+            address=cluster.address,
+            runtime_env={"working_dir": ROOT, "excludes": RAY_EXCLUDES, "env_vars": dict(env_vars or {})},
+            logging_level="ERROR",
+            log_to_driver=False,
+        )
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        processes = cluster_processes(cluster)  # the nodes' processes and every worker and replica they started
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+
+        def alive(proc) -> bool:
+            try:
+                return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        def left() -> list:
+            return [p for p in processes if alive(p)]
+
+        deadline = time.monotonic() + 60
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if left():
+            raise RuntimeError(f"Ray processes left running: {[' '.join(p.cmdline()[:2]) for p in left()]}")

@@ -745,3 +745,24 @@ def test_a_run_is_flagged_unsteady_when_its_matmul_probes_differ_by_more_than_th
         decision = json.load(fh)
     assert report.steadiness_line(full).startswith("**Unsteady machine:** matmul probe 242 GFLOP/s")
     assert report.steadiness_line(decision).startswith("Steady machine")
+
+
+@pytest.mark.parametrize("config", ["quick", "full"])
+def test_serve_workloads_never_repeat_a_request_and_keep_their_documents_apart(config):
+    from bench import serve as serve_bench
+
+    work = serve_bench.workloads(serve_bench.CONFIGS[config])
+    documents = {name: {doc for doc, _, _ in requests} for name, (requests, _) in work.items()}
+    assert not (documents["reask"] & documents["distinct"] or documents["reask"] & documents["hot"])
+    assert not documents["distinct"] & documents["hot"]
+    every = [(state, json.dumps(qs, sort_keys=True)) for requests, _ in work.values() for _, state, qs in requests]
+    assert len(set(every)) == len(every)  # no exact repeat: the answer cache never answers, the prefix cache may
+    reask, _ = work["reask"]
+    cfg = serve_bench.CONFIGS[config]
+    assert Counter(doc for doc, _, _ in reask) == {doc: cfg["asks"] for doc in documents["reask"]}
+    assert [doc for doc, _, _ in reask[: cfg["docs"]]] == sorted(
+        documents["reask"]
+    )  # interleaved: all first asks first
+    hot, _ = work["hot"]
+    top, count = Counter(doc for doc, _, _ in hot).most_common(1)[0]
+    assert count == len(hot) // 2 and all(n == 1 for doc, n in Counter(d for d, _, _ in hot).items() if doc != top)

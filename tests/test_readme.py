@@ -12,8 +12,9 @@ from dataclasses import fields
 
 import blink
 from adapters.http import ServerSettings
+from adapters.serve import RouteSettings
 
-SETTINGS_CLASSES = (blink.Settings, ServerSettings)  # the engine's settings and the server's
+SETTINGS_CLASSES = (blink.Settings, ServerSettings, RouteSettings)  # the engine's, the server's, Ray Serve's router's
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTING = re.compile(r"[\"'](BLINK_[A-Z][A-Z0-9_]*)[\"']")  # a quoted name: each is an environment variable
 # Read in Settings.from_env itself rather than from a field of their own.
@@ -30,7 +31,7 @@ def source(name: str) -> str:
 
 
 def setting_fields() -> dict:
-    """Each field of blink.Settings and ServerSettings read from an environment variable, by that variable."""
+    """Each field of the settings classes read from an environment variable, by that variable."""
     return {f.metadata["env"]: f for cls in SETTINGS_CLASSES for f in fields(cls) if "env" in f.metadata}
 
 
@@ -51,7 +52,13 @@ def variables_read() -> set[str]:
     return (
         set(setting_fields())
         | set(SETTING.findall(inspect.getsource(blink.Settings.from_env)))
-        | set(SETTING.findall("".join(map(source, ("blink.py", "app.py", "adapters/http.py", "adapters/space.py")))))
+        | set(
+            SETTING.findall(
+                "".join(
+                    map(source, ("blink.py", "app.py", "adapters/http.py", "adapters/space.py", "adapters/serve.py"))
+                )
+            )
+        )
     )
 
 

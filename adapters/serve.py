@@ -1,0 +1,533 @@
+"""blink on Ray Serve: replicas that each hold one blink.Deployment, behind an ingress that serves the same HTTP layer
+as app.py (adapters/http.py), each request routed to the replica that holds its evidence.
+
+  serve run adapters.serve:app replicas=2     from the repo root; key=value pairs are the app's arguments (AppArgs)
+  serve deploy adapters/serve.yaml            on a running cluster; the same arguments under `args`
+
+Arguments: replicas=N, or min_replicas/max_replicas (Serve's autoscaling; `autoscaling` takes any other field of
+Serve's AutoscalingConfig as a JSON object); threads (torch threads and CPUs per replica); gpus (per replica);
+routing (evidence, pow2 or prefix_tree); models ("repo[@rev],repo2"; default: the replicas' BLINK_MODELS or
+BLINK_MODEL). Every other setting is a BLINK_* variable, read by each process from its own environment (Serve's
+runtime_env env_vars on a cluster); the replicas' blink.Settings are the ones the ingress parses requests with.
+
+A request: Serve's proxy -> the Ingress, whose HTTP layer does what app.py's does (key, room, body, parsed into a
+WireCall) -> ServeLayer.decided: the evidence key computed once from the parsed request (evidence_key) -> the
+Replica deployment's handle, whose RequestRouter picks a replica -> Replica.decide: Deployment.submit in a thread
+(the replica's Batcher packs it with every other request it holds) -> {answers, meta} with meta.replica, or the
+refusal as the WireError app.py would reply with -> back at the ingress, shaped by the protocol. The answers and
+errors are app.py's, byte for byte, bar the meta's timings and `replica`.
+
+Routing, policy `evidence` (EvidenceRouter): a replica's prefix cache keeps prompts by their token ids through the
+evidence, and those follow from the model and the evidence alone, so the evidence key names exactly what a replica
+may hold. Replicas are ranked by rendezvous (highest-random-weight) hashing of that key with each replica's id: a
+document has one home, and a replica joining or leaving moves only its own share. The request goes home unless the
+home holds more than BLINK_ROUTE_MAX_LEAD requests beyond the least loaded replica (the router's own counts of
+requests it sent and that have not come back), then to the least loaded (the next in the document's ranking on a
+tie). Only one replica is offered at a time: Serve moves past an offered replica whose queue-length probe misses its
+deadline, which a replica busy in a forward often does, so offering a ranked list would split documents by accident.
+`pow2` is Serve's default router, `prefix_tree` Ray Serve LLM's PrefixCacheAffinityRouter over the request's text;
+both are here to compare against.
+
+Faults and load: a replica that dies mid-request raises at the ingress, which asks again (routing has dropped the
+dead replica; a decision is a pure function of its request, so asking twice is safe) and the caller gets one reply;
+Serve starts a replacement. The ingress takes BLINK_CONCURRENCY requests at once and BLINK_QUEUE_SIZE waiting, past
+that 503 with Retry-After (as app.py); Serve's own queue in front of the replicas (max_queued_requests, the same
+BLINK_QUEUE_SIZE) refuses as the same 503.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+import anyio
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response
+from ray import serve
+from ray.exceptions import RayActorError
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTreeActor
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+import blink
+from adapters import http, wire
+
+log = logging.getLogger("blink.serve")
+POLICIES = ("evidence", "pow2", "prefix_tree")
+ATTEMPTS = 3  # tries per request: a replica that dies mid-request is one, whichever replica then answers another
+HEALTH_CHECK_TIMEOUT_S = 60  # a replica busy in forwards on a loaded CPU answers Serve's health check late
+
+# ==================================================================================================================
+# Settings and arguments
+# ==================================================================================================================
+
+
+@dataclass(frozen=True)
+class RouteSettings:
+    """The router's own settings, each BLINK_* variable once (blink.Settings holds the engine's, ServerSettings the
+    HTTP layer's)."""
+
+    max_lead: int = blink.setting("BLINK_ROUTE_MAX_LEAD", 8, 0)  # requests in flight a document's home replica may
+    # hold beyond the least loaded replica before a request over that document goes to the least loaded instead
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RouteSettings:
+        """Route settings from the environment (default: os.environ), each variable checked and refused by name."""
+        return cls(**blink.env_values(cls, os.environ if env is None else env))
+
+
+@dataclass(frozen=True)
+class AppArgs:
+    """The app's arguments (`serve run adapters.serve:app key=value ...`, or a config file's `args`), each read and
+    refused by name as blink reads its variables."""
+
+    replicas: int = blink.setting("replicas", 1, 1)  # a fixed number of replicas
+    min_replicas: int | None = blink.setting("min_replicas", None, 1, kind=int)  # with max_replicas: autoscaling
+    max_replicas: int | None = blink.setting("max_replicas", None, 1, kind=int)
+    autoscaling: str = blink.setting("autoscaling", "{}", json_object=True)  # more AutoscalingConfig fields
+    threads: int = blink.setting("threads", 1, 1)  # torch threads, and CPUs Ray reserves, per replica
+    gpus: float = blink.setting("gpus", 0.0, 0.0)  # GPUs per replica
+    routing: str = blink.setting("routing", "evidence", choices=POLICIES)
+    models: str | None = blink.setting("models", None)  # "repo[@rev],repo2"; None: the replicas' environment's
+
+    @classmethod
+    def read(cls, args: Mapping[str, object]) -> AppArgs:
+        """The arguments Serve passes the app builder (text from `serve run`, any JSON value from a config file)."""
+        known = {f.metadata["env"] for f in fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise blink.BlinkError(f"unknown argument {unknown[0]!r:.80}; the app takes {', '.join(sorted(known))}")
+        text = {k: json.dumps(v) if isinstance(v, dict) else str(v) for k, v in args.items() if v is not None}
+        parsed = cls(**blink.env_values(cls, text))
+        if (parsed.min_replicas is None) != (parsed.max_replicas is None):
+            raise blink.BlinkError("min_replicas and max_replicas go together (autoscaling between them)")
+        if parsed.autoscaling != "{}" and parsed.max_replicas is None:
+            raise blink.BlinkError("autoscaling needs min_replicas and max_replicas")
+        if parsed.max_replicas is not None and parsed.min_replicas > parsed.max_replicas:
+            raise blink.BlinkError("min_replicas must not be above max_replicas")
+        return parsed
+
+    def autoscaling_config(self) -> dict | None:
+        """Serve's autoscaling_config for the replicas (None: a fixed number of them)."""
+        if self.max_replicas is None:
+            return None
+        return {**json.loads(self.autoscaling), "min_replicas": self.min_replicas, "max_replicas": self.max_replicas}
+
+
+def served_settings(models: str | None) -> blink.Settings:
+    """The engine's settings of this process's environment, serving `models` when given."""
+    env = dict(os.environ)
+    if models:
+        env["BLINK_MODELS"] = models
+    return blink.Settings.from_env(env)
+
+
+# ==================================================================================================================
+# What travels from the ingress to a replica
+# ==================================================================================================================
+
+
+def evidence_key(model: str, request: blink.Request) -> str:
+    """What a replica's prefix cache keeps for this request, named: its prompts' token ids through the evidence follow
+    from the model and the evidence as the prompts write it (blink.evidence_json), with the listed images beside."""
+    digest = hashlib.sha256(model.encode("utf-8"))
+    for part in (blink.evidence_json(request.state), *request.images):
+        digest.update(b"\0" + part.encode("utf-8"))
+    return digest.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request for a replica: parsed once at the ingress, with its model and evidence key."""
+
+    request: blink.Request
+    model: str
+    key: str
+
+    @property
+    def prompt(self) -> str:
+        """The request as text, evidence first, for routers that match prompts by their characters (prefix_tree)."""
+        return blink.evidence_json(self.request.state) + json.dumps(self.request.spec, ensure_ascii=False)
+
+
+# ==================================================================================================================
+# Routing
+# ==================================================================================================================
+
+ROUTERS: dict[str, Roster] = {}  # this process's router for each app's replicas (the ingress reads it for /info)
+
+
+def routers() -> dict[str, Roster]:
+    """ROUTERS of this module as the process imported it. Serve ships a router's module to the process that routes
+    by value, so the router's own globals are copies; it registers here, where the ingress reads."""
+    return importlib.import_module(__name__).ROUTERS
+
+
+def rendezvous(key: str, replica: str) -> int:
+    """A replica's weight for a key: the replica with the highest weight is the key's home."""
+    return int.from_bytes(hashlib.blake2b(f"{key}\0{replica}".encode(), digest_size=8).digest(), "big")
+
+
+def ranked(key: str, replicas: list[str]) -> list[str]:
+    """Replica ids from a key's home down (rendezvous hashing)."""
+    return sorted(replicas, key=lambda r: rendezvous(key, r), reverse=True)
+
+
+def pick(key: str | None, loads: Mapping[str, int], max_lead: int) -> str:
+    """The replica for a request: its key's home, unless the home holds more than max_lead requests beyond the least
+    loaded replica, then the least loaded (nearest the home on a tie). Without a key: the least loaded."""
+    order = ranked(key, list(loads)) if key is not None else sorted(loads)
+    least = min(order, key=lambda r: loads[r])
+    home = order[0]
+    return home if loads[home] - loads[least] <= max_lead else least
+
+
+class Roster:
+    """What every policy's router here adds to Serve's (a mixin before the router class): the live replicas, the
+    requests each was sent and has not answered (the router's own counts, from Serve's routed and completed hooks),
+    registered in ROUTERS for the ingress's /info."""
+
+    def initialize_state(self, **kwargs) -> None:
+        """Counts start at zero; the router registers under its app's name."""
+        self.in_flight: collections.Counter[str] = collections.Counter()
+        self.sent: dict[str, str] = {}  # internal request id -> replica id, for requests not answered yet
+        self.nodes: dict[str, str] = {}  # replica id -> node id, for the live replicas
+        self.roster_lock = threading.Lock()
+        super().initialize_state(**kwargs)
+        routers()[self.app_name] = self
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica set, noted."""
+        super().update_replicas(replicas)
+        with self.roster_lock:
+            self.nodes = {r.replica_id.unique_id: r.node_id for r in replicas}
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """A dead replica leaves the roster at once (Serve's own update follows later)."""
+        super().on_replica_actor_died(replica_id)
+        with self.roster_lock:
+            self.nodes.pop(replica_id.unique_id, None)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        """A replica accepted a request: one more in flight there."""
+        super().on_request_routed(pending_request, replica_id, result)
+        with self.roster_lock:
+            self.sent[pending_request.metadata.internal_request_id] = replica_id.unique_id
+            self.in_flight[replica_id.unique_id] += 1
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """A request came back (answered, failed or refused): one fewer in flight where it was accepted."""
+        super().on_request_completed(replica_id, internal_request_id)
+        with self.roster_lock:
+            replica = self.sent.pop(internal_request_id, None)
+            if replica is not None:
+                self.in_flight[replica] -= 1
+
+    def loads(self, replicas: list[str]) -> dict[str, int]:
+        """Requests in flight on each of `replicas`, by the router's own counts."""
+        with self.roster_lock:
+            return {r: self.in_flight[r] for r in replicas}
+
+    def roster(self) -> dict[str, dict]:
+        """The live replicas: each one's node and requests in flight."""
+        with self.roster_lock:
+            return {r: {"node": node, "in_flight": self.in_flight[r]} for r, node in self.nodes.items()}
+
+
+class EvidenceRouter(Roster, RequestRouter):
+    """Policy `evidence`: each request to its evidence key's home replica, or past a load lead to the least loaded
+    (pick); one replica offered at a time."""
+
+    def initialize_state(self, max_lead: int = RouteSettings.max_lead, **kwargs) -> None:
+        """The lead a home may hold over the least loaded replica (RouteSettings.max_lead)."""
+        self.max_lead = max_lead
+        super().initialize_state(**kwargs)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        """The one replica pick() names among the candidates."""
+        if not candidate_replicas:
+            return []
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        args = pending_request.args if pending_request is not None else []
+        key = getattr(args[0], "key", None) if args else None
+        return [[by_id[pick(key, self.loads(list(by_id)), self.max_lead)]]]
+
+
+class Pow2Router(Roster, PowerOfTwoChoicesRequestRouter):
+    """Policy `pow2`: Serve's default router (power of two choices), with the roster."""
+
+
+class PrefixTreeRouter(Roster, PrefixCacheAffinityRouter):
+    """Policy `prefix_tree`: Ray Serve LLM's PrefixCacheAffinityRouter (a character prefix tree over each request's
+    text), with the roster. Its tree lives in an actor of its own, here owned by the router and holding no CPU (the
+    detached one it would make waits for a free CPU, which a cluster full of replicas does not have)."""
+
+    def initialize_state(self, **kwargs) -> None:
+        """Ray's router state, over a tree actor of the router's own."""
+        kwargs.setdefault("tree_actor", PrefixTreeActor.options(num_cpus=0).remote())
+        super().initialize_state(**kwargs)
+
+
+ROUTER_CLASSES = {"evidence": EvidenceRouter, "pow2": Pow2Router, "prefix_tree": PrefixTreeRouter}
+
+
+def router_config(policy: str, route: RouteSettings) -> RequestRouterConfig:
+    """Serve's RequestRouterConfig for a policy."""
+    kwargs = {"max_lead": route.max_lead} if policy == "evidence" else {}
+    return RequestRouterConfig(request_router_class=ROUTER_CLASSES[policy], request_router_kwargs=kwargs)
+
+
+# ==================================================================================================================
+# A replica: one blink.Deployment
+# ==================================================================================================================
+
+
+@serve.deployment(name="Replica", health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
+class Replica:
+    """One replica: a blink.Deployment (its engines, Batcher and prefix cache) built from this process's
+    environment, its models loaded at start; its requests answered in threads of its own (as many as Serve lets in
+    at once), where the Batcher packs them together."""
+
+    def __init__(self, models: str | None, threads: int, at_once: int):
+        if importlib.util.find_spec("torch") is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        self.deployment = blink.Deployment(served_settings(models))
+        for model in self.deployment.models():
+            self.deployment.engine(model)
+        self.name = serve.get_replica_context().replica_id.unique_id
+        self.threads = anyio.CapacityLimiter(at_once)
+
+    def describe(self) -> dict:
+        """What the ingress needs to parse requests as this replica would: its settings, each model's engine kind,
+        whether it reads images and its image limits, and /v1/models as app.py lists it."""
+        engines = {m: self.deployment.engine(m) for m in self.deployment.models()}
+        return {
+            "settings": self.deployment.settings,
+            "engines": {m: (e.name, e.reads_images, e.image_limits, e.compute) for m, e in engines.items()},
+            "listing": wire.models_listing(self.deployment),
+        }
+
+    async def decide(self, ask: Ask) -> dict | wire.WireError:
+        """{answers, meta} with meta.replica, or the request's refusal as the WireError app.py replies with."""
+        try:
+            result = await anyio.to_thread.run_sync(
+                self.deployment.submit, ask.request, ask.model, limiter=self.threads
+            )
+        except Exception as exc:  # noqa: BLE001 - every failure goes back as the refusal app.py would send
+            refusal = wire.wire_refusal(exc)
+            if refusal.kind == "server_error":
+                log.error("request failed on replica %s: %r", self.name, exc)
+            return refusal
+        result["meta"]["replica"] = self.name
+        return result
+
+
+# ==================================================================================================================
+# The ingress: the HTTP layer, deciding through the replicas
+# ==================================================================================================================
+
+
+class ReplicaEngine(blink.Engine):
+    """A model's engine as the ingress knows it: what parsing a request needs (its kind, whether it reads images, its
+    image limits). It runs nothing: the replicas do."""
+
+    runs_model = True
+
+    def __init__(self, model_id: str, settings: blink.Settings, described: tuple):
+        super().__init__(model_id, settings)
+        self.name, self.reads_images, self.image_limits, self.described_compute = described
+
+    @property
+    def compute(self) -> dict:
+        """What computes the replicas' numbers (backend, dtype, kernel)."""
+        return self.described_compute
+
+    def run(self, jobs: list[blink.Job]) -> list:
+        """Never called: the ingress hands requests to replicas."""
+        raise RuntimeError("the ingress runs no model; replicas answer")
+
+
+@dataclass
+class Tally:
+    """What one replica answered through this ingress: requests, their prompt tokens and the share read from its
+    prefix cache."""
+
+    answered: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, meta: dict) -> None:
+        """One answer's meta, counted."""
+        self.answered += 1
+        self.input_tokens += int(meta.get("input_tokens") or 0)
+        self.cached_tokens += int(meta.get("cached_tokens") or 0)
+
+    def row(self) -> dict:
+        """As /info lists it; hit_rate: cached prompt tokens over prompt tokens (null before any)."""
+        rate = round(self.cached_tokens / self.input_tokens, 4) if self.input_tokens else None
+        return {
+            "answered": self.answered,
+            "input_tokens": self.input_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_rate": rate,
+        }
+
+
+def busy(message: str) -> blink.BlinkBusy:
+    """The refusal a full queue gets (every wire protocol replies 503 with Retry-After to it: wire.wire_refusal)."""
+    return blink.BlinkBusy(f"busy: {message}; retry shortly")
+
+
+def serve_refusal(exc: BackPressureError | DeploymentUnavailableError) -> blink.BlinkBusy:
+    """Serve's own refusals as app.py's full queue: its queue in front of the replicas full (max_queued_requests),
+    or no replica to take the request."""
+    if isinstance(exc, BackPressureError):
+        return busy("every replica is busy and Serve's queue in front of them is full")
+    return busy("no replica is running")
+
+
+@dataclass
+class ReplicaLine:
+    """The ingress's way to the replicas: their handle, their app's name (its router's key in ROUTERS), the tallies
+    of what each answered and how many asks were retried after a replica died."""
+
+    handle: DeploymentHandle
+    app_name: str
+    tallies: dict[str, Tally] = field(default_factory=lambda: collections.defaultdict(Tally))
+    retried: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ask(self, ask: Ask) -> dict:
+        """A replica's answer to one request (in a wire thread): asked again, up to ATTEMPTS times, when the replica
+        dies before answering; Serve's full queue and a deployment with no replicas are 503s."""
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                outcome = self.handle.decide.remote(ask).result()
+            except (BackPressureError, DeploymentUnavailableError) as exc:
+                raise serve_refusal(exc) from None
+            except RayActorError as exc:
+                with self.lock:
+                    self.retried += 1
+                log.warning("a replica died answering (try %d of %d): %s", attempt, ATTEMPTS, type(exc).__name__)
+                continue
+            if isinstance(outcome, Exception):
+                raise outcome
+            with self.lock:
+                self.tallies[outcome["meta"]["replica"]].add(outcome["meta"])
+            return outcome
+        raise busy(f"the replicas asked died {ATTEMPTS} times")
+
+    def replicas(self) -> list[dict]:
+        """Every replica live now or that answered through this ingress: node, requests in flight, tallies."""
+        router = routers().get(self.app_name)
+        live = router.roster() if router is not None else {}
+        with self.lock:
+            tallies = {r: t.row() for r, t in self.tallies.items()}
+        rows = []
+        for replica in sorted(set(live) | set(tallies)):
+            row = {"replica": replica, "live": replica in live, **live.get(replica, {"node": None, "in_flight": 0})}
+            rows.append({**row, **tallies.get(replica, Tally().row())})
+        return rows
+
+
+class ServeLayer(http.HttpLayer):
+    """The HTTP layer whose decisions come from replicas: the same routes, key, room, body and replies as app.py's,
+    with /info listing the replicas."""
+
+    def __init__(
+        self, deployment: blink.Deployment, settings: http.ServerSettings, line: ReplicaLine, listed: dict, policy: str
+    ):
+        super().__init__(deployment, settings)
+        self.line, self.listed, self.policy = line, listed, policy
+        self.router.add_api_route("/info", self.info_page, methods=["GET"])
+
+    def decided(self, call: wire.WireCall) -> dict:
+        """{answers, meta} from the replica routing picks, by the request's evidence key."""
+        return self.line.ask(Ask(call.request, call.model, evidence_key(call.model, call.request)))
+
+    def listing(self) -> dict:
+        """/v1/models as a replica lists its models."""
+        return self.listed
+
+    def info(self) -> dict:
+        """The served models, the routing policy and the replicas with their hit rates."""
+        return {
+            "models": self.deployment.models(),
+            "default_model": self.deployment.default_model,
+            "engines": {m: self.deployment.engine(m).name for m in self.deployment.models()},
+            "compute": {m: self.deployment.engine(m).compute for m in self.deployment.models()},
+            "routing": self.policy,
+            "replicas": self.line.replicas(),
+            "retried": self.line.retried,
+        }
+
+    async def info_page(self, request: HTTPRequest) -> Response:
+        """GET /info, behind the key when there is one."""
+        try:
+            self.check_key(request.headers)
+        except wire.WireError as exc:
+            return http.plain_refusal(exc)
+        return JSONResponse(self.info())
+
+
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class Ingress:
+    """The app's front: asks a replica how it parses requests, then serves the HTTP layer over the replicas."""
+
+    async def __init__(self, replicas: DeploymentHandle, policy: str):
+        described = await replicas.describe.remote()
+        settings = described["settings"]
+        engines = {m: ReplicaEngine(m, settings, d) for m, d in described["engines"].items()}
+        line = ReplicaLine(replicas, serve.get_replica_context().app_name)
+        deployment = blink.Deployment(settings, engines)
+        self.layer = ServeLayer(deployment, http.ServerSettings.from_env(), line, described["listing"], policy)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        """The ASGI app Serve runs: a FastAPI app with the layer installed."""
+        app = FastAPI(title="blink", docs_url=None, redoc_url=None, openapi_url=None)
+        self.layer.install(app)
+        return app
+
+
+# ==================================================================================================================
+# The app builder
+# ==================================================================================================================
+
+
+def app(args: dict) -> serve.Application:
+    """`serve run adapters.serve:app replicas=2`: the Ingress over the Replica deployment, as the arguments and this
+    environment's settings say. A bad argument or variable stops the build with one line naming it."""
+    try:
+        parsed = AppArgs.read(args)
+        server, route = http.ServerSettings.from_env(), RouteSettings.from_env()
+        engine = served_settings(parsed.models)
+    except blink.BlinkError as exc:
+        raise SystemExit(f"blink: {exc}") from None
+    scaling = parsed.autoscaling_config()
+    count = {"autoscaling_config": scaling} if scaling else {"num_replicas": parsed.replicas}
+    replicas = Replica.options(
+        **count,
+        ray_actor_options={"num_cpus": parsed.threads, "num_gpus": parsed.gpus},
+        max_ongoing_requests=engine.batch_max_requests,  # what one replica packs into a forward
+        max_queued_requests=server.queue_size,
+        request_router_config=router_config(parsed.routing, route),
+    )
+    ingress = Ingress.options(max_ongoing_requests=server.concurrency + server.queue_size + 8)
+    return ingress.bind(replicas.bind(parsed.models, parsed.threads, engine.batch_max_requests), parsed.routing)

@@ -1,0 +1,308 @@
+"""blink's Ray Serve app on a local two-node cluster: one replica against two under each router, over HTTP.
+
+    python -m bench serve            # documents of ~3,400 tokens
+    python -m bench serve --quick    # documents of ~540 tokens, fewer of them (5-8 minutes on a 2-core AMD EPYC)
+
+The cluster: two Ray nodes of one CPU each on this machine (bench/servers.py ray_serve: Ray's ray.cluster_utils), each
+replica holding one CPU and one torch thread, blink at its defaults (no BLINK_* variable read). The arms (the
+registry's "serve" arms, bench/arms.py), each a fresh deployment of adapters/serve.py's app, so every arm's replicas
+start with empty caches (each replica first answers a warm-up request about a document of its own, so no workload
+times a fresh process's first forwards): one replica; two replicas under `pow2` (Serve's default router),
+`prefix_tree` (Ray Serve LLM's PrefixCacheAffinityRouter) and `evidence` (blink's); then `evidence` at other
+BLINK_ROUTE_MAX_LEAD values (--leads), on the re-ask and hot workloads: the measurement behind the default. The
+workloads, every request a System One call of two questions over one document (~3,400 prompt tokens a question; ~540
+with --quick), sent by C concurrent clients (8; 4 with --quick) over HTTP, each workload over documents no other
+asks about:
+
+- reask: D documents x Q asks each (8 x 4; 4 x 3), interleaved (every document's first ask, then every second, ...).
+  Each ask asks questions no other ask asks, so no request repeats another: a replica's answer cache (exact repeats)
+  never answers, and what routing can keep is the document's prefix in a replica's prefix cache.
+- distinct: 2D documents asked once each: nothing to keep, routing can only spread the load.
+- hot: one document asked by every other request (with new questions each time), new documents in between (32
+  requests; 16), from twice the clients, so the hot document's home can hold more requests than BLINK_ROUTE_MAX_LEAD's
+  default beyond the other replica: the load fallback at work.
+
+Per arm and workload: requests per second (the requests over the wall time from the first sent to the last answered),
+p50 and p99 latency, the cached share of prompt tokens (the answers' cached_tokens over their input_tokens), the
+requests each replica answered, and how many of the documents asked more than once more than one replica answered.
+Then, with the cluster gone, every request is answered again in this process by blink at the same defaults (one at a
+time), and each arm's answers are compared with those (bench/answers.py). The targets (issue 31): under `evidence` the
+re-ask workload's cached share within 5 points of one replica's, its req/s at least 1.3x `pow2`'s and 1.2x
+`prefix_tree`'s; on the hot workload a p99 at most 1.2x `pow2`'s.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import statistics
+import time
+from collections.abc import Iterator
+
+import blink
+from adapters import wire
+from bench import answers, arms, harness, report, servers
+
+APP = "blink"
+WORDS = (
+    "the customer wrote again about a refund for the annual plan and asked whether the invoice could be split across "
+    "two cost centres because the finance team closes its books on friday while the card on file expired last month "
+    "and the admin who set up single sign on left the company so nobody can reach the billing page or change the "
+    "owner of the workspace before the renewal date which falls on the first of next month"
+).split()
+TOPICS = (
+    "a refund",
+    "the invoice",
+    "single sign on",
+    "the renewal date",
+    "the card on file",
+    "the finance team",
+    "a cost centre",
+    "the workspace owner",
+    "the billing page",
+    "the annual plan",
+    "an admin leaving",
+    "a deadline",
+)
+CONFIGS = {
+    "full": {"words": 2300, "docs": 8, "asks": 4, "clients": 8, "hot_requests": 32},
+    "quick": {"words": 300, "docs": 4, "asks": 3, "clients": 4, "hot_requests": 16},
+}
+# The workloads' first document numbers: each workload asks about documents of its own, the warm-up about others.
+FIRST_DOCUMENT = {"reask": 100, "distinct": 200, "hot": 300}
+WARM_UP = 900
+Request = tuple[int, str, dict]  # (document number, state, questions)
+
+
+def document(n: int, words: int) -> str:
+    """Document n: a support log of about `words` words, distinct for every n."""
+    lines = [
+        f"[{n}.{i}] " + " ".join(WORDS[(n * 13 + 24 * i + k) % len(WORDS)] for k in range(24))
+        for i in range(-(-words // 24))
+    ]
+    return f"Support log {n}\n" + "\n".join(lines)
+
+
+def questions(ask: int) -> dict:
+    """The two questions of ask number `ask` about a document, a yes/no and a three-way choice, worded for that ask
+    alone (no two asks send the same questions)."""
+    topic, nth = TOPICS[ask % len(TOPICS)], ask // len(TOPICS)
+    return {
+        "mentions": {"type": "noul", "instructions": f"Does the log mention {topic}? (check {nth})"},
+        "team": {
+            "type": "choice",
+            "instructions": f"Which team owns what the log says about {topic}? (review {nth})",
+            "criteria": {"billing": "payments and invoices", "access": "logins and admins", "other": None},
+        },
+    }
+
+
+def workloads(cfg: dict) -> dict[str, tuple[list[Request], int]]:
+    """Each workload's requests, in the order they are sent, and its clients."""
+    words, docs, asks = cfg["words"], cfg["docs"], cfg["asks"]
+    first = FIRST_DOCUMENT
+    hot = [first["hot"] if i % 2 == 0 else first["hot"] + 1 + i // 2 for i in range(cfg["hot_requests"])]
+    return {
+        "reask": (
+            [
+                (first["reask"] + d, document(first["reask"] + d, words), questions(a))
+                for a in range(asks)
+                for d in range(docs)
+            ],
+            cfg["clients"],
+        ),
+        "distinct": (
+            [(first["distinct"] + d, document(first["distinct"] + d, words), questions(0)) for d in range(2 * docs)],
+            cfg["clients"],
+        ),
+        "hot": ([(n, document(n, words), questions(i)) for i, n in enumerate(hot)], 2 * cfg["clients"]),
+    }
+
+
+@contextlib.contextmanager
+def deployed(app_args: dict, lead: int | None = None) -> Iterator[None]:
+    """The Serve app deployed with `app_args` (its router's BLINK_ROUTE_MAX_LEAD = `lead` where given: the app builder
+    reads it here), deleted on leaving."""
+    from ray import serve
+
+    from adapters import serve as serve_app
+
+    before = os.environ.pop("BLINK_ROUTE_MAX_LEAD", None)
+    if lead is not None:
+        os.environ["BLINK_ROUTE_MAX_LEAD"] = str(lead)
+    try:
+        serve.run(serve_app.app(app_args), name=APP, route_prefix="/")
+    finally:
+        os.environ.pop("BLINK_ROUTE_MAX_LEAD", None)
+        if before is not None:
+            os.environ["BLINK_ROUTE_MAX_LEAD"] = before
+    try:
+        yield
+    finally:
+        serve.delete(APP)
+
+
+def ask(client, url: str, request: Request) -> tuple[float, dict]:
+    """One System One request: (seconds to its answer, the reply). A 503 is asked again after its Retry-After, as the
+    SDKs do; any other refusal stops the run."""
+    body = {"model": "jev-latest", "state": request[1], "questions": request[2]}
+
+    def answered():
+        while True:
+            reply = client.post(url + "/v1/systemone", json=body, timeout=1800)
+            if reply.status_code != 503:
+                return reply
+            time.sleep(float(reply.headers.get("retry-after", 1)))  # as long as the server asks
+
+    seconds, _, reply = harness.timed(answered)
+    if reply.status_code != 200:
+        raise SystemExit(f"the Serve app refused a request: {reply.status_code} {reply.text[:300]}")
+    return seconds, reply.json()
+
+
+def warm_up(url: str, replicas: int, words: int) -> int:
+    """Ask about documents no workload asks about, one at a time, until each of the app's replicas has answered one
+    (a fresh process's first forwards set up its kernels and memory); the requests it took."""
+    import httpx
+
+    with httpx.Client() as client:
+        for n in range(1, 8 * replicas + 1):
+            ask(client, url, (WARM_UP + n, document(WARM_UP + n, words), questions(0)))
+            rows = client.get(url + "/info", timeout=60).json()["replicas"]
+            if sum(r["live"] and r["answered"] > 0 for r in rows) == replicas:
+                return n
+    raise SystemExit(f"the app's {replicas} replicas did not all answer {8 * replicas} warm-up requests")
+
+
+def drive(url: str, requests: list[Request], clients: int) -> dict:
+    """Every request, taken in order by `clients` concurrent clients: the wall time and each (seconds, reply)."""
+    import httpx
+
+    with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        wall, _, done = harness.timed(lambda: list(pool.map(lambda r: ask(client, url, r), requests)))
+    return {"wall_s": wall, "done": done}
+
+
+def percentile(values: list[float], q: int) -> float:
+    """The q-th percentile (1-99) of the values, interpolated between the nearest two."""
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def row(workload: str, arm: str, requests: list[Request], run: dict) -> dict:
+    """One arm on one workload: req/s, latency, cached share, the requests per replica and the documents split."""
+    metas = [reply["x_meta"] for _, reply in run["done"]]
+    seconds = [s for s, _ in run["done"]]
+    replicas_of: dict[int, set] = {}
+    for (doc, _, _), meta in zip(requests, metas):
+        replicas_of.setdefault(doc, set()).add(meta["replica"])
+    again = [doc for doc in replicas_of if sum(r[0] == doc for r in requests) > 1]
+    replicas = sorted({m["replica"] for m in metas})
+    return {
+        "workload": workload,
+        "arm": arm,
+        "requests": len(requests),
+        "wall_s": round(run["wall_s"], 2),
+        "req_per_s": round(len(requests) / run["wall_s"], 3),
+        "p50_s": round(percentile(seconds, 50), 3),
+        "p99_s": round(percentile(seconds, 99), 3),
+        "cached_share": round(
+            sum(m.get("cached_tokens") or 0 for m in metas) / sum(m["input_tokens"] for m in metas), 4
+        ),
+        "by_replica": sorted((sum(m["replica"] == r for m in metas) for r in replicas), reverse=True),
+        "documents_split": sum(len(replicas_of[doc]) > 1 for doc in again),
+        "documents_asked_again": len(again),
+    }
+
+
+def in_process(requests: list[Request]) -> list[dict]:
+    """The same requests answered one at a time in this process by blink at its defaults, shaped as System One
+    answers."""
+    deployment = blink.Deployment(blink.Settings.from_env({}))
+    out = []
+    for _, state, qs in requests:
+        call = wire.systemone_call({"model": "jev-latest", "state": state, "questions": qs}, {}, deployment)
+        out.append(wire.systemone_response(call, deployment.decide(state, qs))["answers"])
+    return out
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """Issue 31's targets, with the measured values."""
+    at = {(r["workload"], r["arm"]): r for r in rows}
+    reask = {arm: at[("reask", arm)] for arm in ("one_replica", "pow2", "prefix_tree", "evidence")}
+    gap = reask["one_replica"]["cached_share"] - reask["evidence"]["cached_share"]
+    out = [
+        {"target": "re-ask cached share within 5 points of one replica's", "value": round(gap, 4), "met": gap <= 0.05},
+    ]
+    for peer, times in (("pow2", 1.3), ("prefix_tree", 1.2)):
+        ratio = reask["evidence"]["req_per_s"] / reask[peer]["req_per_s"]
+        out.append(
+            {"target": f"re-ask req/s at least {times}x {peer}'s", "value": round(ratio, 3), "met": ratio >= times}
+        )
+    ratio = at[("hot", "evidence")]["p99_s"] / at[("hot", "pow2")]["p99_s"]
+    out.append({"target": "hot p99 at most 1.2x pow2's", "value": round(ratio, 3), "met": ratio <= 1.2})
+    return out
+
+
+def flags(ap) -> None:
+    """serve's own flags."""
+    ap.add_argument("--clients", type=int, default=None, help="concurrent clients (8; quick 4; hot: twice as many)")
+    ap.add_argument(
+        "--leads", default="0,2,4,16", help="BLINK_ROUTE_MAX_LEAD values for re-ask and hot (the default's skipped)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the arms over the workloads on a local two-node cluster, print the tables, write bench/results/serve.json."""
+    run = harness.Run("serve", argv, __doc__, flags)
+    cfg = {**CONFIGS["quick" if run.quick else "full"], **({"clients": run.args.clients} if run.args.clients else {})}
+    from adapters.serve import RouteSettings
+
+    default_lead = RouteSettings().max_lead
+    leads = [int(x) for x in run.args.leads.split(",") if x.strip() and int(x) != default_lead]
+    for name in [k for k in os.environ if k.startswith("BLINK_")]:  # blink at its defaults in every process
+        del os.environ[name]
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    work = workloads(cfg)
+    registry = arms.of("serve")
+    plan = [(name, arm.app_args, None, list(work)) for name, arm in registry.items() if name != "evidence_lead"]
+    plan += [("evidence_lead", registry["evidence_lead"].app_args, lead, ["reask", "hot"]) for lead in leads]
+    run.probe()
+    runs = []
+    with servers.ray_serve(nodes=2, cpus=1) as url:
+        for name, app_args, lead, names in plan:
+            with deployed(app_args, lead):
+                warm_up(url, app_args["replicas"], cfg["words"])
+                for workload in names:
+                    requests, clients = work[workload]
+                    runs.append((workload, name, lead, requests, drive(url, requests, clients)))
+                    print(
+                        f"{workload:9} {name} {'' if lead is None else lead} {runs[-1][4]['wall_s']:.1f} s", flush=True
+                    )
+    reference = {name: answers.flat(in_process(requests)) for name, (requests, _) in work.items()}
+    rows = []
+    for workload, name, lead, requests, done in runs:
+        rows.append(
+            {
+                **row(workload, name, requests, done),
+                **({} if lead is None else {"lead": lead}),
+                "vs_in_process": answers.compare(
+                    reference[workload], answers.flat([reply["answers"] for _, reply in done["done"]])
+                ),
+            }
+        )
+    first = runs[0][4]["done"][0][1]["x_meta"]
+    result = {
+        "model": first["model"],
+        "dtype": first.get("dtype"),
+        "cluster": "two Ray nodes of one CPU each on this machine (ray.cluster_utils), one replica per node's CPU",
+        "config": cfg,
+        "default_lead": default_lead,
+        "rows": rows,
+        "targets": targets(rows),
+    }
+    path = run.write(result)
+    print("\n".join(report.serve_report(run.written)))
+    print(report.serve_summary(run.written, path))
+    return 0
