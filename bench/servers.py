@@ -166,7 +166,7 @@ def app(
 RAY_EXCLUDES = [".git", ".venv", ".venv-vllm", "bench/results", "tests/data", "tests/artifacts", "*.pyc"]
 # What a local cluster's nodes are started with: no usage reports; Ray's memory monitor off (other programs on a shared
 # machine must not get its workers killed); and a minute for Serve's HTTP proxy to answer its ready and health checks
-# (5 and 10 s by default: on a loaded 2-core machine a proxy still starting misses them, and Serve kills it).
+# (5 and 10 s by default: a proxy still starting on a busy two-core machine misses them, and Serve kills it).
 RAY_NODE_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_memory_monitor_refresh_ms": "0",

@@ -42,6 +42,11 @@ QUESTION = {
     "instructions": "Which team should handle ticket #1?",
     "criteria": ["billing", "shipping", "technical support", "account security"],
 }
+LLAMA_QUESTIONS = {  # two choices and a noul: the llama.cpp arms' prompts share a prefix
+    "q": QUESTION,
+    "r": {**QUESTION, "instructions": "Which team owns routers?"},
+    "n": {"type": "noul", "instructions": "Is the router broken?"},
+}
 
 
 def test_encode_pair_splits_as_lm_evaluation_harness(tiny_qwen):
@@ -345,14 +350,7 @@ def fake_llama_cpp(model) -> SimpleNamespace:
 
 
 def test_llama_arms_read_blinks_prompt_ids_and_reuse_the_common_prefix(tiny_qwen):
-    state, questions = (
-        STATE,
-        {
-            "q": QUESTION,
-            "r": {**QUESTION, "instructions": "Which team owns routers?"},
-            "n": {"type": "noul", "instructions": "Is the router broken?"},
-        },
-    )
+    state, questions = STATE, LLAMA_QUESTIONS
     body = workloads.system_one(state, questions)
     want = blink.Deployment.serving(tiny_qwen).decide(state, questions)["answers"]
     prompts = tiny_qwen.render(blink.parse_request(state, body["questions"]))
@@ -393,14 +391,7 @@ def test_llama_arms_on_real_llama_cpp_answer_as_blink_does(standin):
     de-quantized from that file (float32 here), within Q4 rounding (0.038 apart, measured); its prefix reuse
     changes nothing but the work."""
     real_llama_cpp()
-    state, questions = (
-        STATE,
-        {
-            "q": QUESTION,
-            "r": {**QUESTION, "instructions": "Which team owns routers?"},
-            "n": {"type": "noul", "instructions": "Is the router broken?"},
-        },
-    )
+    state, questions = STATE, LLAMA_QUESTIONS
     body = workloads.system_one(state, questions)
     want = blink.Deployment.serving(standin).decide(state, questions)["answers"]
     with contextlib.ExitStack() as stack:  # the readers' child processes end with it
