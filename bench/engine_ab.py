@@ -4,7 +4,7 @@ Each serves the stand-in at the dtype blink answers in, in one process; --profil
 goes.
 
     python -m bench engine_ab --base 8e926fc            # the three decision cases, one thread
-    python -m bench engine_ab --base 8e926fc --profile  # and the short question's time by operator and function
+    python -m bench engine_ab --base 8e926fc --profile  # and the short question's time by operator, both sides
 
 Each case alternates the two engines request by request (the order flipped every pair) and times each call in this
 process's CPU seconds, so load from other processes inflates both sides of a pair alike; it records each side's
@@ -119,7 +119,9 @@ def flags(parser) -> None:
     parser.add_argument("--base", required=True, help="the git revision whose blink.py is the reference")
     parser.add_argument("--pairs", type=int, default=4, help="requests per case for each side (short: 5x)")
     parser.add_argument("--cases", default="short,document,again")
-    parser.add_argument("--profile", action="store_true", help="print the short question's time by operator")
+    parser.add_argument(
+        "--profile", action="store_true", help="print the short question's time by operator, both sides"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases.split(","):
         rows[case] = compare(deps, exact, requests[case])
         print(f"{case}: {rows[case]}", flush=True)
-    if args.profile:
-        print(profile_short(deps["working tree"], requests["short"][:10]))
+    if args.profile:  # where the short question's time goes, before the change and after
+        for side, dep in deps.items():
+            print(f"short question, {side}:\n{profile_short(dep, requests['short'][:10])}", flush=True)
     run.write({"base": args.base, "dtype": dtype, "model": blink.STANDIN_MODEL, "rows": rows})
     return 0
 
