@@ -79,7 +79,7 @@ class RouteSettings:
     """The router's own settings, each BLINK_* variable once (blink.Settings holds the engine's, ServerSettings the
     HTTP layer's)."""
 
-    max_lead: int = blink.setting("BLINK_ROUTE_MAX_LEAD", 8, 0)  # requests in flight a document's home replica may
+    max_lead: int = blink.setting("BLINK_ROUTE_MAX_LEAD", 4, 0)  # requests in flight a document's home replica may
     # hold beyond the least loaded replica before a request over that document goes to the least loaded instead
 
     @classmethod

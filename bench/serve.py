@@ -249,7 +249,7 @@ def flags(ap) -> None:
     """serve's own flags."""
     ap.add_argument("--clients", type=int, default=None, help="concurrent clients (8; quick 4; hot: twice as many)")
     ap.add_argument(
-        "--leads", default="0,2,4,16", help="BLINK_ROUTE_MAX_LEAD values for re-ask and hot (the default's skipped)"
+        "--leads", default="0,2,8,16", help="BLINK_ROUTE_MAX_LEAD values for re-ask and hot (the default's skipped)"
     )
 
 

@@ -715,6 +715,7 @@ def test_the_bench_readme_tables_are_what_report_prints():
         "gpu.json": None,
         "memory.json": None,
         "vllm-cpu.json": None,
+        "serve.json": None,
         "full.json": "Time per request",
     }  # full: the grid's tables
     for name, start in quoted.items():
