@@ -559,6 +559,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "models.json": "models",
         "order.json": "order",
         "overhead.json": "overhead",
+        "serve.json": "serve",
         "vllm-cpu.json": "vllm_check",
     }
 
@@ -573,8 +574,8 @@ def test_report_prints_the_vllm_results_whole():
     for row in res["http"]["rows"]:  # every HTTP row, with its latencies
         title = arms.title("vllm_check", row["target"])
         assert (
-            f"| {title} | {row['clients']} | {row['completed']} | {row['requests_per_s']:.2f} | {row['p50_ms']:.0f} | "
-            f"{row['p99_ms']:.0f} |" in out
+            f"| {title} | {row['workload']} | {row['clients']} | {row['completed']} | {row['requests_per_s']:.2f} | "
+            f"{row['p50_ms']:.0f} | {row['p99_ms']:.0f} |" in out
         )
     assert res["vllm_own_route"] in out
 
