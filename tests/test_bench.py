@@ -553,6 +553,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "budget.json": "budget",
         "decision.json": "run",
         "drift.json": "drift",
+        "engine_ab.json": "engine_ab",
         "full.json": "run",
         "gpu.json": "gpu",
         "memory.json": "memory",
