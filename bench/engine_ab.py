@@ -64,10 +64,7 @@ def cases(tok, pairs: int) -> dict[str, list[tuple]]:
     questions, one yes/no question over a new short text."""
     docs = [workloads.document(tok, 1000, seed=1000 + i) for i in range(pairs)]
     first = workloads.questions(8, 4, workloads.ticket_count(docs[0]))
-    again = {
-        f"r{k}": {**q, "instructions": q["instructions"].replace("Which team", "What team, in your view,")}
-        for k, q in first.items()
-    }
+    again = workloads.reworded(first)
     short = [
         (f"Order {4100 + i}: I was charged twice for the same order and want my money back.", SHORT)
         for i in range(5 * pairs)

@@ -141,6 +141,17 @@ def choose_threads(model, device) -> dict:
     return {"threads": best, "how": "auto", "probe_s_by_threads": tried}
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between samples."""
+    s = sorted(values)
+    if len(s) == 1:
+        return s[0]
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
 def utilisation(flops: float, seconds: float, gflops: float) -> float | None:
     """Model FLOP utilisation: `flops` done in `seconds`, as a share of a matmul rate of `gflops` GFLOP/s (None where
     nothing was timed or no rate was probed)."""

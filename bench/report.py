@@ -266,6 +266,7 @@ def run_report(res: dict) -> list[str]:
     )
     parts = [head, "", steadiness_line(res), "", *targets_list(res)]
     if res.get("decision"):  # runs before the decision peers existed have none
+        utilisation = utilisation_table(res)
         parts += [
             "",
             "At a glance (blink's time per request, the mean of the repetitions, and how many times faster it "
@@ -287,9 +288,9 @@ def run_report(res: dict) -> list[str]:
                     "(2 x those weights per token; attention and the LM head left out), over its time, against the "
                     "matmul probe at the dtype it computes in:",
                     "",
-                    *utilisation_table(res),
+                    *utilisation,
                 ]
-                if utilisation_table(res)
+                if utilisation
                 else []
             ),
             *(
@@ -647,10 +648,15 @@ def vllm_report(res: dict) -> list[str]:
     return lines
 
 
+def ratio_key(name: str) -> str:
+    """The field of a row holding its requests/s over those of the arm `name` at the same workload and level."""
+    return f"vs_{name.replace(' ', '_')}"
+
+
 def vllm_levels(rows: list[dict], reference: str) -> list[str]:
     """vllm_check files of one workload: requests/s per arm and concurrency, with the ratio to the reference."""
     names = list(dict.fromkeys(r["target"] for r in rows))
-    ratio = f"vs_{reference.replace(' ', '_')}"
+    ratio = ratio_key(reference)
     by = {(r["target"], r["clients"]): r for r in rows}
     levels = sorted({r["clients"] for r in rows})
 
@@ -676,7 +682,7 @@ def vllm_serving(res: dict) -> list[str]:
     their ratio (the target: at least 1.0x), then the targets."""
     torch_arm, vllm_arm = res["http"]["pair"]
     by = {(r["target"], r["workload"], r["clients"]): r for r in res["http"]["rows"]}
-    ratio = f"vs_{vllm_arm.replace(' ', '_')}"
+    ratio = ratio_key(vllm_arm)
     rows = []
     for load, what in res["http"]["workloads"].items():
         for clients in res["http"]["clients"]:

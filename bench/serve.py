@@ -37,9 +37,9 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import statistics
 import time
 from collections.abc import Iterator
+from unittest import mock
 
 import blink
 from adapters import wire
@@ -129,15 +129,11 @@ def deployed(app_args: dict, lead: int | None = None) -> Iterator[None]:
 
     from adapters import serve as serve_app
 
-    before = os.environ.pop("BLINK_ROUTE_MAX_LEAD", None)
-    if lead is not None:
-        os.environ["BLINK_ROUTE_MAX_LEAD"] = str(lead)
-    try:
-        serve.run(serve_app.app(app_args), name=APP, route_prefix="/")
-    finally:
+    with mock.patch.dict(os.environ):  # the variable as the arm sets it, while the app builder reads it
         os.environ.pop("BLINK_ROUTE_MAX_LEAD", None)
-        if before is not None:
-            os.environ["BLINK_ROUTE_MAX_LEAD"] = before
+        if lead is not None:
+            os.environ["BLINK_ROUTE_MAX_LEAD"] = str(lead)
+        serve.run(serve_app.app(app_args), name=APP, route_prefix="/")
     try:
         yield
     finally:
@@ -185,11 +181,6 @@ def drive(url: str, requests: list[Request], clients: int) -> dict:
     return {"wall_s": wall, "done": done}
 
 
-def percentile(values: list[float], q: int) -> float:
-    """The q-th percentile (1-99) of the values, interpolated between the nearest two."""
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
-
-
 def row(workload: str, arm: str, requests: list[Request], run: dict) -> dict:
     """One arm on one workload: req/s, latency, cached share, the requests per replica and the documents split."""
     metas = [reply["x_meta"] for _, reply in run["done"]]
@@ -205,8 +196,8 @@ def row(workload: str, arm: str, requests: list[Request], run: dict) -> dict:
         "requests": len(requests),
         "wall_s": round(run["wall_s"], 2),
         "req_per_s": round(len(requests) / run["wall_s"], 3),
-        "p50_s": round(percentile(seconds, 50), 3),
-        "p99_s": round(percentile(seconds, 99), 3),
+        "p50_s": round(harness.percentile(seconds, 50), 3),
+        "p99_s": round(harness.percentile(seconds, 99), 3),
         "cached_share": round(
             sum(m.get("cached_tokens") or 0 for m in metas) / sum(m["input_tokens"] for m in metas), 4
         ),

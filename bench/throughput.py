@@ -31,17 +31,6 @@ def serving(
     return blink.Deployment.serving(engine, settings)
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between samples."""
-    s = sorted(values)
-    if len(s) == 1:
-        return s[0]
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def drive(call: Callable[[int, int], dict], clients: int, per_client: int) -> dict:
     """Run `clients` threads, each making `per_client` calls back to back; requests/s and latency percentiles."""
     latencies: list[float] = []
@@ -79,8 +68,8 @@ def drive(call: Callable[[int, int], dict], clients: int, per_client: int) -> di
         "cpu_s": round(cpu, 3),
         "load_avg_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "requests_per_s": round(done / wall, 3) if done else 0.0,
-        "p50_ms": round(1000 * percentile(latencies, 50), 1) if done else None,
-        "p99_ms": round(1000 * percentile(latencies, 99), 1) if done else None,
+        "p50_ms": round(1000 * harness.percentile(latencies, 50), 1) if done else None,
+        "p99_ms": round(1000 * harness.percentile(latencies, 99), 1) if done else None,
         "mean_batched_requests": round(statistics.mean(batched), 2) if batched else None,
     }
 

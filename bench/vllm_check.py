@@ -152,11 +152,6 @@ def throughput_pair() -> tuple[str, str]:
     return pick["torch"], pick["vllm"]
 
 
-def ratio_key(name: str) -> str:
-    """The field of a row holding its requests/s over those of the arm `name` at the same workload and level."""
-    return f"vs_{name.replace(' ', '_')}"
-
-
 def serving_rows(driven: dict, workloads_: list[workloads.HttpWorkload]) -> list[dict]:
     """Each workload at each level on every driven server ({target: (url, model)}), the servers taking turns per
     level; a REPEATED workload's requests asked once, unclocked, on every server first."""
@@ -186,7 +181,7 @@ def serving_targets(rows: list[dict], torch_arm: str, vllm_arm: str, exact: bool
         if target != torch_arm or theirs is None or not theirs["requests_per_s"]:
             continue
         value = round(row["requests_per_s"] / theirs["requests_per_s"], 2)
-        row[ratio_key(vllm_arm)] = value
+        row[report.ratio_key(vllm_arm)] = value
         out.append(
             {
                 "target": f"{torch_arm} >= {VLLM_TARGET:g}x {vllm_arm} requests/s: {load} requests, {clients} "

@@ -133,6 +133,14 @@ def questions(n_questions: int, n_options: int, n_tickets: int) -> dict:
     return out
 
 
+def reworded(asked: dict) -> dict:
+    """The same questions asked again in other words, under other names: new prompts over the same evidence."""
+    return {
+        f"r{k}": {**q, "instructions": q["instructions"].replace("Which team", "What team, in your view,")}
+        for k, q in asked.items()
+    }
+
+
 def case_requests(tok, cfg: dict, rep: int) -> dict[str, list[tuple]]:
     """The decision cases of one repetition, each a list of (state, questions) requests: a document not seen before
     with `questions` questions ("document"), the same document with as many new questions ("again"), and
@@ -140,10 +148,7 @@ def case_requests(tok, cfg: dict, rep: int) -> dict[str, list[tuple]]:
     doc = document(tok, cfg["doc"], seed=1000 + rep)
     n = ticket_count(doc)
     first = questions(cfg["questions"], cfg["options"], n)
-    again = {
-        f"r{k}": {**q, "instructions": q["instructions"].replace("Which team", "What team, in your view,")}
-        for k, q in questions(cfg["questions"], cfg["options"], n).items()
-    }
+    again = reworded(first)
     short = [
         (
             f"Order {4100 + 100 * i + rep}: I was charged twice for the same order and want my money back.",

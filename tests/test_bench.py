@@ -100,7 +100,7 @@ def test_prefill_flops_count_every_key_of_every_computed_token(tiny_qwen):
 
 def test_subsample_and_percentile_rules():
     assert run.ladder(64, 2100, 24000) == 8 and run.ladder(64, 330, 24000) == 64 and run.ladder(8, 9000, 1) == 1
-    assert throughput.percentile([1, 2, 3, 4], 50) == 2.5 and throughput.percentile([7], 99) == 7
+    assert harness.percentile([1, 2, 3, 4], 50) == 2.5 and harness.percentile([7], 99) == 7
     assert list(workloads.questions(8, 4, 3)) == list(workloads.questions(64, 4, 3))[:8]  # nested question sets
 
 
