@@ -3596,7 +3596,7 @@ class Deployment:
         self._engines: dict[str, Engine] = dict(engines or {})
         self._recordings: dict[str, Recording | None] = {}
         self._batchers: dict[str, Batcher] = {}
-        self._watchers: list[Callable[[str, list[Job], list], None]] = []
+        self._watchers: list[Callable[[str, list], None]] = []
         self._answers: dict[str, AnswerCache] = {}  # by model id: its engine's answers of live requests
         self._lock = threading.RLock()
 
@@ -3876,17 +3876,17 @@ class Deployment:
         with self._lock:
             return dict(self._batchers)
 
-    def watch(self, watcher: Callable[[str, list[Job], list], None]) -> None:
-        """Call watcher(model, jobs, results) after every run of any of this deployment's Batchers, before its
+    def watch(self, watcher: Callable[[str, list], None]) -> None:
+        """Call watcher(model, results) after every run of any of this deployment's Batchers, before its
         callers get their results (a server's metrics read what each packed forward did)."""
         with self._lock:
             self._watchers.append(watcher)
 
-    def _report(self, model: str, jobs: list[Job], results: list) -> None:
+    def _report(self, model: str, results: list) -> None:
         """Hand one Batcher run to every watcher; a watcher that fails is logged, never the callers' problem."""
         for watcher in list(self._watchers):
             try:
-                watcher(model, jobs, results)
+                watcher(model, results)
             except Exception:  # noqa: BLE001 - a metrics fault must not fail the requests it watched
                 log.exception("a Batcher watcher failed")
 
@@ -3967,7 +3967,7 @@ class Batcher:
         window_s: float = 0.0,
         max_requests: int = 16,
         max_queued: int = 64,
-        report: Callable[[list[Job], list], None] | None = None,
+        report: Callable[[list], None] | None = None,
     ):
         window_s, max_requests, max_queued = float(window_s), int(max_requests), int(max_queued)
         if not (math.isfinite(window_s) and 0 <= window_s <= self.MAX_WINDOW_S):
@@ -3977,7 +3977,7 @@ class Batcher:
         if max_queued < 1:
             raise ValueError("max_queued must be at least 1")
         self.run, self.window_s, self.max_requests, self.max_queued = run, window_s, max_requests, max_queued
-        self.report = report  # told (jobs, results) of every run, before the callers are
+        self.report = report  # told the results of every run, before the callers are
         self.q: queue.Queue = queue.Queue(maxsize=max_queued)
         self.restarts = 0
         self._lock = threading.Lock()
@@ -4065,7 +4065,7 @@ class Batcher:
             if len(results) != len(batch):
                 results = [RuntimeError("the batching worker lost this request")] * len(batch)
             if self.report is not None:
-                self.report(jobs, results)
+                self.report(results)
             for (_, _, fut), result in zip(batch, results):
                 if isinstance(result, BaseException):
                     fut.set_exception(result)

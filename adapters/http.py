@@ -249,7 +249,7 @@ class Metrics:
         self.requests.labels(route, str(status)).inc()
         self.latency.labels(route).observe(seconds)
 
-    def forwards(self, model: str, jobs: list, results: list) -> None:
+    def forwards(self, model: str, results: list) -> None:
         """One Batcher run (Deployment.watch): the live forwards it made. A packed forward of k requests gives each
         of them a Forward holding the forward's own computed tokens and model time, so each Forward counts 1/k of
         those and k of them make one forward."""
@@ -423,12 +423,10 @@ def flat_routes(routes: list) -> Iterator:
 
 async def read_form(request: HTTPRequest, data: bytes, limit: int) -> tuple[object, dict[str, bytes]]:
     """A multipart body as typesafe-sdk sends images: the JSON `request` part, and every other part's bytes."""
-
-    async def replay() -> dict:
-        return {"type": "http.request", "body": data, "more_body": False}
-
     try:
-        form = await HTTPRequest(request.scope, replay).form(max_files=64, max_fields=64, max_part_size=limit)
+        form = await HTTPRequest(request.scope, replayed(data, request.receive)).form(
+            max_files=64, max_fields=64, max_part_size=limit
+        )
     except Exception as exc:  # noqa: BLE001 - any malformed form is the caller's
         raise wire.WireError(
             f"the multipart body cannot be read: {getattr(exc, 'detail', exc)}", ["body"], 400, "invalid_request"
