@@ -216,10 +216,13 @@ def row_chunks(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
         yield chunk
 
 
+ASKED = ("state", "questions", "images")  # what Deployment.parse_many reads of a row's body
+
+
 def chunk_asks(rows: list[Row]) -> list[dict]:
-    """The decide_many requests of a chunk's readable rows: their bodies, which Deployment.parse_many reads as it
-    reads every entry's many requests (state, questions, images; the id is not read)."""
-    return [r.body for r in rows if r.error is None]
+    """The decide_many requests of a chunk's readable rows: the parts of their bodies Deployment.parse_many reads
+    (the id and any other column stay behind, and so never travel to a Ray worker)."""
+    return [{k: r.body[k] for k in ASKED if k in r.body} for r in rows if r.error is None]
 
 
 def outcome(result) -> dict:
