@@ -40,6 +40,7 @@ import os
 import platform
 import queue
 import re
+import shutil
 import string
 import sys
 import threading
@@ -1775,8 +1776,8 @@ def gguf_folder(folder: str, source: str, gguf_file: str, chat_template: str | N
     os.makedirs(os.path.dirname(folder), exist_ok=True)
     try:
         os.replace(partial, folder)
-    except OSError:  # another process converted it first
-        pass
+    except OSError:  # another process converted it first: its folder stands, this copy goes
+        shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 

@@ -34,7 +34,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
 import blink
 from bench import arms, harness, report, servers
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = blink.env_settings()
     chunk = settings.batch_max_requests
     blink_py = os.path.join(servers.ROOT, "blink.py")
-    work = tempfile.mkdtemp(prefix="blink-bench-batch-")
+    work = run.files()
     rows_path, loop_path = os.path.join(work, "rows.jsonl"), os.path.join(work, "loop-rows.jsonl")
     write_rows(rows_path, cfg["rows"])
     write_rows(loop_path, min(cfg["loop_rows"], cfg["rows"]))
@@ -198,28 +197,30 @@ def main(argv: list[str] | None = None) -> int:
         "ray": lambda out: [sys.executable, blink_py, "batch", rows_path, "--out", out, "--ray", str(args.workers)],
     }
     first_rows = {"loop": 1, "batch": chunk, "ray": chunk * args.workers}
-    run.probe()
-    for rep in range(cfg["repeats"]):  # interleaved, so a slow spell hits one run of an arm
-        for name in model_arms:
-            out = os.path.join(work, f"{name}-{rep}.jsonl")
-            runs[name].append(run_arm(name, commands[name](out), threads, out, first_rows[name]))
-    measured = [max(r, key=lambda a: a["rows_per_s"]) for r in runs.values()]  # each arm's fastest run
-    reference = answers(measured[0]["out"])
-    for arm in measured:
-        arm["max_gap_to_loop"] = max_gap(answers(arm["out"]), reference)
-        arm["runs_rows_per_s"] = [a["rows_per_s"] for a in runs[arm["arm"]]]
-    pipeline: list[dict] = []
-    if cfg["pipeline_rows"]:
-        many = os.path.join(work, "many.jsonl")
-        write_rows(many, cfg["pipeline_rows"])
-        for name, arm in arms.of("batch").items():
-            if not arm.settings:
-                continue
-            workers = args.workers if "ray" in name else 0
-            path = os.path.join(work, f"{name.replace(' ', '-')}.jsonl")
-            extra = ["--ray", str(workers)] if workers else []
-            cmd = [sys.executable, blink_py, "batch", many, "--out", path, *extra]
-            pipeline.append(run_arm(name, cmd, arm.env(), path, chunk * max(workers, 1)))
+    # the --ray arms start a local Ray of their own: its files go to a temp folder of the run (ray_temp), not /tmp/ray
+    with servers.ray_temp():
+        run.probe()
+        for rep in range(cfg["repeats"]):  # interleaved, so a slow spell hits one run of an arm
+            for name in model_arms:
+                out = os.path.join(work, f"{name}-{rep}.jsonl")
+                runs[name].append(run_arm(name, commands[name](out), threads, out, first_rows[name]))
+        measured = [max(r, key=lambda a: a["rows_per_s"]) for r in runs.values()]  # each arm's fastest run
+        reference = answers(measured[0]["out"])
+        for arm in measured:
+            arm["max_gap_to_loop"] = max_gap(answers(arm["out"]), reference)
+            arm["runs_rows_per_s"] = [a["rows_per_s"] for a in runs[arm["arm"]]]
+        pipeline: list[dict] = []
+        if cfg["pipeline_rows"]:
+            many = os.path.join(work, "many.jsonl")
+            write_rows(many, cfg["pipeline_rows"])
+            for name, arm in arms.of("batch").items():
+                if not arm.settings:
+                    continue
+                workers = args.workers if "ray" in name else 0
+                path = os.path.join(work, f"{name.replace(' ', '-')}.jsonl")
+                extra = ["--ray", str(workers)] if workers else []
+                cmd = [sys.executable, blink_py, "batch", many, "--out", path, *extra]
+                pipeline.append(run_arm(name, cmd, arm.env(), path, chunk * max(workers, 1)))
     for arm in measured + pipeline:  # where this run kept its files says nothing about the result
         del arm["out"]
     by = {a["arm"]: a for a in measured}

@@ -23,7 +23,6 @@ import pstats
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import fields, replace
 
@@ -34,12 +33,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
 
 
-def blink_at(revision: str):
-    """blink.py as it was at a git revision, imported as a module of its own."""
+def blink_at(revision: str, folder: str):
+    """blink.py as it was at a git revision, written to `folder` and imported from there as a module of its own."""
     source = subprocess.run(
         ["git", "show", f"{revision}:blink.py"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
-    path = os.path.join(tempfile.mkdtemp(), "blink_reference.py")
+    path = os.path.join(folder, "blink_reference.py")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(source)
     spec = importlib.util.spec_from_file_location("blink_reference", path)
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = run.args
     pairs = 2 if run.quick else args.pairs
     dtype = blink.Settings.from_env({}).compute_dtype
-    deps = {args.base: deployment(blink_at(args.base), dtype), "working tree": deployment(blink, dtype)}
+    deps = {args.base: deployment(blink_at(args.base, run.files()), dtype), "working tree": deployment(blink, dtype)}
     exact = deployment(blink, "float32")
     run.probe()
     requests = cases(deps["working tree"].engine().tok, pairs)

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -290,6 +291,15 @@ class Run:
         if self.dtype_probes:
             out["matmul_gflops_by_dtype"] = {k: [round(g, 2) for g in v] for k, v in self.dtype_probes.items()}
         return {**out, "cpu_matmul_verdicts": blink.kernel_verdicts()}
+
+    def files(self) -> str:
+        """The folder this run keeps its side files in (servers' logs, rows it wrote and read, a base revision's
+        blink.py): bench/results/files/NAME (NAME-quick for --quick) under --out, made anew by each run and ignored by
+        git, so a run leaves nothing of its own in /tmp and its logs are where its results are."""
+        folder = os.path.join(self.args.out, "files", f"{self.name}{'-quick' if self.quick else ''}")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        return folder
 
     def write(self, results: dict, stem: str | None = None) -> str:
         """The header and `results` as bench/results/STEM.json (STEM-quick.json for --quick; STEM: the benchmark's

@@ -485,7 +485,7 @@ def decision_part(engine: blink.TorchEngine, run: harness.Run, servers: bool) ->
     size = "quick" if run.quick else "full"
     threads = run.threads["threads"]
     names = [n for n in arms.of("decision") if n != "blink" and (servers or arms.of("decision")[n].python == "project")]
-    logs = tempfile.mkdtemp(prefix="blink-bench-servers-")
+    logs = run.files()
     print(f"server logs in {logs}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         export_dir = os.path.join(tmp, "export")

@@ -190,30 +190,65 @@ def cluster_processes(cluster) -> list:
     return found
 
 
+# The longest temp root a local cluster's folder goes under: below it come blink-ray-XXXXXXXX/ray/session_<date>_<pid>/
+# sockets/<name>, about 95 characters, and a socket's path must fit in 107.
+RAY_TEMP_ROOT_MAX = 16
+
+
+def ray_temp_root() -> str:
+    """Where a local cluster's own temp folder goes: RAY_TMPDIR, else TMPDIR, else /tmp (Ray's own order), or /tmp
+    where that folder's path is too long for Ray's socket paths."""
+    root = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    return root if len(root) <= RAY_TEMP_ROOT_MAX else "/tmp"
+
+
+@contextlib.contextmanager
+def ray_temp() -> Iterator[str]:
+    """A new temp folder of this cluster's own under ray_temp_root(), made Ray's temp root (RAY_TMPDIR) in this
+    process for the duration, so every path Ray derives from its default temp folder lands inside it: the sessions,
+    the sockets, and the address file that ray.cluster_utils writes to `<temp root>/ray` whatever temp_dir the head
+    was given (Ray's default /tmp/ray exists only where Ray ran before). On leaving, RAY_TMPDIR is as it was and
+    the folder is gone."""
+    temp = tempfile.mkdtemp(prefix="blink-ray-", dir=ray_temp_root())
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
+    try:
+        yield temp
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+        shutil.rmtree(temp, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def ray_serve(env_vars: dict | None = None, nodes: int = 2, cpus: int = 1) -> Iterator[str]:
     """A local Ray cluster of `nodes` nodes with `cpus` CPUs each on this machine (Ray's own ray.cluster_utils),
     this process its driver (the repository its working directory, `env_vars` set in each of its processes), Serve
-    started with its HTTP proxy on a free loopback port; yields the proxy's URL. On leaving, Serve, the driver and
-    every node stop, and every process the cluster started is waited for until it is gone (one left over is an error
-    naming it). The nodes start with RAY_NODE_ENV."""
+    started with its HTTP proxy on a free loopback port; yields the proxy's URL. Everything Ray writes goes to a
+    temp folder of the cluster's own (ray_temp), so it needs nothing outside the clone that it does not make itself
+    and leaves nothing behind. On leaving, Serve, the driver and every node stop, and every process the cluster
+    started is waited for until it is gone (one left over is an error naming it). The nodes start with RAY_NODE_ENV."""
+    with ray_temp():
+        with _ray_serve(env_vars, nodes, cpus) as url:
+            yield url
+
+
+@contextlib.contextmanager
+def _ray_serve(env_vars: dict | None, nodes: int, cpus: int) -> Iterator[str]:
+    """ray_serve inside its temp folder (RAY_TMPDIR set): the cluster, the driver, Serve, and their stop."""
     import psutil
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    temp = tempfile.mkdtemp(prefix="blink-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 characters
     saved = {k: os.environ.get(k) for k in RAY_NODE_ENV}
     os.environ.update(RAY_NODE_ENV)  # the nodes, and every process they start, inherit these
     try:
         cluster = Cluster(
             initialize_head=True,
-            head_node_args={
-                "num_cpus": cpus,
-                "gcs_server_port": free_port(),
-                "include_dashboard": False,
-                "temp_dir": temp,
-            },
+            head_node_args={"num_cpus": cpus, "gcs_server_port": free_port(), "include_dashboard": False},
         )
         for _ in range(nodes - 1):
             cluster.add_node(num_cpus=cpus)
@@ -239,7 +274,6 @@ def ray_serve(env_vars: dict | None = None, nodes: int = 2, cpus: int = 1) -> It
             serve.shutdown()
             ray.shutdown()
         cluster.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
 
         def alive(proc) -> bool:
             try:

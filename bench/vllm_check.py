@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import tempfile
 
 import blink
 from bench import answers, arms, harness, peers, report, servers, workloads
@@ -222,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     parity_requests = workload(args.requests or (8 if run.quick else 40))
     torch_arm, vllm_arm = throughput_pair()
-    logs = tempfile.mkdtemp(prefix="blink-bench-vllm-")
+    logs = run.files()
     print(f"server logs in {logs}", flush=True)
     run.probe()
     with contextlib.ExitStack() as stack:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -18,6 +20,14 @@ os.environ.setdefault("BLINK_DTYPE", "float32")
 # default, is tested on its own in test_answer_cache.py; in-process deployments turn it off in `served`)
 os.environ.setdefault("BLINK_ANSWER_CACHE_MB", "0")
 
+# What libraries keep in the temp folder by default and leave there (Gradio's uploads and cached files in
+# <temp>/gradio, the folder torch makes for its compiler's cache, <temp>/torchinductor_<user>, when transformers loads a
+# model) goes to a folder of this session's instead, for the suite and every process it starts, and is removed when
+# the session ends (pytest_sessionfinish).
+SESSION_TEMP = tempfile.mkdtemp(prefix="blink-tests-")
+os.environ.setdefault("GRADIO_TEMP_DIR", os.path.join(SESSION_TEMP, "gradio"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(SESSION_TEMP, "torchinductor"))
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +36,11 @@ import blink  # noqa: E402
 from bench import servers  # noqa: E402
 
 DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The session's temp folder goes with it."""
+    shutil.rmtree(SESSION_TEMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -99,11 +114,12 @@ free_port = servers.free_port
 
 
 @contextmanager
-def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeout_s: float = 600):
+def app_process(env: dict, tmp_dir: str, prelude: str = "", timeout_s: float = 600):
     """The app started in a process of its own on a free loopback port, with extra environment and Python run
-    before `import app` (e.g. to gate the model); yields (url, path of its combined stdout/stderr log). The deadline
+    before `import app` (e.g. to gate the model), its log in `tmp_dir` (a test's tmp_path: pytest removes it); yields
+    (url, path of its combined stdout/stderr log). The deadline
     only stops a start that hangs (a start that fails ends the wait at once, with its log)."""
-    proc, url, log_path = start_app(env, prelude, tmp_dir)
+    proc, url, log_path = start_app(env, tmp_dir, prelude)
     try:
         wait_up(proc, url, log_path, timeout_s)
         yield url, log_path
@@ -111,17 +127,13 @@ def app_process(env: dict, prelude: str = "", tmp_dir: str | None = None, timeou
         servers.stop(proc)
 
 
-def start_app(
-    env: dict, prelude: str = "", tmp_dir: str | None = None, python: str = sys.executable, as_script: bool = False
-):
+def start_app(env: dict, tmp_dir: str, prelude: str = "", python: str = sys.executable, as_script: bool = False):
     """Start the app on a free loopback port without waiting for it, as bench/servers.py starts it: `import app`
     after `prelude` in `python`, or as_script: `python app.py` itself. This environment (BLINK_DTYPE=float32 and all)
-    plus `env`. Returns (process, url, log path); the process leads a process group of its own (servers.stop ends it
-    and whatever it started)."""
-    import tempfile
-
+    plus `env`, its log in `tmp_dir`. Returns (process, url, log path); the process leads a process group of its own
+    (servers.stop ends it and whatever it started)."""
     port = free_port()
-    log_path = os.path.join(tmp_dir or tempfile.mkdtemp(), f"app-{port}.log")
+    log_path = os.path.join(tmp_dir, f"app-{port}.log")
     cmd = servers.app_command(python, None if as_script else prelude)
     proc = servers.start(cmd, log_path, {**os.environ, **servers.app_env(port, env)})
     return proc, f"http://127.0.0.1:{port}/", log_path
@@ -224,5 +236,5 @@ def crowded_app(tmp_path_factory, crowd_gates):
         "HF_TOKEN": SECRET,
         "HUGGING_FACE_HUB_TOKEN": SECRET,
     }
-    with app_process(env, crowd_gates.prelude(), str(tmp_path_factory.mktemp("crowded"))) as served_app:
+    with app_process(env, str(tmp_path_factory.mktemp("crowded")), crowd_gates.prelude()) as served_app:
         yield served_app

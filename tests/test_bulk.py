@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from hypothesis import strategies as st
 
 import blink
 from adapters import bulk
+from bench import servers
 
 QUESTIONS = {
     "team": {
@@ -478,46 +478,45 @@ def ray_cluster():
     machine must not get this cluster's workers killed."""
     pytest.importorskip("ray")
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    temp = tempfile.mkdtemp(prefix="blink-ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 characters
-    port = free_port()
-    join = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0"}
-    env = {**os.environ, **join, "RAY_memory_monitor_refresh_ms": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    log = open(os.path.join(temp, "start.log"), "w")
-    head = subprocess.Popen(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--node-ip-address=127.0.0.1",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            f"--temp-dir={temp}",
-            "--disable-usage-stats",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert head.poll() is None, open(os.path.join(temp, "start.log")).read()[-3000:]
-            assert time.monotonic() < deadline, "the Ray cluster did not come up in time"
-            if "Ray runtime started" in open(os.path.join(temp, "start.log")).read():
-                break
-            time.sleep(0.5)
-        yield {**join, "RAY_ADDRESS_FOR_TEST": f"127.0.0.1:{port}"}
-    finally:
-        head.send_signal(signal.SIGTERM)  # `ray start --block` stops every process it started
+    with servers.ray_temp() as temp:  # Ray's files in a folder of the cluster's own, gone afterwards
+        port = free_port()
+        join = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {**os.environ, **join, "RAY_memory_monitor_refresh_ms": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+        log = open(os.path.join(temp, "start.log"), "w")
+        head = subprocess.Popen(
+            [
+                ray_bin,
+                "start",
+                "--head",
+                "--block",
+                f"--port={port}",
+                "--node-ip-address=127.0.0.1",
+                "--num-cpus=2",
+                "--include-dashboard=false",
+                f"--temp-dir={temp}",
+                "--disable-usage-stats",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         try:
-            head.wait(90)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait(10)
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)
+            deadline = time.monotonic() + 120
+            while True:
+                assert head.poll() is None, open(os.path.join(temp, "start.log")).read()[-3000:]
+                assert time.monotonic() < deadline, "the Ray cluster did not come up in time"
+                if "Ray runtime started" in open(os.path.join(temp, "start.log")).read():
+                    break
+                time.sleep(0.5)
+            yield {**join, "RAY_TMPDIR": temp, "RAY_ADDRESS_FOR_TEST": f"127.0.0.1:{port}"}
+        finally:
+            head.send_signal(signal.SIGTERM)  # `ray start --block` stops every process it started
+            try:
+                head.wait(90)
+            except subprocess.TimeoutExpired:
+                head.kill()
+                head.wait(10)
+            log.close()
 
 
 def ray_cli(in_path, out, cluster: dict, extra_env: dict) -> subprocess.CompletedProcess:

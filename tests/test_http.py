@@ -55,7 +55,7 @@ def keyed(tmp_path_factory, gates):
     """The app on the stand-in in its own process, with BLINK_API_KEY set, a 1 MiB body limit and `gates`; yields
     (url, log path, server process)."""
     env = {"BLINK_API_KEY": KEY, "BLINK_MAX_BODY_BYTES": str(LIMIT)}
-    proc, url, log_path = start_app(env, gates.prelude(), str(tmp_path_factory.mktemp("keyed")))
+    proc, url, log_path = start_app(env, str(tmp_path_factory.mktemp("keyed")), gates.prelude())
     try:
         wait_up(proc, url, log_path, 600)
         yield url, log_path, proc

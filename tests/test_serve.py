@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import tempfile
 import threading
 import time
 
@@ -99,12 +100,47 @@ def poll(check, timeout_s: float, every_s: float = 0.25):
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def ray_root():
+    """A new, empty temp root made Ray's (RAY_TMPDIR) for the module, as on a machine where Ray never ran: Ray's
+    default temp folder (<root>/ray) is absent when the cluster starts. Nothing may be left in it afterwards."""
+    root = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths go below it
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = root
+    try:
+        yield root
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+        left = os.listdir(root)
+        if not left:
+            os.rmdir(root)
+    assert left == [], f"the cluster left {left} in its temp root"
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_root):
     """Two Ray nodes of one CPU each on this machine, Serve on them with the app (one replica to start): the bench's
     servers.ray_serve, which checks on leaving that every process of the cluster is gone; yields the app's URL."""
+    assert not os.path.exists(os.path.join(ray_root, "ray"))  # Ray's default temp folder is not there
     with servers.ray_serve(CLUSTER_ENV, nodes=2, cpus=1) as url:
         serve.run(serve_app.app(ARGS), name=APP, route_prefix="/")
         yield url
+
+
+def test_the_cluster_starts_where_ray_never_ran_and_keeps_its_files_in_a_folder_of_its_own(cluster, ray_root):
+    """Started under a temp root without Ray's default folder, the cluster is up, and everything Ray wrote (the
+    address file ray.cluster_utils writes to the default folder, the session with its sockets and logs) is inside
+    the one folder the cluster made for itself, which is gone once it stops (ray_root's teardown checks that)."""
+    (own,) = os.listdir(ray_root)
+    assert own.startswith("blink-ray-")
+    temp = os.path.join(ray_root, own)
+    assert os.environ["RAY_TMPDIR"] == temp
+    with open(os.path.join(temp, "ray", "ray_current_cluster")) as fh:
+        assert fh.read() == ray.get_runtime_context().gcs_address
+    assert os.path.realpath(ray._private.worker.global_worker.node.get_session_dir_path()).startswith(temp + os.sep)
+    assert httpx.get(cluster + "/-/healthz", timeout=60).status_code == 200
 
 
 def answer_of(response: httpx.Response) -> dict:
