@@ -21,12 +21,15 @@ os.environ.setdefault("BLINK_DTYPE", "float32")
 os.environ.setdefault("BLINK_ANSWER_CACHE_MB", "0")
 
 # What libraries keep in the temp folder by default and leave there (Gradio's uploads and cached files in
-# <temp>/gradio, the folder torch makes for its compiler's cache, <temp>/torchinductor_<user>, when transformers loads a
-# model) goes to a folder of this session's instead, for the suite and every process it starts, and is removed when
-# the session ends (pytest_sessionfinish).
+# <temp>/gradio; the folder torch makes for its compiler's cache, <temp>/torchinductor_<user>, when transformers loads
+# a model; vLLM's sockets) goes to a folder of this session's instead, for the suite and every process it starts, and
+# is removed when the session ends (pytest_sessionfinish).
 SESSION_TEMP = tempfile.mkdtemp(prefix="blink-tests-")
 os.environ.setdefault("GRADIO_TEMP_DIR", os.path.join(SESSION_TEMP, "gradio"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(SESSION_TEMP, "torchinductor"))
+# vLLM's engine sockets (<temp>/<uuid>, left behind when a server is stopped) likewise
+os.makedirs(os.path.join(SESSION_TEMP, "vllm"))
+os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.join(SESSION_TEMP, "vllm"))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)

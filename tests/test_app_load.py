@@ -78,7 +78,8 @@ def test_a_full_queue_says_busy_and_never_answers_wrongly(launched, crowded_app,
         f"{len(outcomes['queue full'])} told the queue is full"
     )
     assert outcomes["answer"] and outcomes["busy"] and outcomes["queue full"]
+    # within float32's batch-composition noise (test_load measured 1.8e-6), as the concurrent callers above
     for i, got in outcomes["answer"]:
-        assert_same_answers(got["answers"], answered_alone(app, i))
+        assert_same_answers(got["answers"], answered_alone(app, i), tolerance=1e-5)
     again = client.predict(*request(0), api_name="/decide")  # the crowd gone, a caller is served again
-    assert_same_answers(again["answers"], answered_alone(app, 0))
+    assert_same_answers(again["answers"], answered_alone(app, 0), tolerance=1e-5)

