@@ -11,8 +11,11 @@ module imports blink and neither FastAPI nor Gradio.
 
 Answers use the field's formulas: choice confidence (p_max - 1/n) / (1 - 1/n); score confidence
 max(0, 1 - sum_i p_i |i - mode| / (sum_i |i - (n-1)/2| / n)); blink's own decide() keeps the reference design's
-formulas. What blink adds (label mass, rotations, multi's p(yes) per option, abstention, meta) goes under x_ names
-only, and an abstained or multi answer keeps every standard field, so a strict client still parses it.
+formulas. Each answer holds its protocol's standard fields only, so a strict client or a schema that forbids other
+fields (krite-bench's response schema) reads it; what blink adds goes in one place, the reply's `x_meta`: its
+`/decide` meta, and under `x_meta.answers`, keyed by question (System One's key; a Decisions question's position),
+each answer's extras (label mass, rotations, multi's p(yes) per option, abstention). An abstained or multi answer
+keeps every standard field.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ BLINK_EXTRAS = (
     "choices",
     "abstained",
     "reason",
-)  # answer fields blink adds, sent as x_<name>
+)  # answer fields blink adds, sent under x_meta.answers.<question> (with a multi question's p_yes)
 
 
 class WireError(blink.BlinkError):
@@ -421,19 +424,26 @@ def score_confidence(dist: list[float]) -> float:
     return max(0.0, 1 - sum(p * abs(i - mode) for i, p in enumerate(dist)) / spread)
 
 
-def field_answer(question: blink.Question, answer: dict) -> tuple[str, float, list[float], dict]:
+def answer_extras(question: blink.Question, answer: dict) -> dict:
+    """What blink adds to one answer (BLINK_EXTRAS it holds, and a multi question's p(yes) per option as p_yes):
+    the reply's x_meta.answers entry for the question."""
+    extras = {name: answer[name] for name in BLINK_EXTRAS if name in answer}
+    if question.multi:
+        extras["p_yes"] = dict(answer["probabilities"])
+    return extras
+
+
+def field_answer(question: blink.Question, answer: dict) -> tuple[str, float, list[float]]:
     """A blink answer in the field's terms: (the pick, its confidence by the field's formula, the distribution in
-    request order, blink's extras under x_ names). A multi question's distribution is its p(yes) per option
-    normalised (each p(yes) goes to x_p_yes); an abstained answer keeps its pick here (x_abstained says it)."""
+    request order). A multi question's distribution is its p(yes) per option normalised; an abstained answer keeps
+    its pick here (x_meta.answers says it abstained)."""
     keys = question.keys
     dist = [answer["probabilities"][k] for k in keys]
-    extras = {f"x_{name}": answer[name] for name in BLINK_EXTRAS if name in answer}
     if question.multi:
-        extras["x_p_yes"] = dict(answer["probabilities"])
         total = sum(dist) or 1.0
         dist = [p / total for p in dist]
     confidence = score_confidence(dist) if question.type == "score" else blink.choice_confidence(max(dist), len(keys))
-    return blink.top_key(keys, dist), confidence, dist, extras
+    return blink.top_key(keys, dist), confidence, dist
 
 
 def expected_level(dist: list[float]) -> float:
@@ -442,32 +452,37 @@ def expected_level(dist: list[float]) -> float:
 
 
 def systemone_answer(question: blink.Question, answer: dict, sent: dict) -> dict:
-    """One answer in System One's shape (a score's legend echoes each level as sent), blink's extras under x_."""
-    pick, confidence, dist, extras = field_answer(question, answer)
+    """One answer in System One's shape, its standard fields only (a score's legend echoes each level as sent)."""
+    pick, confidence, dist = field_answer(question, answer)
     probs = dict(zip(question.keys, dist))
     if question.type == "noul":
-        return {"type": "noul", "noul": probs["yes"], **extras}
+        return {"type": "noul", "noul": probs["yes"]}
     if question.type == "choice":
-        return {"type": "choice", "choice": pick, "confidence": confidence, "probabilities": probs, **extras}
+        return {"type": "choice", "choice": pick, "confidence": confidence, "probabilities": probs}
     return {
         "type": "score",
         "score": expected_level(dist),
         "confidence": confidence,
         "legend": {str(i): level for i, level in enumerate(sent["criteria"])},
         "probabilities": probs,
-        **extras,
     }
 
 
+def wire_meta(call: WireCall, result: dict) -> dict:
+    """A reply's x_meta: blink's meta, and under `answers` each question's extras keyed as blink keys the question
+    (System One's key; a Decisions question's position)."""
+    extras = {q.key: answer_extras(q, result["answers"][q.key]) for q in call.request.questions}
+    return {**result["meta"], "answers": extras}
+
+
 def systemone_response(call: WireCall, result: dict) -> dict:
-    """The System One response of an answered request; blink's meta as x_meta."""
+    """The System One response of an answered request: standard answers, blink's additions in x_meta."""
     answers = {q.key: systemone_answer(q, result["answers"][q.key], call.sent[q.key]) for q in call.request.questions}
-    meta = result["meta"]
     return {
         "model": call.model,
         "answers": answers,
-        "usage": {"input_tokens": int(meta["input_tokens"]), "output_tokens": 0},
-        "x_meta": meta,
+        "usage": {"input_tokens": int(result["meta"]["input_tokens"]), "output_tokens": 0},
+        "x_meta": wire_meta(call, result),
     }
 
 
@@ -629,11 +644,11 @@ def decisions_call(body, parts: Mapping[str, bytes], deployment: blink.Deploymen
 
 
 def decision_answer(question: blink.Question, answer: dict, sent: dict) -> dict:
-    """One answer in the Decisions shape, named as the question was (null when unnamed), blink's extras under x_."""
-    pick, confidence, dist, extras = field_answer(question, answer)
+    """One answer in the Decisions shape, named as the question was (null when unnamed), its standard fields only."""
+    pick, confidence, dist = field_answer(question, answer)
     head = {"type": sent["type"], "name": sent.get("name")}
     if question.type == "noul":
-        return {**head, "probability": dist[0], **extras}
+        return {**head, "probability": dist[0]}
     if question.type == "choice":
         values = [c["value"] for c in sent["choices"]]
         return {
@@ -641,7 +656,6 @@ def decision_answer(question: blink.Question, answer: dict, sent: dict) -> dict:
             "choice": values[question.keys.index(pick)],
             "confidence": confidence,
             "probabilities": [{"value": v, "probability": p} for v, p in zip(values, dist)],
-            **extras,
         }
     return {
         **head,
@@ -651,12 +665,11 @@ def decision_answer(question: blink.Question, answer: dict, sent: dict) -> dict:
             {"value": i, "label": level["label"], "probability": p}
             for i, (level, p) in enumerate(zip(sent["levels"], dist))
         ],
-        **extras,
     }
 
 
 def decisions_response(call: WireCall, result: dict) -> dict:
-    """The Decisions response of an answered request, answers in question order; blink's meta as x_meta."""
+    """The Decisions response of an answered request, answers in question order; blink's additions in x_meta."""
     answers = [decision_answer(q, result["answers"][q.key], sent) for q, sent in zip(call.request.questions, call.sent)]
     meta = result["meta"]
     tokens = int(meta["input_tokens"])
@@ -668,7 +681,7 @@ def decisions_response(call: WireCall, result: dict) -> dict:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": tokens,
     }
-    return {"model": call.model, "answers": answers, "usage": usage, "x_meta": meta}
+    return {"model": call.model, "answers": answers, "usage": usage, "x_meta": wire_meta(call, result)}
 
 
 # ---- errors and the models list -------------------------------------------------------------------------------

@@ -244,13 +244,14 @@ def test_concurrent_callers_share_generate_calls_through_the_batcher(answered):
     assert sorted(r["meta"]["batched_requests"] for r in theirs) == [1] + [packed] * packed
 
 
-def wire_matches(wire: dict, decided: dict, tol: float = TOLERANCE) -> None:
-    """A System One answer map against blink's decide() answers for the same questions: the same picks and
-    probabilities (p(yes) for a noul) and label mass."""
-    assert wire.keys() == decided.keys()
+def wire_matches(body: dict, decided: dict, tol: float = TOLERANCE) -> None:
+    """A System One reply against blink's decide() answers for the same questions: the same picks and probabilities
+    (p(yes) for a noul), and each label mass in x_meta.answers."""
+    wire, extras = body["answers"], body["x_meta"]["answers"]
+    assert wire.keys() == decided.keys() == extras.keys()
     for key, answer in decided.items():
         got = wire[key]
-        assert got["type"] == answer["type"] and abs(got["x_label_mass"] - answer["label_mass"]) < tol, key
+        assert got["type"] == answer["type"] and abs(extras[key]["label_mass"] - answer["label_mass"]) < tol, key
         if answer["type"] == "noul":
             assert abs(got["noul"] - answer["noul"]) < tol, key
             continue
@@ -272,7 +273,7 @@ def test_app_py_serves_system_one_on_vllm(torch_fp32, vllm_side):
         assert reply.status_code == 200, reply.text
         body = reply.json()
         assert body["x_meta"]["engine"] == "vllm" and body["model"] == blink.STANDIN_MODEL
-        wire_matches(body["answers"], dep.decide(request["state"], request["questions"])["answers"])
+        wire_matches(body, dep.decide(request["state"], request["questions"])["answers"])
     assert max(r.json()["x_meta"]["batched_requests"] for r in replies) > 1  # the Batcher packed callers together
 
 

