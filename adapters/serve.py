@@ -88,7 +88,7 @@ class RouteSettings:
     # documents and its queued prompt tokens are within c times the mean
     hot: float = blink.setting("BLINK_ROUTE_HOT", 1.5, 1.0)  # a document gets another home when its home's queued
     # prompt tokens pass this many times the mean (the relative part of the test)
-    hot_lead: float = blink.setting("BLINK_ROUTE_HOT_LEAD", 2.0, 0.0)  # and lead the least loaded replica by more
+    hot_lead: float = blink.setting("BLINK_ROUTE_HOT_LEAD", 8.0, 0.0)  # and lead the least loaded replica by more
     # than this many times the request's full price (its evidence computed anew): the absolute part of the test
     documents: int = blink.setting("BLINK_ROUTE_DOCUMENTS", 65536, 1)  # documents whose homes the router remembers
     max_lead: int = blink.setting("BLINK_ROUTE_MAX_LEAD", 4, 0)  # rule `lead`: requests in flight a document's home

@@ -955,9 +955,9 @@ def route_sim_report(res: dict) -> list[str]:
             "",
             f"{replicas} replicas, {10 * replicas} documents, {res['asks_per_replica'] * replicas} requests:",
             "",
-            "| zipf s | load | arm | req/s | p50 s | p99 s | cached share / ideal | max/mean work "
+            "| zipf s | load | arm | req/s | p50 s | p99 s | cached share / ideal | packed misses | max/mean work "
             "| moved by leave, join |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in (r for r in res["rows"] if r["replicas"] == replicas):
             moved = r.get("moved")
@@ -965,7 +965,7 @@ def route_sim_report(res: dict) -> list[str]:
             lines.append(
                 f"| {r['zipf_s']} | {r['load']:.0%} | {r['arm']} | {r['req_per_s']:.2f} | {r['p50_s']:.1f} | "
                 f"{r['p99_s']:.1f} | {r['cached_share']:.1%} / {r['ideal_cached_share']:.1%} | "
-                f"{r['max_over_mean_work']:.2f} | {shown} |"
+                f"{r['packed_misses']:.1%} | {r['max_over_mean_work']:.2f} | {shown} |"
             )
     lines += ["", *(f"- {t['target']}: {t['value']} ({'met' if t['met'] else 'MISSED'})" for t in res["targets"])]
     return lines

@@ -287,9 +287,11 @@ class Sim:
         reads its evidence from the cache only when the cache held it as the run began (requests packed together
         each compute their own), and every answer of the run comes back at its end."""
         batch = [replica.queue.popleft() for _ in range(min(MAX_ONGOING, len(replica.queue)))]
-        seconds = 0.0
+        seconds, packed = 0.0, set()
         for request in batch:
             request["cached"] = request["doc"] in replica.cache
+            request["packed_miss"] = not request["cached"] and request["doc"] in packed  # another of the run has it
+            packed.add(request["doc"])
             seconds += self.cost.seconds(request["cached"]) / self.speed
         replica.busy = True
         replica.worked_s += seconds
@@ -363,6 +365,7 @@ def summary(answered: list[dict], wall_s: float) -> dict:
         "p50_s": round(harness.percentile(latency, 50), 3),
         "p99_s": round(harness.percentile(latency, 99), 3),
         "cached_share": round(cached / inputs, 4),
+        "packed_misses": round(sum(r["packed_miss"] for r in answered) / len(answered), 4),
         "by_replica": sorted(by_replica.values(), reverse=True),
     }
 
