@@ -17,14 +17,16 @@ Replica deployment's handle, whose RequestRouter picks a replica -> Replica.deci
 refusal as the WireError app.py would reply with -> back at the ingress, shaped by the protocol. The answers and
 errors are app.py's, byte for byte, bar the meta's timings and `replica`.
 
-Routing, policy `evidence` (EvidenceRouter): a replica's prefix cache keeps prompts by their token ids through the
-evidence, and those follow from the model and the evidence alone, so the evidence key names exactly what a replica
-may hold. Replicas are ranked by rendezvous (highest-random-weight) hashing of that key with each replica's id: a
-document has one home, and a replica joining or leaving moves only its own share. The request goes home unless the
-home holds more than BLINK_ROUTE_MAX_LEAD requests beyond the least loaded replica (the router's own counts of
-requests it sent and that have not come back), then to the least loaded (the next in the document's ranking on a
-tie). Only one replica is offered at a time: Serve moves past an offered replica whose queue-length probe misses its
-deadline, which a replica busy in a forward often does, so offering a ranked list would split documents by accident.
+Routing, policy `evidence` (EvidenceRouter over EvidencePicker): a replica's prefix cache keeps prompts by their
+token ids through the evidence, and those follow from the model and the evidence alone, so the evidence key names
+exactly what a replica may hold. By default (BLINK_ROUTE_RULE=bounded) consistent hashing with bounded loads: a new
+document goes to the first replica in its rendezvous (highest-random-weight) ranking whose documents and queued
+prompt tokens are within BLINK_ROUTE_BALANCE times the mean, and stays there; a document drawing more than
+BLINK_ROUTE_HOT replicas' fair shares of the recent requests gets another home per such share; a replica joining or
+leaving moves only its own share. Rule `lead` is the earlier one: the rendezvous home unless it holds more than
+BLINK_ROUTE_MAX_LEAD requests beyond the least loaded replica. Only one replica is offered at a time: Serve moves past
+an offered replica whose queue-length probe misses its deadline, which a replica busy in a forward often does, so
+offering a ranked list would split documents by accident.
 `pow2` is Serve's default router, `prefix_tree` Ray Serve LLM's PrefixCacheAffinityRouter over the request's text;
 both are here to compare against.
 
@@ -50,6 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 import anyio
+import ray
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
@@ -86,10 +89,9 @@ class RouteSettings:
     # `lead` (the rule of earlier versions: a document's home unless it leads the least loaded by max_lead requests)
     balance: float = blink.setting("BLINK_ROUTE_BALANCE", 1.25, 1.0)  # c: a replica takes a new document while its
     # documents and its queued prompt tokens are within c times the mean
-    hot: float = blink.setting("BLINK_ROUTE_HOT", 1.5, 1.0)  # a document gets another home when its home's queued
-    # prompt tokens pass this many times the mean (the relative part of the test)
-    hot_lead: float = blink.setting("BLINK_ROUTE_HOT_LEAD", 8.0, 0.0)  # and lead the least loaded replica by more
-    # than this many times the request's full price (its evidence computed anew): the absolute part of the test
+    hot: float = blink.setting("BLINK_ROUTE_HOT", 1.5, above=True, lo=0.0)  # a document gets a home for every this
+    # many replicas' fair shares of the recent requests it draws (its load share; past 1.5 shares, a second home)
+    window: int = blink.setting("BLINK_ROUTE_WINDOW", 16, 1)  # recent requests, per replica, the shares count over
     documents: int = blink.setting("BLINK_ROUTE_DOCUMENTS", 65536, 1)  # documents whose homes the router remembers
     max_lead: int = blink.setting("BLINK_ROUTE_MAX_LEAD", 4, 0)  # rule `lead`: requests in flight a document's home
     # may hold beyond the least loaded replica before a request over that document goes to the least loaded instead
@@ -238,11 +240,11 @@ class EvidencePicker:
     HAProxy's hash-balance-factor), by prompt tokens. A document (an evidence key) seen for the first time goes to
     the first replica in its rendezvous ranking whose share of documents and of queued prompt tokens is within
     `balance` (c) times the mean, and stays there: its home, where its evidence is kept. A request over a known
-    document goes to its home, unless the home is hot (its queued tokens over `hot` times the mean and ahead of the
-    least loaded replica by more than the request's full price): then the document gets another home, the first
-    replica in its ranking within the bound, and later requests take whichever of its homes has the fewest queued
+    document goes to its home, unless the document is hot: one replica's fair share of the recent requests (the
+    last `window` per replica) is `window`, and a document gets a home for every `hot` fair shares it draws, each
+    the next replica in its ranking within the bound; its requests take whichever of its homes has the fewest queued
     tokens (SGLang's router leaves the cache for the shortest queue past an absolute and a relative imbalance; here
-    the overflow keeps to one more replica, which then holds the evidence too). A replica that joins takes the
+    the overflow keeps to the document's homes, which hold its evidence). A replica that joins takes the
     documents it now ranks first for (rendezvous hashing's share, while within the bound); one that leaves hands its
     documents on at their next request. Rule `lead`: pick() over requests in flight, the rule of earlier versions.
     """
@@ -255,6 +257,8 @@ class EvidencePicker:
         self.in_flight: collections.Counter[str] = collections.Counter()  # replica -> requests sent, not answered
         self.priced: collections.OrderedDict[str, int] = collections.OrderedDict()  # ticket -> tokens, until sent
         self.sent: dict[str, tuple[str, int]] = {}  # ticket -> (replica, tokens), until answered
+        self.recent_keys: collections.deque = collections.deque()  # the keys of the recent requests, oldest first
+        self.recent: collections.Counter[str | None] = collections.Counter()  # key -> requests among the recent
         self.total_queued = 0  # the sum of `queued`, and of `documents` over the live replicas, kept as they change
         self.total_documents = 0
         self.replicas: list[str] = []
@@ -296,6 +300,8 @@ class EvidencePicker:
         """The replica for a request over `key` costing `price`, among `replicas` (the live ones)."""
         if set(replicas) != set(self.replicas):
             self.update(replicas)
+        if ticket is None or ticket not in self.priced:  # Serve asks again for a request it could not place
+            self.count(key, len(replicas))
         if self.settings.rule == "lead":
             chosen = pick(key, {r: self.in_flight[r] for r in replicas}, self.settings.max_lead)
             holds = True
@@ -322,19 +328,24 @@ class EvidencePicker:
             self.total_documents += 1
             return home, False
         self.remember(key, homes)
-        best = min(homes, key=lambda r: (self.queued[r], homes.index(r)))
-        mean = (self.total_queued + price.at(True)) / len(replicas)
-        lead = self.settings.hot_lead * price.at(False)  # the wait a second home must save: the evidence's compute
-        hot = self.queued[best] > self.settings.hot * mean and self.queued[best] > lead
-        if not hot or len(homes) == len(replicas):
-            return best, True
-        if self.queued[best] - min(self.queued[r] for r in replicas) <= lead:
-            return best, True
-        spare = [r for r in ranked(key, replicas) if r not in homes]
+        wanted = min(len(replicas), math.ceil(self.recent[key] / (self.settings.hot * self.settings.window)))
+        if len(homes) >= wanted:
+            return min(homes, key=lambda r: (self.queued[r], homes.index(r))), True
+        spare = [r for r in ranked(key, replicas) if r not in homes]  # hot: another home, the next within the bound
         extra = next((r for r in spare if self.within(r, price.at(False))), None)
         extra = extra or min(spare, key=lambda r: self.queued[r])
         self.homes[key] = [*homes, extra]
         return extra, False
+
+    def count(self, key: str | None, replicas: int) -> None:
+        """One more request over `key` among the recent ones (the last `window` per replica)."""
+        self.recent_keys.append(key)
+        self.recent[key] += 1
+        while len(self.recent_keys) > self.settings.window * replicas:
+            gone = self.recent_keys.popleft()
+            self.recent[gone] -= 1
+            if not self.recent[gone]:
+                del self.recent[gone]
 
     def within(self, replica: str, tokens: int, documents: bool = False) -> bool:
         """Whether `replica` may take a new document (or another home of one): its queued tokens within c times the
@@ -496,6 +507,62 @@ def router_config(policy: str, route: RouteSettings) -> RequestRouterConfig:
 # ==================================================================================================================
 
 
+class ReplicaMetrics:
+    """A replica's forward metrics through Ray's metrics (ray.util.metrics): each node's metrics agent serves them on
+    the node's metrics export port, where the cluster's Prometheus scrapes Ray's own, named ray_<name> and labelled
+    by model, replica and node: requests per forward, prompt tokens computed and cached, model seconds (what the
+    ingress's /metrics counts for app.py's one process) and requests waiting in the replica's Batcher."""
+
+    TAGS = ("model", "replica", "node")
+
+    def __init__(self, deployment: blink.Deployment, replica: str, node: str):
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.deployment, self.replica, self.node = deployment, replica, node
+        self.packing = Histogram(
+            "blink_replica_forward_requests",
+            "Requests packed into one live forward of the model, on a Ray Serve replica",
+            boundaries=[float(b) for b in http.PACKING_BUCKETS],
+            tag_keys=self.TAGS,
+        )
+        self.tokens = Counter(
+            "blink_replica_prompt_tokens",
+            "Prompt tokens of a replica's live forwards: computed by the model (source computed) or read from the "
+            "prefix cache (source cached)",
+            tag_keys=(*self.TAGS, "source"),
+        )
+        self.model_seconds = Counter(
+            "blink_replica_model_seconds", "Seconds a replica's model spent in forward passes", tag_keys=self.TAGS
+        )
+        self.waiting = Gauge(
+            "blink_replica_waiting", "Requests waiting in a replica's Batcher for the model", tag_keys=self.TAGS
+        )
+        deployment.watch(self.forwards)
+
+    def tags(self, model: str) -> dict[str, str]:
+        """The labels of one model's series on this replica."""
+        return {"model": model, "replica": self.replica, "node": self.node}
+
+    def forwards(self, model: str, results: list) -> None:
+        """One Batcher run (Deployment.watch), counted as the ingress's /metrics counts it (http.forward_figures)."""
+        figures = http.forward_figures(results)
+        if figures is not None:
+            tags = self.tags(model)
+            for size in figures.packs:
+                self.packing.observe(size, tags=tags)
+            for source, count in (("computed", figures.computed), ("cached", figures.cached)):
+                if count > 0:  # Ray's counters take positive increments only
+                    self.tokens.inc(count, tags={**tags, "source": source})
+            if figures.model_seconds > 0:
+                self.model_seconds.inc(figures.model_seconds, tags=tags)
+        self.count_waiting()
+
+    def count_waiting(self) -> None:
+        """The requests waiting in each model's Batcher now."""
+        for model, batcher in self.deployment.batchers().items():
+            self.waiting.set(batcher.q.qsize(), tags=self.tags(model))
+
+
 @serve.deployment(name="Replica", health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
 class Replica:
     """One replica: a blink.Deployment (its engines, Batcher and prefix cache) built from this process's
@@ -512,6 +579,7 @@ class Replica:
             self.deployment.engine(model)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.threads = anyio.CapacityLimiter(at_once)
+        self.metrics = ReplicaMetrics(self.deployment, self.name, ray.get_runtime_context().get_node_id())
 
     def describe(self) -> dict:
         """What the ingress needs to parse requests as this replica would: its settings, each model's engine kind,
@@ -525,6 +593,7 @@ class Replica:
 
     async def decide(self, ask: Ask) -> dict | wire.WireError:
         """{answers, meta} with meta.replica, or the request's refusal as the WireError app.py replies with."""
+        self.metrics.count_waiting()
         try:
             result = await anyio.to_thread.run_sync(
                 self.deployment.submit, ask.request, ask.model, limiter=self.threads

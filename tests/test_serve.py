@@ -20,6 +20,7 @@ from conftest import ROOT
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai import AuthenticationError, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeAuthenticationError, TypeSafeClient
 
@@ -306,6 +307,42 @@ def test_killing_a_replica_mid_burst_loses_no_request(cluster, scaled):
     assert poll(lambda: len(live(cluster)) == 2 and victim not in live(cluster), 300)  # Serve replaced it
 
 
+def scraped(address: str, port: int) -> dict[str, list]:
+    """A node's metrics export (Ray's, where the cluster's Prometheus scrapes), its blink families by name."""
+    text = httpx.get(f"http://{address}:{port}/metrics", timeout=30).text
+    return {f.name: f.samples for f in text_string_to_metric_families(text) if "blink_replica" in f.name}
+
+
+def test_a_replicas_forward_metrics_reach_rays_metrics_export(cluster, scaled):
+    reply = answer_of(post(cluster, systemone(document(7000), QUESTIONS[1])))
+    replica = reply["x_meta"]["replica"]
+    node = next(r["node"] for r in info(cluster)["replicas"] if r["replica"] == replica)
+    where = next(n for n in ray.nodes() if n["NodeID"] == node and n["Alive"])  # the node's export port, as Ray says
+
+    def mine() -> dict[str, list]:
+        families = scraped(where["NodeManagerAddress"], where["MetricsExportPort"])
+        return {
+            name: [s for s in samples if s.labels.get("replica") == replica and s.labels.get("node") == node]
+            for name, samples in families.items()
+        }
+
+    def exported() -> dict[str, list] | None:
+        got = mine()
+        return got if any(name.startswith("ray_blink_replica_prompt_tokens") and got[name] for name in got) else None
+
+    families = poll(exported, 120, every_s=1.0)  # the metrics agent exports every few seconds
+    assert families, "no blink_replica metric of this replica on its node's metrics export"
+    by_name = {name.removeprefix("ray_"): samples for name, samples in families.items()}
+    tokens = {s.labels["source"]: s.value for s in by_name["blink_replica_prompt_tokens"]}
+    assert tokens["computed"] > 0 and all(
+        s.labels["model"] == blink.STANDIN_MODEL for s in families[next(iter(families))]
+    )
+    assert sum(s.value for s in by_name["blink_replica_model_seconds"]) > 0
+    packs = [s for s in by_name["blink_replica_forward_requests"] if s.name.endswith("_count")]
+    assert packs and sum(s.value for s in packs) >= 1  # forwards counted, each with its requests
+    assert "blink_replica_waiting" in by_name
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Without a cluster: the routing rule, the app's arguments, its config file and Serve's refusals
 # ------------------------------------------------------------------------------------------------------------------
@@ -373,21 +410,21 @@ def test_a_new_document_skips_a_replica_whose_queued_tokens_pass_the_bound():
     assert picker.pick(key, PRICE, two, "new") == other  # over 1.25 x the mean of queued tokens: the next in rank
 
 
-def test_a_hot_document_gets_a_second_home_and_requests_then_take_the_shorter_queue():
-    settings = serve_app.RouteSettings(hot=1.5, hot_lead=2.0)
-    picker = serve_app.EvidencePicker(settings)
+def test_a_hot_document_gets_a_home_for_every_hot_share_of_the_recent_requests_it_draws():
+    picker = serve_app.EvidencePicker(serve_app.RouteSettings(hot=1.5, window=4))
     four = ["r1", "r2", "r3", "r4"]
     hot = KEYS[0]
-    first = sent(picker, hot, four, "h0")
-    extra = None
-    for n in range(1, 200):  # the hot document asked again and again, none answered: its home's queue grows
-        replica = sent(picker, hot, four, f"h{n}")
-        if replica != first:
-            extra = replica
-            break
-    assert extra is not None and picker.homes[hot] == [first, extra]
-    assert picker.queued[first] > 2 * PRICE.at(False)  # only past the absolute lead (hot_lead x the full price)
-    assert sent(picker, hot, four, "next") == extra  # the second home's queue is the shorter now
+    picks = []
+    for n in range(16):  # the window: 4 x 4 recent requests; a home per 1.5 x 4 of them the document draws
+        picks.append(sent(picker, hot, four, f"h{n}"))
+    homes = picker.homes[hot]
+    assert len(homes) == math.ceil(16 / 6) == 3 and homes[0] == serve_app.ranked(hot, four)[0]
+    assert picks[:6] == [homes[0]] * 6 and picks[6] == homes[1]  # the seventh request opens the second home
+    assert set(picks) == set(homes)  # and every request went to one of its homes, none answered: the least queued
+    for n in range(16):  # other documents fill the window: the hot one's share falls, its homes stay (kept evidence)
+        picker.done(f"h{n}")
+        sent(picker, KEYS[1 + n], four, f"o{n}")
+    assert picker.homes[hot] == homes and sent(picker, hot, four, "later") in homes
 
 
 def test_a_join_moves_only_the_documents_the_joiner_ranks_first_and_a_leave_only_the_leavers():
