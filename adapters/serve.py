@@ -306,7 +306,7 @@ class EvidencePicker:
             chosen = pick(key, {r: self.in_flight[r] for r in replicas}, self.settings.max_lead)
             holds = True
         elif key is None:
-            chosen, holds = min(sorted(replicas), key=lambda r: self.queued[r]), False
+            chosen, holds = min(sorted(replicas), key=lambda r: (self.queued[r], self.in_flight[r])), False
         else:
             chosen, holds = self.bounded(key, price, replicas)
         if ticket is not None:
@@ -457,12 +457,12 @@ class EvidenceRouter(Roster, RequestRouter):
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         args = pending_request.args if pending_request is not None else []
-        ask = args[0] if args and isinstance(args[0], Ask) else None
+        # by attribute: Serve ships this module to the routing process by value, so its Ask is not the callers' class
+        key, price = (getattr(args[0], "key", None), getattr(args[0], "price", None)) if args else (None, None)
         ticket = pending_request.metadata.internal_request_id if pending_request is not None else None
         with self.roster_lock:
-            chosen = self.picker.pick(
-                ask.key if ask else None, ask.price if ask else Price(0, 0), sorted(by_id), ticket
-            )
+            priced = Price(price.evidence, price.questions) if price else Price(0, 0)
+            chosen = self.picker.pick(key, priced, sorted(by_id), ticket)
         return [[by_id[chosen]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
