@@ -108,7 +108,7 @@ def fitted_cost(serve: dict, overhead: dict) -> dict:
         "per_question_s": {
             "value": round(per_question, 4),
             "from": "one short question's decide() at the defaults (110 prompt tokens)",
-            "command": f"{overhead_cmd} ({overhead.get('measured_at', '')}, {overhead['hardware']})",
+            "command": f"{overhead_cmd} ({overhead['hardware']}, {overhead['threads']} thread)",
         },
         "two_replica_speed": {
             "value": round(sum(speeds) / len(speeds), 3),
