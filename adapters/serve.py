@@ -252,6 +252,7 @@ class EvidencePicker:
     def __init__(self, settings: RouteSettings):
         self.settings = settings
         self.homes: collections.OrderedDict[str, list[str]] = collections.OrderedDict()  # key -> homes, LRU order
+        self.top: dict[str, tuple[int, str]] = {}  # key -> (weight, replica) of its rendezvous top among the live
         self.documents: collections.Counter[str] = collections.Counter()  # replica -> documents it is first home of
         self.queued: collections.Counter[str] = collections.Counter()  # replica -> prompt tokens sent, not answered
         self.in_flight: collections.Counter[str] = collections.Counter()  # replica -> requests sent, not answered
@@ -284,11 +285,16 @@ class EvidencePicker:
                     if kept:
                         self.documents[kept[0]] += 1
                         self.total_documents += 1
-        for j in joined:
-            others = [r for r in replicas if r not in joined]
+        others = [r for r in replicas if r not in joined]
+        for key, top in self.top.items():  # the rendezvous top among the replicas left, where it was a leaver
+            if top[1] in left and others:
+                self.top[key] = max((rendezvous(key, r), r) for r in others)
+        for j in joined:  # one hash a known document: a joiner is its new top where its weight beats the top's
             for key, homes in self.homes.items():
-                if homes and others and rendezvous(key, j) > max(rendezvous(key, r) for r in others):
-                    if self.within_documents(j, adding=1):
+                weight = rendezvous(key, j)
+                if weight > self.top.get(key, (-1, None))[0]:
+                    self.top[key] = (weight, j)
+                    if homes and others and self.within_documents(j, adding=1):
                         self.documents[homes[0]] -= 1
                         self.documents[j] += 1
                         self.homes[key] = [j]
@@ -321,6 +327,7 @@ class EvidencePicker:
         homes = [h for h in self.homes.get(key, []) if h in replicas]
         if not homes:  # a new document (or one whose homes all left): its first home within the bound
             order = ranked(key, replicas)
+            self.top[key] = (rendezvous(key, order[0]), order[0])
             home = next((r for r in order if self.within(r, price.at(False), documents=True)), None)
             home = home or min(order, key=lambda r: self.queued[r])
             self.remember(key, [home])
@@ -364,7 +371,8 @@ class EvidencePicker:
         self.homes[key] = homes
         self.homes.move_to_end(key)
         while len(self.homes) > self.settings.documents:
-            _, gone = self.homes.popitem(last=False)
+            forgotten, gone = self.homes.popitem(last=False)
+            self.top.pop(forgotten, None)
             if gone and gone[0] in self.documents:
                 self.documents[gone[0]] -= 1
                 self.total_documents -= 1
