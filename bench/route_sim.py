@@ -3,11 +3,12 @@
     python -m bench route_sim           # the check against serve.json, then 4, 16, 64 and 256 replicas (minutes)
     python -m bench route_sim --quick   # the check, then 4 and 16 replicas
 
-A discrete-event simulation of replicas that answer requests one at a time, first come first served, each with a
-prefix cache that keeps the evidence of its last PREFIX_CACHE_DOCUMENTS documents. The routers:
+A discrete-event simulation of replicas that answer requests in runs, as blink's Batcher does (everything waiting, up
+to MAX_ONGOING, in one run whose answers all come back at its end), each with a prefix cache that keeps the evidence
+of its last PREFIX_CACHE_DOCUMENTS documents. The routers:
 
 - `evidence` and `evidence_lead`: adapters.serve.EvidencePicker itself (imported, not copied), under its rule
-  `bounded` (the default: bounded loads by queued prompt tokens, a second home for a hot document) and its rule
+  `bounded` (the default: bounded loads by queued prompt tokens, more homes for a hot document) and its rule
   `lead` (the rule at 9b62b82: rendezvous home unless it leads the least loaded by BLINK_ROUTE_MAX_LEAD requests).
 - `pow2`: Serve's default router as its source reads (ray.serve._private.request_router.pow_2_router): two replicas
   drawn at random, the one with fewer requests in flight (a tie drawn at random).
