@@ -210,6 +210,37 @@ class Waiting:
         )
 
 
+@dataclass(frozen=True)
+class ForwardFigures:
+    """What one Batcher run's live forwards did: requests packed into each forward, prompt tokens computed and read
+    from the prefix cache, model seconds (what /metrics and a Ray Serve replica's metrics count)."""
+
+    packs: list[int]
+    computed: int
+    cached: int
+    model_seconds: float
+
+
+def forward_figures(results: list) -> ForwardFigures | None:
+    """One Batcher run's figures (None: no live forward). A packed forward of k requests gives each of them a Forward
+    holding the forward's own computed tokens and model time, so each Forward counts 1/k of those and k of them make
+    one forward."""
+    live = [r for r in results if isinstance(r, blink.Forward) and r.source == blink.LIVE]
+    if not live:
+        return None
+    packs = [
+        size
+        for size, count in collections.Counter(f.batched_requests or 1 for f in live).items()
+        for _ in range(-(-count // size))
+    ]
+    return ForwardFigures(
+        packs=packs,
+        computed=round(sum((f.prefill_tokens or 0) / (f.batched_requests or 1) for f in live)),
+        cached=sum(f.cached_tokens or 0 for f in live),
+        model_seconds=sum((f.model_ms or 0) / (f.batched_requests or 1) for f in live) / 1000,
+    )
+
+
 class Metrics:
     """What /metrics serves, in a registry of the layer's own (two layers in one process never collide)."""
 
@@ -250,19 +281,15 @@ class Metrics:
         self.latency.labels(route).observe(seconds)
 
     def forwards(self, model: str, results: list) -> None:
-        """One Batcher run (Deployment.watch): the live forwards it made. A packed forward of k requests gives each
-        of them a Forward holding the forward's own computed tokens and model time, so each Forward counts 1/k of
-        those and k of them make one forward."""
-        live = [r for r in results if isinstance(r, blink.Forward) and r.source == blink.LIVE]
-        if not live:
+        """One Batcher run (Deployment.watch): its live forwards, counted (forward_figures)."""
+        figures = forward_figures(results)
+        if figures is None:
             return
-        for size, count in collections.Counter(f.batched_requests or 1 for f in live).items():
-            for _ in range(-(-count // size)):
-                self.packing.labels(model).observe(size)
-        computed = sum((f.prefill_tokens or 0) / (f.batched_requests or 1) for f in live)
-        self.tokens.labels(model, "computed").inc(round(computed))
-        self.tokens.labels(model, "cached").inc(sum(f.cached_tokens or 0 for f in live))
-        self.model_seconds.labels(model).inc(sum((f.model_ms or 0) / (f.batched_requests or 1) for f in live) / 1000)
+        for size in figures.packs:
+            self.packing.labels(model).observe(size)
+        self.tokens.labels(model, "computed").inc(figures.computed)
+        self.tokens.labels(model, "cached").inc(figures.cached)
+        self.model_seconds.labels(model).inc(figures.model_seconds)
 
     def exposition(self) -> bytes:
         """Every metric in Prometheus' text format."""

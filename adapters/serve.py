@@ -17,14 +17,16 @@ Replica deployment's handle, whose RequestRouter picks a replica -> Replica.deci
 refusal as the WireError app.py would reply with -> back at the ingress, shaped by the protocol. The answers and
 errors are app.py's, byte for byte, bar the meta's timings and `replica`.
 
-Routing, policy `evidence` (EvidenceRouter): a replica's prefix cache keeps prompts by their token ids through the
-evidence, and those follow from the model and the evidence alone, so the evidence key names exactly what a replica
-may hold. Replicas are ranked by rendezvous (highest-random-weight) hashing of that key with each replica's id: a
-document has one home, and a replica joining or leaving moves only its own share. The request goes home unless the
-home holds more than BLINK_ROUTE_MAX_LEAD requests beyond the least loaded replica (the router's own counts of
-requests it sent and that have not come back), then to the least loaded (the next in the document's ranking on a
-tie). Only one replica is offered at a time: Serve moves past an offered replica whose queue-length probe misses its
-deadline, which a replica busy in a forward often does, so offering a ranked list would split documents by accident.
+Routing, policy `evidence` (EvidenceRouter over EvidencePicker): a replica's prefix cache keeps prompts by their
+token ids through the evidence, and those follow from the model and the evidence alone, so the evidence key names
+exactly what a replica may hold. By default (BLINK_ROUTE_RULE=bounded) consistent hashing with bounded loads: a new
+document goes to the first replica in its rendezvous (highest-random-weight) ranking whose documents and queued
+prompt tokens are within BLINK_ROUTE_BALANCE times the mean, and stays there; a document drawing more than
+BLINK_ROUTE_HOT replicas' fair shares of the recent requests gets another home per such share; a replica joining or
+leaving moves only its own share. Rule `lead` is the earlier one: the rendezvous home unless it holds more than
+BLINK_ROUTE_MAX_LEAD requests beyond the least loaded replica. Only one replica is offered at a time: Serve moves past
+an offered replica whose queue-length probe misses its deadline, which a replica busy in a forward often does, so
+offering a ranked list would split documents by accident.
 `pow2` is Serve's default router, `prefix_tree` Ray Serve LLM's PrefixCacheAffinityRouter over the request's text;
 both are here to compare against.
 
@@ -38,16 +40,19 @@ BLINK_QUEUE_SIZE) refuses as the same 503.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 import anyio
+import ray
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
@@ -66,6 +71,7 @@ from adapters import http, wire
 
 log = logging.getLogger("blink.serve")
 POLICIES = ("evidence", "pow2", "prefix_tree")
+RULES = ("bounded", "lead")  # policy evidence's rules (EvidencePicker)
 ATTEMPTS = 3  # tries per request: a replica that dies mid-request is one, whichever replica then answers another
 HEALTH_CHECK_TIMEOUT_S = 60  # a replica busy in forwards on a loaded CPU answers Serve's health check late
 
@@ -79,8 +85,16 @@ class RouteSettings:
     """The router's own settings, each BLINK_* variable once (blink.Settings holds the engine's, ServerSettings the
     HTTP layer's)."""
 
-    max_lead: int = blink.setting("BLINK_ROUTE_MAX_LEAD", 4, 0)  # requests in flight a document's home replica may
-    # hold beyond the least loaded replica before a request over that document goes to the least loaded instead
+    rule: str = blink.setting("BLINK_ROUTE_RULE", "bounded", choices=RULES)  # EvidencePicker: bounded loads, or
+    # `lead` (the rule of earlier versions: a document's home unless it leads the least loaded by max_lead requests)
+    balance: float = blink.setting("BLINK_ROUTE_BALANCE", 1.25, 1.0)  # c: a replica takes a new document while its
+    # documents and its queued prompt tokens are within c times the mean
+    hot: float = blink.setting("BLINK_ROUTE_HOT", 1.5, above=True, lo=0.0)  # a document gets a home for every this
+    # many replicas' fair shares of the recent requests it draws (its load share; past 1.5 shares, a second home)
+    window: int = blink.setting("BLINK_ROUTE_WINDOW", 16, 1)  # recent requests, per replica, the shares count over
+    documents: int = blink.setting("BLINK_ROUTE_DOCUMENTS", 65536, 1)  # documents whose homes the router remembers
+    max_lead: int = blink.setting("BLINK_ROUTE_MAX_LEAD", 4, 0)  # rule `lead`: requests in flight a document's home
+    # may hold beyond the least loaded replica before a request over that document goes to the least loaded instead
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RouteSettings:
@@ -155,6 +169,7 @@ class Ask:
     request: blink.Request
     model: str
     key: str
+    price: Price
 
     @property
     def prompt(self) -> str:
@@ -162,11 +177,21 @@ class Ask:
         return blink.evidence_json(self.request.state) + json.dumps(self.request.spec, ensure_ascii=False)
 
 
+def price_of(request: blink.Request) -> Price:
+    """A request's price in prompt tokens, from its characters (about CHARS_PER_TOKEN a token; images at their
+    data's length): its evidence once, its questions' own text."""
+    evidence = len(blink.evidence_json(request.state)) + sum(len(i) for i in request.images)
+    questions = len(json.dumps(request.spec, ensure_ascii=False))
+    return Price(-(-evidence // CHARS_PER_TOKEN), -(-questions // CHARS_PER_TOKEN))
+
+
 # ==================================================================================================================
 # Routing
 # ==================================================================================================================
 
 ROUTERS: dict[str, Roster] = {}  # this process's router for each app's replicas (the ingress reads it for /info)
+CHARS_PER_TOKEN = 4  # the router prices a request by its characters (the ingress holds no tokenizer): ~4 a token
+PRICED_KEPT = 10_000  # picks remembered until Serve says where the request went (a request never sent is dropped)
 
 
 def routers() -> dict[str, Roster]:
@@ -186,12 +211,189 @@ def ranked(key: str, replicas: list[str]) -> list[str]:
 
 
 def pick(key: str | None, loads: Mapping[str, int], max_lead: int) -> str:
-    """The replica for a request: its key's home, unless the home holds more than max_lead requests beyond the least
-    loaded replica, then the least loaded (nearest the home on a tie). Without a key: the least loaded."""
+    """Rule `lead` (the rule until bounded loads): the key's rendezvous home, unless the home holds more than
+    max_lead requests beyond the least loaded replica, then the least loaded (nearest the home on a tie). Without a
+    key: the least loaded."""
     order = ranked(key, list(loads)) if key is not None else sorted(loads)
     least = min(order, key=lambda r: loads[r])
     home = order[0]
     return home if loads[home] - loads[least] <= max_lead else least
+
+
+@dataclass(frozen=True)
+class Price:
+    """What a request costs the replica that answers it, in prompt tokens to compute: its evidence (once, however
+    many questions show it; nothing where the replica already holds it) and its questions' own tokens."""
+
+    evidence: int
+    questions: int
+
+    def at(self, holds: bool) -> int:
+        """Tokens to compute on a replica that holds the evidence (`holds`) or does not."""
+        return self.questions + (0 if holds else self.evidence)
+
+
+class EvidencePicker:
+    """Policy `evidence`'s choice, apart from Serve (a pure object: bench/route_sim.py drives this same code).
+
+    Rule `bounded` (the default): consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam 2018;
+    HAProxy's hash-balance-factor), by prompt tokens. A document (an evidence key) seen for the first time goes to
+    the first replica in its rendezvous ranking whose share of documents and of queued prompt tokens is within
+    `balance` (c) times the mean, and stays there: its home, where its evidence is kept. A request over a known
+    document goes to its home, unless the document is hot: one replica's fair share of the recent requests (the
+    last `window` per replica) is `window`, and a document gets a home for every `hot` fair shares it draws, each
+    the next replica in its ranking within the bound; its requests take whichever of its homes has the fewest queued
+    tokens (SGLang's router leaves the cache for the shortest queue past an absolute and a relative imbalance; here
+    the overflow keeps to the document's homes, which hold its evidence). A replica that joins takes the
+    documents it now ranks first for (rendezvous hashing's share, while within the bound); one that leaves hands its
+    documents on at their next request. Rule `lead`: pick() over requests in flight, the rule of earlier versions.
+    """
+
+    def __init__(self, settings: RouteSettings):
+        self.settings = settings
+        self.homes: collections.OrderedDict[str, list[str]] = collections.OrderedDict()  # key -> homes, LRU order
+        self.top: dict[str, tuple[int, str]] = {}  # key -> (weight, replica) of its rendezvous top among the live
+        self.documents: collections.Counter[str] = collections.Counter()  # replica -> documents it is first home of
+        self.queued: collections.Counter[str] = collections.Counter()  # replica -> prompt tokens sent, not answered
+        self.in_flight: collections.Counter[str] = collections.Counter()  # replica -> requests sent, not answered
+        self.priced: collections.OrderedDict[str, int] = collections.OrderedDict()  # ticket -> tokens, until sent
+        self.sent: dict[str, tuple[str, int]] = {}  # ticket -> (replica, tokens), until answered
+        self.recent_keys: collections.deque = collections.deque()  # the keys of the recent requests, oldest first
+        self.recent: collections.Counter[str | None] = collections.Counter()  # key -> requests among the recent
+        self.total_queued = 0  # the sum of `queued`, and of `documents` over the live replicas, kept as they change
+        self.total_documents = 0
+        self.replicas: list[str] = []
+        self.moved = 0  # documents whose first home changed because a replica joined or left
+
+    # ---- membership ----------------------------------------------------------------------------------------------
+
+    def update(self, replicas: list[str]) -> None:
+        """Serve's new replica set: a joiner takes the known documents it now ranks first for, within the bound."""
+        joined = [r for r in replicas if r not in self.replicas]
+        left = set(self.replicas) - set(replicas)
+        self.replicas = list(replicas)
+        for r in left:
+            self.total_documents -= self.documents.pop(r, 0)
+        if self.settings.rule != "bounded" or not self.homes:
+            return
+        for key, homes in self.homes.items():
+            kept = [h for h in homes if h not in left]
+            if len(kept) != len(homes):
+                self.homes[key] = kept
+                if homes[0] in left:
+                    self.moved += 1
+                    if kept:
+                        self.documents[kept[0]] += 1
+                        self.total_documents += 1
+        others = [r for r in replicas if r not in joined]
+        for key, top in self.top.items():  # the rendezvous top among the replicas left, where it was a leaver
+            if top[1] in left and others:
+                self.top[key] = max((rendezvous(key, r), r) for r in others)
+        for j in joined:  # one hash a known document: a joiner is its new top where its weight beats the top's
+            for key, homes in self.homes.items():
+                weight = rendezvous(key, j)
+                if weight > self.top.get(key, (-1, None))[0]:
+                    self.top[key] = (weight, j)
+                    if homes and others and self.within_documents(j, adding=1):
+                        self.documents[homes[0]] -= 1
+                        self.documents[j] += 1
+                        self.homes[key] = [j]
+                        self.moved += 1
+
+    # ---- the pick ------------------------------------------------------------------------------------------------
+
+    def pick(self, key: str | None, price: Price, replicas: list[str], ticket: str | None = None) -> str:
+        """The replica for a request over `key` costing `price`, among `replicas` (the live ones)."""
+        if set(replicas) != set(self.replicas):
+            self.update(replicas)
+        if ticket is None or ticket not in self.priced:  # Serve asks again for a request it could not place
+            self.count(key, len(replicas))
+        if self.settings.rule == "lead":
+            chosen = pick(key, {r: self.in_flight[r] for r in replicas}, self.settings.max_lead)
+            holds = True
+        elif key is None:
+            chosen, holds = min(sorted(replicas), key=lambda r: (self.queued[r], self.in_flight[r])), False
+        else:
+            chosen, holds = self.bounded(key, price, replicas)
+        if ticket is not None:
+            self.priced[ticket] = price.at(holds)
+            self.priced.move_to_end(ticket)
+            while len(self.priced) > PRICED_KEPT:
+                self.priced.popitem(last=False)
+        return chosen
+
+    def bounded(self, key: str, price: Price, replicas: list[str]) -> tuple[str, bool]:
+        """Rule `bounded`: (the replica, whether it holds the evidence already)."""
+        homes = [h for h in self.homes.get(key, []) if h in replicas]
+        if not homes:  # a new document (or one whose homes all left): its first home within the bound
+            order = ranked(key, replicas)
+            self.top[key] = (rendezvous(key, order[0]), order[0])
+            home = next((r for r in order if self.within(r, price.at(False), documents=True)), None)
+            home = home or min(order, key=lambda r: self.queued[r])
+            self.remember(key, [home])
+            self.documents[home] += 1
+            self.total_documents += 1
+            return home, False
+        self.remember(key, homes)
+        wanted = min(len(replicas), math.ceil(self.recent[key] / (self.settings.hot * self.settings.window)))
+        if len(homes) >= wanted:
+            return min(homes, key=lambda r: (self.queued[r], homes.index(r))), True
+        spare = [r for r in ranked(key, replicas) if r not in homes]  # hot: another home, the next within the bound
+        extra = next((r for r in spare if self.within(r, price.at(False))), None)
+        extra = extra or min(spare, key=lambda r: self.queued[r])
+        self.homes[key] = [*homes, extra]
+        return extra, False
+
+    def count(self, key: str | None, replicas: int) -> None:
+        """One more request over `key` among the recent ones (the last `window` per replica)."""
+        self.recent_keys.append(key)
+        self.recent[key] += 1
+        while len(self.recent_keys) > self.settings.window * replicas:
+            gone = self.recent_keys.popleft()
+            self.recent[gone] -= 1
+            if not self.recent[gone]:
+                del self.recent[gone]
+
+    def within(self, replica: str, tokens: int, documents: bool = False) -> bool:
+        """Whether `replica` may take a new document (or another home of one): its queued tokens within c times the
+        mean with these `tokens` added, and (for a new document) its documents within c times the mean."""
+        fits = self.queued[replica] <= self.settings.balance * (self.total_queued + tokens) / len(self.replicas)
+        return fits and (not documents or self.within_documents(replica, adding=1))
+
+    def within_documents(self, replica: str, adding: int) -> bool:
+        """Whether `replica`'s documents, `adding` more, stay within c times the mean (rounded up, as the paper's
+        capacity ceil(c m / n))."""
+        total = self.total_documents + adding
+        return self.documents[replica] + adding <= math.ceil(self.settings.balance * total / len(self.replicas))
+
+    def remember(self, key: str, homes: list[str]) -> None:
+        """A document's homes, kept as the most recent; past the settings' bound the least recent is forgotten."""
+        self.homes[key] = homes
+        self.homes.move_to_end(key)
+        while len(self.homes) > self.settings.documents:
+            forgotten, gone = self.homes.popitem(last=False)
+            self.top.pop(forgotten, None)
+            if gone and gone[0] in self.documents:
+                self.documents[gone[0]] -= 1
+                self.total_documents -= 1
+
+    # ---- what came of it -----------------------------------------------------------------------------------------
+
+    def routed(self, ticket: str, replica: str) -> None:
+        """Serve sent the request `ticket` to `replica`: its tokens are queued there."""
+        tokens = self.priced.pop(ticket, 0)
+        self.sent[ticket] = (replica, tokens)
+        self.queued[replica] += tokens
+        self.total_queued += tokens
+        self.in_flight[replica] += 1
+
+    def done(self, ticket: str) -> None:
+        """The request `ticket` came back (answered, failed or refused): its tokens leave its replica's queue."""
+        replica, tokens = self.sent.pop(ticket, (None, 0))
+        if replica is not None:
+            self.queued[replica] -= tokens
+            self.total_queued -= tokens
+            self.in_flight[replica] -= 1
 
 
 class Roster:
@@ -247,24 +449,41 @@ class Roster:
 
 
 class EvidenceRouter(Roster, RequestRouter):
-    """Policy `evidence`: each request to its evidence key's home replica, or past a load lead to the least loaded
-    (pick); one replica offered at a time."""
+    """Policy `evidence`: each request where EvidencePicker says, by its evidence key and price; one replica offered
+    at a time."""
 
-    def initialize_state(self, max_lead: int = RouteSettings.max_lead, **kwargs) -> None:
-        """The lead a home may hold over the least loaded replica (RouteSettings.max_lead)."""
-        self.max_lead = max_lead
+    def initialize_state(self, route: dict | None = None, **kwargs) -> None:
+        """The picker, with the app's RouteSettings (as a dict: Serve passes the router's arguments by value)."""
+        self.picker = EvidencePicker(RouteSettings(**(route or {})))
         super().initialize_state(**kwargs)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        """The one replica pick() names among the candidates."""
+        """The one replica the picker names among the candidates."""
         if not candidate_replicas:
             return []
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         args = pending_request.args if pending_request is not None else []
-        key = getattr(args[0], "key", None) if args else None
-        return [[by_id[pick(key, self.loads(list(by_id)), self.max_lead)]]]
+        # by attribute: Serve ships this module to the routing process by value, so its Ask is not the callers' class
+        key, price = (getattr(args[0], "key", None), getattr(args[0], "price", None)) if args else (None, None)
+        ticket = pending_request.metadata.internal_request_id if pending_request is not None else None
+        with self.roster_lock:
+            priced = Price(price.evidence, price.questions) if price else Price(0, 0)
+            chosen = self.picker.pick(key, priced, sorted(by_id), ticket)
+        return [[by_id[chosen]]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        """The picker queues the request's tokens where it went."""
+        super().on_request_routed(pending_request, replica_id, result)
+        with self.roster_lock:
+            self.picker.routed(pending_request.metadata.internal_request_id, replica_id.unique_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """The picker takes the request's tokens off its replica's queue."""
+        super().on_request_completed(replica_id, internal_request_id)
+        with self.roster_lock:
+            self.picker.done(internal_request_id)
 
 
 class Pow2Router(Roster, PowerOfTwoChoicesRequestRouter):
@@ -287,13 +506,69 @@ ROUTER_CLASSES = {"evidence": EvidenceRouter, "pow2": Pow2Router, "prefix_tree":
 
 def router_config(policy: str, route: RouteSettings) -> RequestRouterConfig:
     """Serve's RequestRouterConfig for a policy."""
-    kwargs = {"max_lead": route.max_lead} if policy == "evidence" else {}
+    kwargs = {"route": dataclasses.asdict(route)} if policy == "evidence" else {}
     return RequestRouterConfig(request_router_class=ROUTER_CLASSES[policy], request_router_kwargs=kwargs)
 
 
 # ==================================================================================================================
 # A replica: one blink.Deployment
 # ==================================================================================================================
+
+
+class ReplicaMetrics:
+    """A replica's forward metrics through Ray's metrics (ray.util.metrics): each node's metrics agent serves them on
+    the node's metrics export port, where the cluster's Prometheus scrapes Ray's own, named ray_<name> and labelled
+    by model, replica and node: requests per forward, prompt tokens computed and cached, model seconds (what the
+    ingress's /metrics counts for app.py's one process) and requests waiting in the replica's Batcher."""
+
+    TAGS = ("model", "replica", "node")
+
+    def __init__(self, deployment: blink.Deployment, replica: str, node: str):
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.deployment, self.replica, self.node = deployment, replica, node
+        self.packing = Histogram(
+            "blink_replica_forward_requests",
+            "Requests packed into one live forward of the model, on a Ray Serve replica",
+            boundaries=[float(b) for b in http.PACKING_BUCKETS],
+            tag_keys=self.TAGS,
+        )
+        self.tokens = Counter(
+            "blink_replica_prompt_tokens",
+            "Prompt tokens of a replica's live forwards: computed by the model (source computed) or read from the "
+            "prefix cache (source cached)",
+            tag_keys=(*self.TAGS, "source"),
+        )
+        self.model_seconds = Counter(
+            "blink_replica_model_seconds", "Seconds a replica's model spent in forward passes", tag_keys=self.TAGS
+        )
+        self.waiting = Gauge(
+            "blink_replica_waiting", "Requests waiting in a replica's Batcher for the model", tag_keys=self.TAGS
+        )
+        deployment.watch(self.forwards)
+
+    def tags(self, model: str) -> dict[str, str]:
+        """The labels of one model's series on this replica."""
+        return {"model": model, "replica": self.replica, "node": self.node}
+
+    def forwards(self, model: str, results: list) -> None:
+        """One Batcher run (Deployment.watch), counted as the ingress's /metrics counts it (http.forward_figures)."""
+        figures = http.forward_figures(results)
+        if figures is not None:
+            tags = self.tags(model)
+            for size in figures.packs:
+                self.packing.observe(size, tags=tags)
+            for source, count in (("computed", figures.computed), ("cached", figures.cached)):
+                if count > 0:  # Ray's counters take positive increments only
+                    self.tokens.inc(count, tags={**tags, "source": source})
+            if figures.model_seconds > 0:
+                self.model_seconds.inc(figures.model_seconds, tags=tags)
+        self.count_waiting()
+
+    def count_waiting(self) -> None:
+        """The requests waiting in each model's Batcher now."""
+        for model, batcher in self.deployment.batchers().items():
+            self.waiting.set(batcher.q.qsize(), tags=self.tags(model))
 
 
 @serve.deployment(name="Replica", health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
@@ -312,6 +587,7 @@ class Replica:
             self.deployment.engine(model)
         self.name = serve.get_replica_context().replica_id.unique_id
         self.threads = anyio.CapacityLimiter(at_once)
+        self.metrics = ReplicaMetrics(self.deployment, self.name, ray.get_runtime_context().get_node_id())
 
     def describe(self) -> dict:
         """What the ingress needs to parse requests as this replica would: its settings, each model's engine kind,
@@ -325,6 +601,7 @@ class Replica:
 
     async def decide(self, ask: Ask) -> dict | wire.WireError:
         """{answers, meta} with meta.replica, or the request's refusal as the WireError app.py replies with."""
+        self.metrics.count_waiting()
         try:
             result = await anyio.to_thread.run_sync(
                 self.deployment.submit, ask.request, ask.model, limiter=self.threads
@@ -459,7 +736,8 @@ class ServeLayer(http.HttpLayer):
 
     def decided(self, call: wire.WireCall) -> dict:
         """{answers, meta} from the replica routing picks, by the request's evidence key."""
-        return self.line.ask(Ask(call.request, call.model, evidence_key(call.model, call.request)))
+        request = call.request
+        return self.line.ask(Ask(request, call.model, evidence_key(call.model, request), price_of(request)))
 
     def listing(self) -> dict:
         """/v1/models as a replica lists its models."""

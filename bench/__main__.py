@@ -19,6 +19,7 @@ BENCHMARKS = (
     "models",
     "batch",
     "serve",
+    "route_sim",
     "memory",
     "vllm_check",
     "gpu",

@@ -253,14 +253,15 @@ REGISTRY: dict[str, dict[str, Arm]] = {
         Arm(
             "evidence",
             "evidence",
-            "two replicas under blink's router: each document's home by rendezvous hashing of its evidence key, the "
-            "least loaded past BLINK_ROUTE_MAX_LEAD",
+            "two replicas under blink's router at its defaults: consistent hashing of each document's evidence key "
+            "with bounded loads (documents and queued prompt tokens), another home for a hot document",
             app_args={"replicas": 2, "routing": "evidence"},
         ),
         Arm(
             "evidence_lead",
-            "evidence, lead {lead}",
-            "the same at another BLINK_ROUTE_MAX_LEAD, on the hot workload",
+            "evidence, rule lead {lead}",
+            "blink's router under its earlier rule (BLINK_ROUTE_RULE=lead: the rendezvous home unless it leads the "
+            "least loaded by more than BLINK_ROUTE_MAX_LEAD requests), on the re-ask and hot workloads",
             app_args={"replicas": 2, "routing": "evidence"},
         ),
     ),

@@ -6,8 +6,8 @@
 
 Each file prints its header (the command, the hardware, when and for how long, whether the machine held steady), the
 tables of its kind (run's full/decision/quick, budget, overhead, drift, gpu, memory, batch, models, order,
-vllm_check, serve), then every field those left out; a results file of any other kind prints as generic tables of its
-fields, so every file prints, whole."""
+vllm_check, serve, route_sim), then every field those left out; a results file of any other kind prints as generic
+tables of its fields, so every file prints, whole."""
 
 from __future__ import annotations
 
@@ -925,6 +925,52 @@ def serve_summary(res: dict, path: str) -> str:
     )
 
 
+def route_sim_report(res: dict) -> list[str]:
+    """route_sim: the cost model, the check against serve.json, each size's grid, then the targets."""
+    lines = ["Cost model (seconds):", "", "| parameter | value | from | measured by |", "|---|---|---|---|"]
+    for name, p in res["cost_model"].items():
+        lines.append(f"| {name} | {p['value']} | {p['from']} | `{p['command']}` |")
+    lines += [
+        "",
+        "Against serve.json's two-node runs (sim / committed; draws: replica-id draws averaged; homes as run: the "
+        "ids drawn so the re-ask documents' rendezvous homes split as in the committed run):",
+        "",
+        "| workload | arm | draws | homes as run | req/s sim / real | ratio | cached share sim / real "
+        "| p99 s sim / real |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["check"]:
+        arm = r["arm"] + (f" lead {r['lead']}" if "lead" in r else "")
+        lines.append(
+            f"| {r['workload']} | {arm} | {r['draws']} | {'yes' if r['homes_as_run'] else 'no'} | "
+            f"{r['sim']['req_per_s']:.3f} / {r['real']['req_per_s']:.3f} | {r['req_per_s_ratio']:.2f} | "
+            f"{r['sim']['cached_share']:.1%} / {r['real']['cached_share']:.1%} | {r['sim']['p99_s']:.1f} / "
+            f"{r['real']['p99_s']:.1f} |"
+        )
+    if res.get("predicted"):
+        lines += ["", "serve.json's workloads under the default (bounded) evidence rule, predicted:", ""]
+        lines += [f"- {t['target']}: {t['value']} ({'met' if t['met'] else 'MISSED'})" for t in res["predicted"]]
+    for replicas in sorted({r["replicas"] for r in res["rows"]}):
+        lines += [
+            "",
+            f"{replicas} replicas, {10 * replicas} documents, {res['asks_per_replica'] * replicas} requests:",
+            "",
+            "| zipf s | load | arm | req/s | p50 s | p99 s | cached share / ideal | packed misses | max/mean work "
+            "| moved by leave, join |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in res["rows"] if r["replicas"] == replicas):
+            moved = r.get("moved")
+            shown = ", ".join(f"{m['documents']} ({m['ratio']:.2f}x share)" for m in moved.values()) if moved else "—"
+            lines.append(
+                f"| {r['zipf_s']} | {r['load']:.0%} | {r['arm']} | {r['req_per_s']:.2f} | {r['p50_s']:.1f} | "
+                f"{r['p99_s']:.1f} | {r['cached_share']:.1%} / {r['ideal_cached_share']:.1%} | "
+                f"{r['packed_misses']:.1%} | {r['max_over_mean_work']:.2f} | {shown} |"
+            )
+    lines += ["", *(f"- {t['target']}: {t['value']} ({'met' if t['met'] else 'MISSED'})" for t in res["targets"])]
+    return lines
+
+
 # Each kind of results file: what prints its tables, and the fields those tables show (every other field prints
 # after them, so a file prints whole).
 def engine_ab_table(res: dict) -> list[str]:
@@ -968,6 +1014,7 @@ REPORTS = {
     "order": (order_report, ("model", "questions", "temperature", "arms")),
     "vllm_check": (vllm_report, ("answers", "http", "not_up", "vllm_own_route", "targets")),
     "serve": (serve_report, ("model", "dtype", "cluster", "config", "default_lead", "rows", "targets")),
+    "route_sim": (route_sim_report, ("cost_model", "check", "predicted", "rows", "targets", "asks_per_replica")),
 }
 # The header every run writes (harness.Run.header), and the names older files gave some of its fields.
 HEADER = (

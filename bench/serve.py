@@ -8,8 +8,9 @@ replica holding one CPU and one torch thread, blink at its defaults (no BLINK_* 
 registry's "serve" arms, bench/arms.py), each a fresh deployment of adapters/serve.py's app, so every arm's replicas
 start with empty caches (each replica first answers a warm-up request about a document of its own, so no workload
 times a fresh process's first forwards): one replica; two replicas under `pow2` (Serve's default router),
-`prefix_tree` (Ray Serve LLM's PrefixCacheAffinityRouter) and `evidence` (blink's); then `evidence` at other
-BLINK_ROUTE_MAX_LEAD values (--leads), on the re-ask and hot workloads: the measurement behind the default. The
+`prefix_tree` (Ray Serve LLM's PrefixCacheAffinityRouter) and `evidence` (blink's, at its defaults: bounded loads);
+then `evidence` under its earlier rule (BLINK_ROUTE_RULE=lead) at BLINK_ROUTE_MAX_LEAD values (--leads), on the
+re-ask and hot workloads. The
 workloads, every request a System One call of two questions over one document (~3,400 prompt tokens a question; ~540
 with --quick), sent by C concurrent clients (8; 4 with --quick) over HTTP, each workload over documents no other
 asks about:
@@ -123,15 +124,17 @@ def workloads(cfg: dict) -> dict[str, tuple[list[Request], int]]:
 
 @contextlib.contextmanager
 def deployed(app_args: dict, lead: int | None = None) -> Iterator[None]:
-    """The Serve app deployed with `app_args` (its router's BLINK_ROUTE_MAX_LEAD = `lead` where given: the app builder
-    reads it here), deleted on leaving."""
+    """The Serve app deployed with `app_args` (its router under rule `lead` at BLINK_ROUTE_MAX_LEAD = `lead` where
+    given: the app builder reads them here), deleted on leaving."""
     from ray import serve
 
     from adapters import serve as serve_app
 
-    with mock.patch.dict(os.environ):  # the variable as the arm sets it, while the app builder reads it
+    with mock.patch.dict(os.environ):  # the variables as the arm sets them, while the app builder reads them
         os.environ.pop("BLINK_ROUTE_MAX_LEAD", None)
-        if lead is not None:
+        os.environ.pop("BLINK_ROUTE_RULE", None)
+        if lead is not None:  # the earlier rule (lead), at this lead
+            os.environ["BLINK_ROUTE_RULE"] = "lead"
             os.environ["BLINK_ROUTE_MAX_LEAD"] = str(lead)
         serve.run(serve_app.app(app_args), name=APP, route_prefix="/")
     try:
@@ -240,7 +243,7 @@ def flags(ap) -> None:
     """serve's own flags."""
     ap.add_argument("--clients", type=int, default=None, help="concurrent clients (8; quick 4; hot: twice as many)")
     ap.add_argument(
-        "--leads", default="0,2,8,16", help="BLINK_ROUTE_MAX_LEAD values for re-ask and hot (the default's skipped)"
+        "--leads", default="0,4,8", help="BLINK_ROUTE_MAX_LEAD values of rule lead for re-ask and hot (none: '')"
     )
 
 
@@ -251,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     from adapters.serve import RouteSettings
 
     default_lead = RouteSettings().max_lead
-    leads = [int(x) for x in run.args.leads.split(",") if x.strip() and int(x) != default_lead]
+    leads = [int(x) for x in run.args.leads.split(",") if x.strip()]
     for name in [k for k in os.environ if k.startswith("BLINK_")]:  # blink at its defaults in every process
         del os.environ[name]
     logging.getLogger("httpx").setLevel(logging.WARNING)

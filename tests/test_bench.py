@@ -560,6 +560,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "models.json": "models",
         "order.json": "order",
         "overhead.json": "overhead",
+        "route_sim.json": "route_sim",
         "serve.json": "serve",
         "vllm-cpu.json": "vllm_check",
     }
@@ -718,6 +719,7 @@ def test_the_bench_readme_tables_are_what_report_prints():
         "memory.json": None,
         "vllm-cpu.json": None,
         "serve.json": None,
+        "route_sim.json": None,
         "full.json": "Time per request",
     }  # full: the grid's tables
     for name, start in quoted.items():

@@ -5,8 +5,10 @@ replica is killed mid-burst. One cluster and one app for the module; every Ray p
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
+import math
 import os
 import tempfile
 import threading
@@ -19,6 +21,7 @@ from conftest import ROOT
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai import AuthenticationError, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeAuthenticationError, TypeSafeClient
 
@@ -298,21 +301,22 @@ def homed(url: str, count: int, start: int) -> dict[str, list[int]]:
     return homes
 
 
-def test_evidence_routing_keeps_each_document_on_its_home_replica(cluster, scaled):
+def test_evidence_routing_keeps_each_document_on_one_home_replica(cluster, scaled):
     homes = homed(cluster, 2, 5000)
     asks = [(doc, q) for q in range(3) for docs in zip(*homes.values()) for doc in docs]  # interleaved documents
-    # three clients: never more requests in flight than BLINK_ROUTE_MAX_LEAD's default, so no load fallback
+    # three clients: never near the queued tokens that give a document a second home (BLINK_ROUTE_HOT_LEAD)
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         replies = list(pool.map(lambda a: answer_of(post(cluster, systemone(document(a[0]), QUESTIONS[a[1]]))), asks))
     answered_by: dict[int, set] = {}
     for (doc, _), reply in zip(asks, replies):
         answered_by.setdefault(doc, set()).add(reply["x_meta"]["replica"])
-    assert all(answered_by[doc] == {home} for home, docs in homes.items() for doc in docs), answered_by
-    assert len({r for rs in answered_by.values() for r in rs}) == 2  # distinct documents use both replicas
+    assert all(len(replicas) == 1 for replicas in answered_by.values()), answered_by  # one home each
+    used = {r for rs in answered_by.values() for r in rs}
+    assert len(used) == 2  # distinct documents use both replicas
     last = [r for (_, q), r in zip(asks, replies) if q == 2]  # each document's third ask finds its evidence kept
     assert all(r["x_meta"]["cached_tokens"] > 0 for r in last)
     rows = {r["replica"]: r for r in info(cluster)["replicas"] if r["live"]}
-    assert all(rows[home]["hit_rate"] > 0 for home in homes)
+    assert all(rows[replica]["hit_rate"] > 0 for replica in used)
 
 
 def test_killing_a_replica_mid_burst_loses_no_request(cluster, scaled):
@@ -337,6 +341,42 @@ def test_killing_a_replica_mid_burst_loses_no_request(cluster, scaled):
     assert survivor in {a["x_meta"]["replica"] for a in answered}  # the killed replica's share moved
     assert info(cluster)["retried"] > retried
     assert poll(lambda: len(live(cluster)) == 2 and victim not in live(cluster), 300)  # Serve replaced it
+
+
+def scraped(address: str, port: int) -> dict[str, list]:
+    """A node's metrics export (Ray's, where the cluster's Prometheus scrapes), its blink families by name."""
+    text = httpx.get(f"http://{address}:{port}/metrics", timeout=30).text
+    return {f.name: f.samples for f in text_string_to_metric_families(text) if "blink_replica" in f.name}
+
+
+def test_a_replicas_forward_metrics_reach_rays_metrics_export(cluster, scaled):
+    reply = answer_of(post(cluster, systemone(document(7000), QUESTIONS[1])))
+    replica = reply["x_meta"]["replica"]
+    node = next(r["node"] for r in info(cluster)["replicas"] if r["replica"] == replica)
+    where = next(n for n in ray.nodes() if n["NodeID"] == node and n["Alive"])  # the node's export port, as Ray says
+
+    def mine() -> dict[str, list]:
+        families = scraped(where["NodeManagerAddress"], where["MetricsExportPort"])
+        return {
+            name: [s for s in samples if s.labels.get("replica") == replica and s.labels.get("node") == node]
+            for name, samples in families.items()
+        }
+
+    def exported() -> dict[str, list] | None:
+        got = mine()
+        return got if any(name.startswith("ray_blink_replica_prompt_tokens") and got[name] for name in got) else None
+
+    families = poll(exported, 120, every_s=1.0)  # the metrics agent exports every few seconds
+    assert families, "no blink_replica metric of this replica on its node's metrics export"
+    by_name = {name.removeprefix("ray_"): samples for name, samples in families.items()}
+    tokens = {s.labels["source"]: s.value for s in by_name["blink_replica_prompt_tokens"]}
+    assert tokens["computed"] > 0 and all(
+        s.labels["model"] == blink.STANDIN_MODEL for s in families[next(iter(families))]
+    )
+    assert sum(s.value for s in by_name["blink_replica_model_seconds"]) > 0
+    packs = [s for s in by_name["blink_replica_forward_requests"] if s.name.endswith("_count")]
+    assert packs and sum(s.value for s in packs) >= 1  # forwards counted, each with its requests
+    assert "blink_replica_waiting" in by_name
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -366,6 +406,86 @@ def test_a_request_goes_home_until_home_leads_the_least_loaded_by_more_than_the_
     assert serve_app.pick(key, {home: 6, second: 1, third: 0}, 5) == third
     assert serve_app.pick(key, {home: 1, second: 0, third: 0}, 0) == second
     assert serve_app.pick(None, {"r2": 1, "r1": 0, "r3": 0}, 5) == "r1"  # no key: the least loaded
+
+
+PRICE = serve_app.Price(evidence=3400, questions=60)
+
+
+def sent(picker: serve_app.EvidencePicker, key: str, replicas: list[str], ticket: str) -> str:
+    """One request over `key` picked and sent where the picker said; the replica."""
+    replica = picker.pick(key, PRICE, replicas, ticket)
+    picker.routed(ticket, replica)
+    return replica
+
+
+def test_bounded_loads_keep_one_home_per_document_that_fits_and_cap_each_replicas_documents():
+    picker = serve_app.EvidencePicker(serve_app.RouteSettings())
+    four = ["r1", "r2", "r3", "r4"]
+    homes = {}
+    for n, key in enumerate(KEYS[:200]):  # one at a time, each answered before the next: no queue to balance
+        homes[key] = sent(picker, key, four, f"t{n}")
+        picker.done(f"t{n}")
+    counts = collections.Counter(homes.values())
+    assert max(counts.values()) <= math.ceil(1.25 * 200 / 4), counts  # c x the mean, as the paper's capacity
+    assert sum(homes[k] == serve_app.ranked(k, four)[0] for k in homes) > 150  # most stay at their rendezvous home
+    for n, key in enumerate(KEYS[:200]):  # asked again, one at a time: every document at its one home
+        assert sent(picker, key, four, f"again{n}") == homes[key]
+        picker.done(f"again{n}")
+    assert all(len(h) == 1 for h in picker.homes.values()) and picker.total_queued == 0
+
+
+def test_a_new_document_skips_a_replica_whose_queued_tokens_pass_the_bound():
+    picker = serve_app.EvidencePicker(serve_app.RouteSettings())
+    two = ["r1", "r2"]
+    key = KEYS[0]
+    home, other = serve_app.ranked(key, two)
+    for n in range(3):  # three new documents queued at the home, each priced with its evidence
+        picker.pick(KEYS[1 + n], PRICE, two, f"q{n}")
+        picker.routed(f"q{n}", home)
+    assert picker.queued[home] == 3 * PRICE.at(False)
+    assert picker.pick(key, PRICE, two, "new") == other  # over 1.25 x the mean of queued tokens: the next in rank
+
+
+def test_a_hot_document_gets_a_home_for_every_hot_share_of_the_recent_requests_it_draws():
+    picker = serve_app.EvidencePicker(serve_app.RouteSettings(hot=1.5, window=4))
+    four = ["r1", "r2", "r3", "r4"]
+    hot = KEYS[0]
+    picks = []
+    for n in range(16):  # the window: 4 x 4 recent requests; a home per 1.5 x 4 of them the document draws
+        picks.append(sent(picker, hot, four, f"h{n}"))
+    homes = picker.homes[hot]
+    assert len(homes) == math.ceil(16 / 6) == 3 and homes[0] == serve_app.ranked(hot, four)[0]
+    assert picks[:6] == [homes[0]] * 6 and picks[6] == homes[1]  # the seventh request opens the second home
+    assert set(picks) == set(homes)  # and every request went to one of its homes, none answered: the least queued
+    for n in range(16):  # other documents fill the window: the hot one's share falls, its homes stay (kept evidence)
+        picker.done(f"h{n}")
+        sent(picker, KEYS[1 + n], four, f"o{n}")
+    assert picker.homes[hot] == homes and sent(picker, hot, four, "later") in homes
+
+
+def test_a_join_moves_only_the_documents_the_joiner_ranks_first_and_a_leave_only_the_leavers():
+    picker = serve_app.EvidencePicker(serve_app.RouteSettings())
+    three = ["r1", "r2", "r3"]
+    for n, key in enumerate(KEYS):
+        sent(picker, key, three, f"t{n}")
+        picker.done(f"t{n}")
+    before = {k: h[0] for k, h in picker.homes.items()}
+    picker.update([*three, "r4"])
+    after = {k: h[0] for k, h in picker.homes.items()}
+    moved = [k for k in KEYS if after[k] != before[k]]
+    assert all(after[k] == "r4" and serve_app.ranked(k, [*three, "r4"])[0] == "r4" for k in moved)
+    assert len(moved) == picker.moved and len(moved) <= math.ceil(1.25 * len(KEYS) / 4)
+    picker.update(["r1", "r3", "r4"])  # r2 leaves: its documents, and only those, lose their home
+    assert picker.moved - len(moved) == sum(h == "r2" for h in after.values())
+    assert all(picker.homes[k] == [after[k]] for k in KEYS if after[k] != "r2")
+
+
+def test_rule_lead_is_the_earlier_rule():
+    picker = serve_app.EvidencePicker(serve_app.RouteSettings(rule="lead", max_lead=1))
+    three = ["r1", "r2", "r3"]
+    key = KEYS[0]
+    home, second, _ = serve_app.ranked(key, three)
+    assert [sent(picker, key, three, f"t{n}") for n in range(3)] == [home, home, second]
 
 
 def test_the_app_arguments_are_read_and_refused_by_name(monkeypatch):
