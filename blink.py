@@ -2060,11 +2060,11 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None, backbone=None) 
 def quantize_int8(model) -> str:
     """Every linear layer but lm_head quantized in place to int8 by torch's own dynamic quantization (its x86
     engine, which picks fbgemm's or oneDNN's kernel): weights per output channel, each product's activations per
-    tensor at run time, int32
-    accumulation. lm_head stays float32: blink reads its label rows and log-sum-exp itself, exactly. CPU only. Of
-    the kernels torch ships, this one was the fastest on a 2-core AMD EPYC (AVX512-VNNI) at the stand-in's MLP
-    shapes, against blink's packed bfloat16 product at 64 and 512 rows (torch._int_mm lost its gain to per-token
-    quantization in Python; oneDNN's qlinear with int8 activations ran a reference path). Returns "int8"."""
+    tensor at run time, int32 accumulation. lm_head stays float32: blink reads its label rows and log-sum-exp
+    itself, exactly. CPU only. Of the kernels torch ships, this one was the fastest on a 2-core AMD EPYC
+    (AVX512-VNNI) at the stand-in's MLP shapes, against blink's packed bfloat16 product at 64 and 512 rows
+    (torch._int_mm lost its gain to per-token quantization in Python; oneDNN's qlinear with int8 activations ran
+    a reference path). Returns "int8"."""
     import torch
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
