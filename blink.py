@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -119,6 +120,7 @@ READOUTS = ("rows", "batched")
 CPU_MATMULS = ("auto", "onednn", "torch")  # what runs a float32 model's linear layers on a CPU
 IMAGE_LAYOUTS = ("inline", "first")
 DTYPES = ("bfloat16", "float16", "float32")
+QUANTIZE = ("none", "int8")  # the decoder's linear layers on a CPU: as loaded, or int8 (quantize_int8)
 # Where shared prefixes are on by default. float32: the prefix path equals the plain one within float rounding.
 # bfloat16: neither path is exact, and `python bench/drift.py` measured the prefix path as close to the float32
 # answers as the plain path (largest probability difference 0.022 against 0.022 on an 18,000-token document, no
@@ -316,6 +318,7 @@ class Settings:
     vllm_args: str = setting("BLINK_VLLM_ARGS", "{}", json_object=True)  # vLLM engine arguments, a JSON object
     temperature: float = setting("BLINK_TEMPERATURE", 1.0, 0.0, 1e6, above=True)  # the release temperature, not fitted
     dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: by hardware (default_dtype)
+    quantize: str = setting("BLINK_QUANTIZE", "none", choices=QUANTIZE)  # int8: CPU only, not a default (drift)
     token_budget: int | None = setting("BLINK_TOKEN_BUDGET", None, 1, kind=int)  # padded tokens per forward
     max_input_tokens: int = setting("BLINK_MAX_INPUT_TOKENS", 131072, 1)  # per question, as evaluated
     max_request_tokens: int = setting("BLINK_MAX_REQUEST_TOKENS", 1048576, 1)  # all of a request's prompts
@@ -385,7 +388,10 @@ class Settings:
 
     @property
     def compute_dtype(self) -> str:
-        """The weights' dtype on every backend: BLINK_DTYPE if set, else default_dtype for this hardware."""
+        """The weights' dtype on every backend: BLINK_DTYPE if set, else default_dtype for this hardware; float32
+        under BLINK_QUANTIZE=int8 (torch's dynamic int8 product takes float32 activations)."""
+        if self.quantize == "int8":
+            return "float32"
         return self.dtype or default_dtype(self.gpu, self.cpu_bf16)
 
     def derived_defaults(self) -> dict:
@@ -2052,6 +2058,30 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None, backbone=None) 
     return "onednn", verdict
 
 
+def quantize_int8(model) -> str:
+    """Every linear layer but lm_head quantized in place to int8 by torch's own dynamic quantization (its x86
+    engine, which picks fbgemm's or oneDNN's kernel): weights per output channel, each product's activations per
+    tensor at run time, int32 accumulation. lm_head stays float32: blink reads its label rows and log-sum-exp
+    itself, exactly. CPU only. Of the kernels torch ships, this one was the fastest on a 2-core AMD EPYC
+    (AVX512-VNNI) at the stand-in's MLP shapes, against blink's packed bfloat16 product at 64 and 512 rows
+    (torch._int_mm lost its gain to per-token quantization in Python; oneDNN's qlinear with int8 activations ran
+    a reference path). Returns "int8"."""
+    import torch
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    head = model.get_output_embeddings()
+    if head.weight.device.type != "cpu":
+        raise BlinkError("BLINK_QUANTIZE=int8 runs on a CPU only (torch's dynamic int8 kernels have no CUDA form)")
+    if "x86" in torch.backends.quantized.supported_engines:
+        torch.backends.quantized.engine = "x86"
+    names = {name: per_channel_dynamic_qconfig for name, m in model.named_modules() if type(m) is torch.nn.Linear}
+    names.pop(next(name for name, m in model.named_modules() if m is head), None)
+    with warnings.catch_warnings():  # torch marks eager quantization deprecated in favour of torchao; it still ships
+        warnings.simplefilter("ignore")
+        quantize_dynamic(model, names, dtype=torch.qint8, inplace=True)
+    return "int8"
+
+
 def verify_labels(tokenizer, user="x", renderer=None) -> tuple[list[str], list[int]]:
     """Labels that are one token right after the assistant boundary and decode back to themselves. `renderer`
     (default: the tokenizer) renders the probe conversation; `user` is its user content."""
@@ -2310,9 +2340,12 @@ class TorchEngine(PromptEngine):
             self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
         self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
         use_prefix_attention(self.backbone())
-        self.matmul, self.matmul_verdict = cpu_matmul(
-            self.model, self.settings.cpu_matmul, self.settings.cache_dir, self.backbone()
-        )
+        if self.settings.quantize == "int8":
+            self.matmul, self.matmul_verdict = quantize_int8(self.model), None
+        else:
+            self.matmul, self.matmul_verdict = cpu_matmul(
+                self.model, self.settings.cpu_matmul, self.settings.cache_dir, self.backbone()
+            )
         self.packed_head = pack_head(self.model, self.matmul)
         self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0

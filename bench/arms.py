@@ -23,7 +23,6 @@ class Arm:
     question: dict = field(default_factory=dict)  # fields it adds to every question (order: permute)
     runs: str | None = None  # "module:function" in bench/ that runs or starts it
     python: str = "project"  # a server arm's environment: the project's (.venv) or vLLM's (.venv-vllm)
-    quantize_int8: bool = False  # every linear layer but lm_head quantized to int8 after loading
     app_args: dict = field(default_factory=dict)  # the Ray Serve app's arguments (adapters/serve.py; bench serve)
     colour: str | None = None  # in the figure
 
@@ -163,9 +162,9 @@ REGISTRY: dict[str, dict[str, Arm]] = {
         Arm(
             "int8",
             "int8",
-            "float32 with every linear layer but lm_head quantized to int8 by torch's dynamic quantization",
-            {"dtype": "float32", "cpu_matmul": "torch"},
-            quantize_int8=True,
+            "BLINK_QUANTIZE=int8: every linear layer but lm_head quantized to int8 by torch's dynamic quantization "
+            "(weights per output channel), the rest in float32",
+            {"quantize": "int8"},
         ),
     ),
     "gpu": _named(
@@ -279,26 +278,9 @@ def title(benchmark: str, name: str) -> str:
     return arm.title if arm else name
 
 
-def quantize_int8(engine: blink.TorchEngine) -> blink.TorchEngine:
-    """The engine with every linear layer but lm_head (blink reads its rows itself) quantized to int8 by torch's
-    dynamic quantization."""
-    import torch
-    from torch.ao.quantization import default_dynamic_qconfig, quantize_dynamic
-
-    head = engine.model.get_output_embeddings()
-    names = {
-        name: default_dynamic_qconfig
-        for name, m in engine.model.named_modules()
-        if type(m) is torch.nn.Linear and m is not head
-    }
-    quantize_dynamic(engine.model, names, dtype=torch.qint8, inplace=True)
-    return engine
-
-
 def engine(arm: Arm, model: str, base: blink.Settings) -> blink.TorchEngine:
     """The model loaded by blink's torch engine under the arm's settings (over `base`)."""
-    loaded = blink.TorchEngine(model, settings=replace(base, **arm.settings))
-    return quantize_int8(loaded) if arm.quantize_int8 else loaded
+    return blink.TorchEngine(model, settings=replace(base, **arm.settings))
 
 
 def engines(benchmark: str, model: str, base: blink.Settings) -> dict[str, blink.TorchEngine]:

@@ -1,0 +1,68 @@
+"""BLINK_QUANTIZE=int8 on the stand-in: the decoder's linear layers by torch's dynamic int8 product, lm_head and the
+readout exact, the answers within a measured bound of float32's, and the weights' memory against bfloat16's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import blink
+from bench import answers, drift, workloads
+
+# Measured on a 2-core AMD EPYC (AVX512-VNNI): the largest probability difference from float32 was 0.18 over a
+# 120-token log and 0.28 over a 1,000-token one, no pick changed. The bound leaves room for other CPUs' kernels.
+MAX_PROB_DIFF = 0.45
+SAFE_MARGIN = 0.6  # no pick may change where float32's top two labels are further apart than this
+
+
+@pytest.fixture(scope="module")
+def engines() -> dict[str, blink.TorchEngine]:
+    """The stand-in loaded as float32 on torch's own kernels (the exact path), bfloat16 and int8."""
+    base = blink.Settings(prefix_min_tokens=256)
+    return {
+        "float32": blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, dtype="float32", cpu_matmul="torch")),
+        "bfloat16": blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, dtype="bfloat16")),
+        "int8": blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, quantize="int8")),
+    }
+
+
+def test_int8_setting_is_read_and_refused_by_name():
+    assert blink.Settings.from_env({"BLINK_QUANTIZE": "int8"}).quantize == "int8"
+    assert blink.Settings.from_env({"BLINK_QUANTIZE": "int8"}).compute_dtype == "float32"
+    assert blink.Settings.from_env({}).quantize == "none"
+    with pytest.raises(blink.BlinkError, match="BLINK_QUANTIZE"):
+        blink.Settings.from_env({"BLINK_QUANTIZE": "int4"})
+
+
+def test_int8_quantizes_the_decoder_and_leaves_lm_head_exact(engines):
+    model = engines["int8"].model
+    assert engines["int8"].matmul == "int8"
+    quantized = [m for m in model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
+    assert len(quantized) == 7 * model.config.num_hidden_layers  # q, k, v, o, gate, up, down in every layer
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight.dtype == torch.float32
+    exact = engines["float32"].model.lm_head.weight
+    assert torch.equal(model.lm_head.weight, exact)
+
+
+@pytest.mark.parametrize("target", [100, 1000])
+def test_int8_answers_within_the_bound_of_float32(engines, target):
+    ref = engines["float32"]
+    doc = workloads.document(ref.tok, target, seed=7)
+    request = blink.parse_request(doc, drift.questions(workloads.ticket_count(doc)), settings=ref.settings)
+    got = {name: answers.of(request, e.forward(request).readouts) for name, e in engines.items() if name != "bfloat16"}
+    diff = answers.compare(got["float32"], got["int8"])
+    assert diff["max_prob_diff"] <= MAX_PROB_DIFF
+    assert all(margin <= SAFE_MARGIN for margin in diff["reference_margins"].values()), diff
+    assert diff["max_prob_diff"] > 0  # the int8 path really ran: its products round otherwise than float32's
+
+
+def test_int8_decoder_weights_take_about_half_of_bfloat16s(engines):
+    """The quantized linear layers hold one byte per weight against bfloat16's two; lm_head and the embeddings stay
+    float32 (the dynamic int8 product takes float32 activations), so the whole model is larger than the layers."""
+    q8, bf = engines["int8"].model, engines["bfloat16"].model
+    layers = {n for n, m in q8.named_modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)}
+    bf_layers = sum(m.weight.numel() * 2 for n, m in bf.named_modules() if n in layers)
+    q8_layers = sum(m._weight_bias()[0].int_repr().numel() for n, m in q8.named_modules() if n in layers)
+    assert q8_layers <= 0.55 * bf_layers
