@@ -576,8 +576,8 @@ def grid(sizes: tuple[int, ...], cost: Cost, seed: int = 1) -> list[dict]:
 
 
 def targets(rows: list[dict]) -> list[dict]:
-    """The routing targets of the simulation: at every size and load, evidence's cached share within 5 points of the ideal
-    and its p99 at or under pow2's; a join or a leave moving at most 1.5x the joiner's or leaver's share."""
+    """The simulation's routing targets: at every size and load, evidence's cached share within 5 points of the
+    ideal and its p99 at or under pow2's; a join or a leave moving at most 1.5x the joiner's or leaver's share."""
     at = {(r["arm"], r["replicas"], r["zipf_s"], r["load"]): r for r in rows}
     cells = sorted({k[1:] for k in at})
     gaps = [at[("evidence", *c)]["ideal_cached_share"] - at[("evidence", *c)]["cached_share"] for c in cells]
