@@ -2351,6 +2351,7 @@ class TorchEngine(PromptEngine):
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)
         self.prefill_cost = PrefillCost.of(self.backbone())
+        self.heads = getattr(self.backbone().config, "text_config", self.backbone().config).num_attention_heads
         self.key = id(self)
         _LIVE[self.key] = self
 
@@ -2952,23 +2953,19 @@ def prefix_groups(
     cuts: list[tuple[int, ...]],
     settings: Settings,
     keep: bool,
-    kept: Callable[[tuple[int, ...]], bool] | None = None,
 ) -> list[tuple[list[int], int]]:
     """The prompts (by index) grouped by the prefix they run from, each group with its length: the evidence when it
-    reaches prefix_min_tokens or is kept already (`kept`, the store's lookup), else the template header when prefixes
-    are kept across calls (`keep`); prompts with neither run whole, together in a group with length 0 (the plain
-    path). Prompts of one request share their evidence; requests packed into one forward (decide_many, the Batcher)
-    each keep their own, and share the header. Without `keep` a prefix that only one prompt reads is not worth
-    encoding apart: that prompt runs whole."""
+    reaches prefix_min_tokens, else the template header when prefixes are kept across calls (`keep`); prompts with
+    neither run whole, together in a group with length 0 (the plain path). Where a prompt is cut depends on its own
+    tokens alone, never on what else runs or ran before (what is kept): the same prompt runs the same tail after the
+    same prefix, so its answer does not move with the batch (see _forward). Prompts of one request share their
+    evidence; requests packed into one forward (decide_many, the Batcher) each keep their own, and share the header.
+    Without `keep` a prefix that only one prompt reads is not worth encoding apart: that prompt runs whole."""
     if not settings.prefix_cache:
         return [(list(range(len(seqs))), 0)] if seqs else []
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, (seq, points) in enumerate(zip(seqs, cuts)):
-        usable = [
-            c
-            for c in points
-            if c >= settings.prefix_min_tokens or (keep and c == points[0]) or (kept and kept(tuple(seq[:c])))
-        ]
+        usable = [c for c in points if c >= settings.prefix_min_tokens or (keep and c == points[0])]
         groups.setdefault(tuple(seq[: usable[-1]]) if usable else (), []).append(i)
     plain = groups.pop((), [])
     out = []
@@ -2980,7 +2977,7 @@ def prefix_groups(
     return out + ([(sorted(plain), 0)] if plain else [])
 
 
-def _copy_cache(cache, repeats: int = 1, keep: bool = True, capture: bool = False):
+def _copy_cache(cache, repeats: int = 1, keep: bool = True):
     """A batch-1 cache made ready for a forward of `repeats` rows that must leave it as it is. Full-attention layers
     (the library's DynamicLayer, whose update joins new keys to the held ones into a new tensor) share the prefix's
     keys and values as a view repeated along the batch axis, copying nothing, and hand them to the attention apart
@@ -2988,9 +2985,9 @@ def _copy_cache(cache, repeats: int = 1, keep: bool = True, capture: bool = Fals
     with keep=False (tails that are read once) nothing is joined at all. Every other per-sequence tensor (Qwen3.5's
     linear-attention conv and recurrent states, which the forward writes into) is a new tensor and every dict of
     flags a new dict. A shallow copy of the rest: a deep copy of 30 layers' structure costs more than a short
-    tail. With `capture`, each full-attention layer holds on to the new keys and values it was given (_extended)."""
+    tail."""
     copied = copy.copy(cache)
-    copied.layers = [_copy_layer(layer, repeats, keep, capture) for layer in cache.layers]
+    copied.layers = [_copy_layer(layer, repeats, keep) for layer in cache.layers]
     return copied
 
 
@@ -3001,16 +2998,13 @@ def _joins_keys(layer) -> bool:
     return getattr(type(layer), "update", None) is DynamicLayer.update
 
 
-def _split_update(self, key_states, value_states, *args, keep: bool = True, capture: bool = False, **kwargs):
+def _split_update(self, key_states, value_states, *args, keep: bool = True, **kwargs):
     """A copied full-attention layer's update (_copy_layer): the held prefix's keys and values and the new ones as
     (prefix, new) pairs, for prefix_attention to read without joining them; the joined keys and values are held only
-    where the copy is kept (`keep`: a prefix encoded further), never for tails that are read once, and the new ones
-    alone where they are captured (`capture`: part of them will be kept, _extended)."""
+    where the copy is kept (`keep`: a prefix encoded further), never for tails that are read once."""
     import torch
 
     prefix = self.keys, self.values
-    if capture:
-        self.captured = key_states, value_states
     if keep:
         rows = key_states.shape[0]
         self.keys = torch.cat([self.keys.expand(rows, *self.keys.shape[1:]), key_states], dim=-2)
@@ -3018,7 +3012,7 @@ def _split_update(self, key_states, value_states, *args, keep: bool = True, capt
     return (prefix[0], key_states), (prefix[1], value_states)
 
 
-def _copy_layer(layer, repeats: int, keep: bool = True, capture: bool = False):
+def _copy_layer(layer, repeats: int, keep: bool = True):
     """One cache layer copied (see _copy_cache): a joining layer's keys and values repeated as views; other tensors
     of two or more dimensions (batch first) repeated, other tensors cloned, dicts and lists of them rebuilt."""
     import torch
@@ -3041,7 +3035,7 @@ def _copy_layer(layer, repeats: int, keep: bool = True, capture: bool = False):
         else:
             setattr(copied, name, fresh(value))
     if shares:
-        copied.update = types.MethodType(functools.partial(_split_update, keep=keep, capture=capture), copied)
+        copied.update = types.MethodType(functools.partial(_split_update, keep=keep), copied)
     return copied
 
 
@@ -3049,13 +3043,28 @@ PREFIX_ATTENTION = "blink_prefix"  # the attention implementation torch engines 
 # On a CPU a kept prefix is read in place once for every row (_merged_attention) where it is at least this many times
 # longer than the new tokens; shorter, joining it to each row's tokens under one mask was as fast or faster.
 MERGED_MIN_PREFIX_RATIO = 2
-SMALL_ATTENTION_SCORES = 2**20  # scores a joined tail's attention computes in FP32 products on a CPU, at most
+SMALL_ATTENTION_SCORES = 2**18  # scores of one joined tail (heads x length x keys) computed in FP32 products on a CPU
+SMALL_ATTENTION_BATCH = 2**22  # such scores held by one forward at most (16 MB), bounding how many tails it runs
 
 
 def reads_in_place(device, past: int, length: int) -> bool:
     """Whether tails of `length` tokens read a kept prefix of `past` tokens in place (_merged_attention): on a CPU,
     where the prefix is at least MERGED_MIN_PREFIX_RATIO times longer; else it is joined to each row's tokens."""
     return device.type == "cpu" and past >= MERGED_MIN_PREFIX_RATIO * length
+
+
+def tail_kind(device, heads: int, past: int, length: int) -> str:
+    """How tails of `length` tokens attend to a kept prefix of `past` tokens (prefix_attention): "in_place" (the
+    prefix read once for every row, reads_in_place), "float32" (joined, in FP32 products: a CPU and at most
+    SMALL_ATTENTION_SCORES scores per row) or "sdpa" (joined, torch's kernel). A function of one row's shape, never of
+    how many rows run beside it, and it keeps its value down to shorter lengths within a kind's range, so tails run
+    in batches of one kind each (_forward) take the path their own length picks whatever they are padded to: a
+    prompt's answer does not depend on the other prompts of its forward."""
+    if reads_in_place(device, past, length):
+        return "in_place"
+    if device.type == "cpu" and heads * length * (past + length) <= SMALL_ATTENTION_SCORES:
+        return "float32"
+    return "sdpa"
 
 
 def prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -3074,12 +3083,13 @@ def prefix_attention(module, query, key, value, attention_mask, dropout: float =
     (prefix_k, new_k), (prefix_v, new_v) = key, value
     rows, heads, length, _ = query.shape
     past = prefix_k.shape[-2]
-    if reads_in_place(query.device, past, length):
+    kind = tail_kind(query.device, heads, past, length)
+    if kind == "in_place":
         out = _merged_attention(query, prefix_k[:1], prefix_v[:1], new_k, new_v, scaling)
     else:
         k = torch.cat([prefix_k.expand(rows, -1, -1, -1), new_k], dim=-2)
         v = torch.cat([prefix_v.expand(rows, -1, -1, -1), new_v], dim=-2)
-        if query.device.type == "cpu" and rows * heads * length * (past + length) <= SMALL_ATTENTION_SCORES:
+        if kind == "float32":
             out = _float32_attention(query, k, v, past, scaling)
         else:
             per, mask = heads // k.shape[1], _bottom_right_mask(length, past, query.dtype, query.device)
@@ -3153,24 +3163,6 @@ def full_attention_only(cache) -> bool:
     """Whether every layer of a cache holds keys and values alone (no linear-attention state), so a prefix of any
     length can be cut out of it."""
     return all(_joins_keys(layer) for layer in cache.layers)
-
-
-def _extended(cache, used, row: int, tokens: int):
-    """A batch-1 snapshot of `cache` followed by the first `tokens` new keys and values of row `row` of a forward run
-    against a copy of it (`used`, copied with capture): the prefix those tokens end, kept without a pass of its own.
-    Only for a cache of full-attention layers (full_attention_only); the keys are copied, so the forward's own tensors
-    are not kept alive."""
-    import torch
-
-    snapshot = copy.copy(cache)
-    snapshot.layers = []
-    for base, layer in zip(cache.layers, used.layers):
-        new_k, new_v = layer.captured
-        kept = copy.copy(base)
-        kept.keys = torch.cat([base.keys, new_k[row : row + 1, :, :tokens]], dim=-2)
-        kept.values = torch.cat([base.values, new_v[row : row + 1, :, :tokens]], dim=-2)
-        snapshot.layers.append(kept)
-    return snapshot
 
 
 def _state_tensors(layer) -> list:
@@ -3317,29 +3309,23 @@ def _run_batches(
     cands: list[list[int]],
     out: list,
     cache=None,
-    max_rows: int | None = None,
-    extend: dict[int, int] | None = None,
-) -> dict[int, object]:
-    """Pack seqs under the token budget, run each batch (against copies of `cache` if given), read the labels and
-    the full-vocabulary log-sum-exp: out[i] = (label logits, lse). `extend` {i: tokens}: seqs[i]'s first tokens
-    after `cache`, kept as snapshots of their own (_extended), returned by i."""
+    batches: list[list[int]] | None = None,
+) -> None:
+    """Run seqs in `batches` (default: packed under the token budget), each against copies of `cache` if given, read
+    the labels and the full-vocabulary log-sum-exp: out[i] = (label logits, lse)."""
     backbone, head = engine.backbone(), engine.model.lm_head.weight
     device = head.device
     read = _READERS[engine.settings.readout]
-    extend, snapshots = extend or {}, {}
-    for b in _batches([len(s) for s in seqs], engine.settings.token_budget, max_rows):
+    for b in batches or _batches([len(s) for s in seqs], engine.settings.token_budget):
         ids = _padded(seqs, b, engine.pad_id).to(device)
         if cache is None:
             h = backbone(input_ids=ids, use_cache=False).last_hidden_state
         else:
-            past = _copy_cache(cache, len(b), keep=False, capture=any(i in extend for i in b))
-            h = backbone(input_ids=ids, cache=past, use_cache=True).last_hidden_state
-            snapshots.update({i: _extended(cache, past, r, extend[i]) for r, i in enumerate(b) if i in extend})
+            h = backbone(input_ids=ids, cache=_copy_cache(cache, len(b), keep=False), use_cache=True).last_hidden_state
         hs = _last_hidden(h, [len(seqs[i]) for i in b])
         rows = read(head, hs, [cands[i] for i in b])
         for i, row, lse in zip(b, rows, _vocab_lse(head, hs, engine.packed_head)):
             out[i] = (row, lse)
-    return snapshots
 
 
 def _encode(engine: TorchEngine, ids: list[int], cache=None):
@@ -3351,29 +3337,32 @@ def _encode(engine: TorchEngine, ids: list[int], cache=None):
     return engine.backbone()(input_ids=ids_t, cache=past, use_cache=True).cache
 
 
-def tail_rows(engine: TorchEngine, shared: int, longest: int) -> int | None:
-    """The most tails (the longest `longest` tokens) one forward runs against a prefix of `shared` tokens: where the
-    prefix is joined to each row, BLINK_PREFIX_KV_TOKENS bounds the copies x length held at once; a prefix read in
-    place is never copied, so only the token budget bounds them (None)."""
-    if reads_in_place(engine.model.lm_head.weight.device, shared, longest):
+def tail_rows(engine: TorchEngine, shared: int, longest: int, kind: str) -> int | None:
+    """The most tails of one attention kind (tail_kind; the longest `longest` tokens) one forward runs against a
+    prefix of `shared` tokens: where the prefix is joined to each row, BLINK_PREFIX_KV_TOKENS bounds the copies x
+    length held at once, and SMALL_ATTENTION_BATCH the FP32 scores; a prefix read in place is never copied, so only
+    the token budget bounds them (None)."""
+    if kind == "in_place":
         return None
-    return max(1, engine.settings.prefix_kv_tokens // (shared + longest))
+    rows = engine.settings.prefix_kv_tokens // (shared + longest)
+    if kind == "float32":
+        rows = min(rows, SMALL_ATTENTION_BATCH // (engine.heads * longest * (shared + longest)))
+    return max(1, rows)
 
 
-def _short_evidence(store: PrefixStore, cache, shared: int, group: list[list[int]], cuts: list[tuple[int, ...]]):
-    """Which prompts of a group run from the template header (`shared` tokens) should leave their evidence kept
-    behind (by position in the group, the evidence's tokens after the header): evidence under prefix_min_tokens,
-    not kept yet, one prompt per evidence, where the cache is all full attention (a linear-attention state cannot be
-    cut back to the evidence's end, so keeping it there would take a pass of its own)."""
-    if not store.keeps or not full_attention_only(cache):
-        return {}
-    extend, seen = {}, set()
-    for j, (seq, points) in enumerate(zip(group, cuts)):
-        end = points[-1] if points else 0
-        if end > shared and end < len(seq) and tuple(seq[:end]) not in seen and not store.holds(tuple(seq[:end])):
-            seen.add(tuple(seq[:end]))
-            extend[j] = end - shared
-    return extend
+def tail_batches(engine: TorchEngine, shared: int, lengths: list[int]) -> list[list[int]]:
+    """Tails (by index, of these lengths) after a prefix of `shared` tokens, in forwards of one attention kind each
+    (tail_kind, from each tail's own length), each kind's packed under the token budget and its row bound
+    (tail_rows). Which path a tail's attention takes thus never depends on the tails beside it."""
+    device = engine.model.lm_head.weight.device
+    kinds: dict[str, list[int]] = {}
+    for i, n in enumerate(lengths):
+        kinds.setdefault(tail_kind(device, engine.heads, shared, n), []).append(i)
+    out = []
+    for kind, rows in kinds.items():
+        cap = tail_rows(engine, shared, max(lengths[i] for i in rows), kind)
+        out += [[rows[j] for j in b] for b in _batches([lengths[i] for i in rows], engine.settings.token_budget, cap)]
+    return out
 
 
 @dataclass
@@ -3421,20 +3410,16 @@ def _forward(
     cached = [0] * len(seqs)
     computed = 0
     t0 = time.perf_counter()
-    kept = store.holds if store.keeps else None
     with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
-        for rows, shared in prefix_groups(seqs, cuts, engine.settings, store.keeps, kept):
+        for rows, shared in prefix_groups(seqs, cuts, engine.settings, store.keeps):
             part: list = [None] * len(rows)
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
             if shared:
                 points = [c for c in cuts[rows[0]] if c < shared] if store.keeps else []
                 cache, read, encoded = store.prefix(engine, group[0][:shared], points)
                 tails = [s[shared:] for s in group]
-                cap = tail_rows(engine, shared, max(map(len, tails)))
-                extend = _short_evidence(store, cache, shared, group, [cuts[i] for i in rows])
-                snapshots = _run_batches(engine, tails, group_cands, part, cache=cache, max_rows=cap, extend=extend)
-                for j, snapshot in snapshots.items():
-                    store.put(tuple(group[j][: shared + extend[j]]), snapshot)
+                batches = tail_batches(engine, shared, [len(t) for t in tails])
+                _run_batches(engine, tails, group_cands, part, cache=cache, batches=batches)
                 computed += encoded + sum(map(len, tails))
             else:
                 read = 0
