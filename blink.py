@@ -2351,7 +2351,6 @@ class TorchEngine(PromptEngine):
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
         self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)
         self.prefill_cost = PrefillCost.of(self.backbone())
-        self.heads = getattr(self.backbone().config, "text_config", self.backbone().config).num_attention_heads
         self.key = id(self)
         _LIVE[self.key] = self
 
@@ -2999,17 +2998,18 @@ def _joins_keys(layer) -> bool:
 
 
 def _split_update(self, key_states, value_states, *args, keep: bool = True, **kwargs):
-    """A copied full-attention layer's update (_copy_layer): the held prefix's keys and values and the new ones as
-    (prefix, new) pairs, for prefix_attention to read without joining them; the joined keys and values are held only
-    where the copy is kept (`keep`: a prefix encoded further), never for tails that are read once."""
+    """A copied full-attention layer's update (_copy_layer). A copy that is kept (`keep`: a prefix encoded further,
+    one prompt's own) joins the new keys and values to the held ones and returns them, for the model's own attention;
+    a copy for tails read once returns the held prefix's keys and values and the new ones as (prefix, new) pairs, for
+    prefix_attention to read without joining them."""
     import torch
 
-    prefix = self.keys, self.values
     if keep:
         rows = key_states.shape[0]
         self.keys = torch.cat([self.keys.expand(rows, *self.keys.shape[1:]), key_states], dim=-2)
         self.values = torch.cat([self.values.expand(rows, *self.values.shape[1:]), value_states], dim=-2)
-    return (prefix[0], key_states), (prefix[1], value_states)
+        return self.keys, self.values
+    return (self.keys, key_states), (self.values, value_states)
 
 
 def _copy_layer(layer, repeats: int, keep: bool = True):
@@ -3040,39 +3040,25 @@ def _copy_layer(layer, repeats: int, keep: bool = True):
 
 
 PREFIX_ATTENTION = "blink_prefix"  # the attention implementation torch engines run (prefix_attention)
-# On a CPU a kept prefix is read in place once for every row (_merged_attention) where it is at least this many times
-# longer than the new tokens; shorter, joining it to each row's tokens under one mask was as fast or faster.
-MERGED_MIN_PREFIX_RATIO = 2
-SMALL_ATTENTION_SCORES = 2**18  # scores of one joined tail (heads x length x keys) computed in FP32 products on a CPU
-SMALL_ATTENTION_BATCH = 2**22  # such scores held by one forward at most (16 MB), bounding how many tails it runs
+# On a CPU the tails' attention to a kept prefix is computed in FP32 products (_tail_attention), a block of rows and
+# queries at a time under this many scores (16 MB): every score and every softmax is one query's own, so a tail's
+# answer does not depend on the tails run beside it. torch's flash kernel picks its blocking and its bfloat16 packing
+# by the whole batch's shape: it moved an answer by up to 4e-3 with the other questions of its forward.
+TAIL_ATTENTION_SCORES = 2**22
+TAIL_KEY_BLOCK = 64  # a tail's own keys are summed this many at a time, whatever length its batch pads it to
 
 
-def reads_in_place(device, past: int, length: int) -> bool:
-    """Whether tails of `length` tokens read a kept prefix of `past` tokens in place (_merged_attention): on a CPU,
-    where the prefix is at least MERGED_MIN_PREFIX_RATIO times longer; else it is joined to each row's tokens."""
-    return device.type == "cpu" and past >= MERGED_MIN_PREFIX_RATIO * length
-
-
-def tail_kind(device, heads: int, past: int, length: int) -> str:
-    """How tails of `length` tokens attend to a kept prefix of `past` tokens (prefix_attention): "in_place" (the
-    prefix read once for every row, reads_in_place), "float32" (joined, in FP32 products: a CPU and at most
-    SMALL_ATTENTION_SCORES scores per row) or "sdpa" (joined, torch's kernel). A function of one row's shape, never of
-    how many rows run beside it, and it keeps its value down to shorter lengths within a kind's range, so tails run
-    in batches of one kind each (_forward) take the path their own length picks whatever they are padded to: a
-    prompt's answer does not depend on the other prompts of its forward."""
-    if reads_in_place(device, past, length):
-        return "in_place"
-    if device.type == "cpu" and heads * length * (past + length) <= SMALL_ATTENTION_SCORES:
-        return "float32"
-    return "sdpa"
+def reads_in_place(device) -> bool:
+    """Whether tails read a kept prefix in place, once for all rows, never copied per row (_tail_attention): on a
+    CPU. On a GPU the prefix is joined to each row's tokens for torch's kernel."""
+    return device.type == "cpu"
 
 
 def prefix_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """transformers' SDPA attention, and for a layer read against a kept prefix ((prefix, new) pairs from
-    _split_update) the same attention without the prefix copied per row: on a CPU, where the prefix is long enough,
-    every row's queries read it once (_merged_attention); else it is joined to each row's new keys under the causal
-    mask that ends at the bottom right (the tails are right-padded, so no other mask applies to them), its few
-    scores on a CPU in FP32 products (_float32_attention)."""
+    """transformers' SDPA attention, and for tails read against a kept prefix ((prefix, new) pairs from
+    _split_update) the same attention without the prefix copied per row on a CPU (_tail_attention); elsewhere the
+    prefix is joined to each row's new keys under the causal mask that ends at the bottom right (the tails are
+    right-padded, so no other mask applies to them)."""
     import torch
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
@@ -3082,37 +3068,66 @@ def prefix_attention(module, query, key, value, attention_mask, dropout: float =
         )
     (prefix_k, new_k), (prefix_v, new_v) = key, value
     rows, heads, length, _ = query.shape
-    past = prefix_k.shape[-2]
-    kind = tail_kind(query.device, heads, past, length)
-    if kind == "in_place":
-        out = _merged_attention(query, prefix_k[:1], prefix_v[:1], new_k, new_v, scaling)
+    if reads_in_place(query.device):
+        out = _tail_attention(query, prefix_k[:1], prefix_v[:1], new_k, new_v, scaling)
     else:
+        past = prefix_k.shape[-2]
         k = torch.cat([prefix_k.expand(rows, -1, -1, -1), new_k], dim=-2)
         v = torch.cat([prefix_v.expand(rows, -1, -1, -1), new_v], dim=-2)
-        if kind == "float32":
-            out = _float32_attention(query, k, v, past, scaling)
-        else:
-            per, mask = heads // k.shape[1], _bottom_right_mask(length, past, query.dtype, query.device)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, repeat_kv(k, per), repeat_kv(v, per), attn_mask=mask, scale=scaling
-            )
+        per, mask = heads // k.shape[1], _bottom_right_mask(length, past, query.dtype, query.device)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, repeat_kv(k, per), repeat_kv(v, per), attn_mask=mask, scale=scaling
+        )
     return out.transpose(1, 2).contiguous(), None
 
 
-def _float32_attention(query, key, value, past: int, scale):
-    """Attention of `query` [rows, heads, length, dim] over the joined `key`/`value` [rows, key heads, past + length,
-    dim] in FP32 products, each key head's query heads read together, under the bottom-right causal mask: on a CPU,
-    for the few scores of a short tail, faster than the flash kernel (and exact to FP32)."""
+def _tail_attention(query, prefix_k, prefix_v, new_k, new_v, scale):
+    """Attention of `query` [rows, heads, length, dim] over one batch-1 prefix and each row's new keys (causal), in
+    FP32 products, the same numbers for a row whatever rows run beside it and whatever length they pad it to. The
+    queries of a block of rows that share a key head are folded into one sequence that reads the prefix once (no copy
+    of it per row); each row's new tokens are read on their own. Every sum over keys is a product with a fixed number
+    of keys: the softmax is left unnormalised and its denominator is a column of ones beside the values, and the new
+    keys (zero-padded to a multiple of TAIL_KEY_BLOCK) are added a block at a time, so padding only adds exact zeros.
+    Blocks of rows, and of queries within a row, hold at most TAIL_ATTENTION_SCORES scores. Returns [rows, heads,
+    length, dim] in the query's dtype."""
     import torch
 
     rows, heads, length, dim = query.shape
-    groups = key.shape[1]
-    queries = query.float().reshape(rows, groups, heads // groups * length, dim)
-    scores = torch.matmul(queries, key.float().transpose(-1, -2)).mul_(scale if scale is not None else dim**-0.5)
-    scores = scores.view(rows, groups, heads // groups, length, -1)
-    scores.add_(_bottom_right_mask(length, past, torch.float32, query.device))
-    weights = torch.softmax(scores, dim=-1).view(rows, groups, heads // groups * length, -1)
-    return torch.matmul(weights, value.float()).view(rows, heads, length, dim).to(query.dtype)
+    groups, past = prefix_k.shape[1], prefix_k.shape[-2]
+    per = heads // groups
+    scale = scale if scale is not None else dim**-0.5
+    keys = -(-length // TAIL_KEY_BLOCK) * TAIL_KEY_BLOCK
+    with_ones = functools.partial(torch.nn.functional.pad, pad=(0, 1), value=1.0)  # the denominator's column
+    kp, vp = prefix_k[0].float(), with_ones(prefix_v[0].float())  # [groups, past, dim], [groups, past, dim + 1]
+    kn = torch.nn.functional.pad(new_k.float(), (0, 0, 0, keys - length))  # [rows, groups, keys, dim]
+    vn = torch.nn.functional.pad(with_ones(new_v.float()), (0, 0, 0, keys - length))
+    causal = _bottom_right_mask(length, 0, torch.float32, query.device)  # [length, keys]: the padding masked too
+    causal = torch.nn.functional.pad(causal, (0, keys - length), value=float("-inf"))
+    per_query = heads * (past + keys)
+    span = max(1, min(length, TAIL_ATTENTION_SCORES // per_query))  # queries of a row per block
+    block = max(1, TAIL_ATTENTION_SCORES // (per_query * length)) if span == length else 1  # rows per block
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    for r in range(0, rows, block):
+        n = min(block, rows - r)
+        for t in range(0, length, span):
+            m = min(span, length - t)
+            q = (query[r : r + n, :, t : t + m].float() * scale).reshape(n, groups, per * m, dim)
+            folded = q.transpose(0, 1).reshape(groups, n * per * m, dim)
+            on_prefix = torch.matmul(folded, kp.transpose(-1, -2))  # [groups, n * per * m, past]
+            on_new = torch.matmul(q, kn[r : r + n].transpose(-1, -2)).view(n, groups, per, m, keys)
+            on_new = on_new.add_(causal[t : t + m]).view(n, groups, per * m, keys)
+            top = torch.maximum(on_prefix.amax(-1).view(groups, n, per * m).transpose(0, 1), on_new.amax(-1)).unsqueeze(
+                -1
+            )  # [n, groups, per * m, 1]
+            on_prefix = on_prefix.view(groups, n, per * m, past).sub_(top.transpose(0, 1)).exp_()
+            mixed = torch.matmul(on_prefix.view(groups, n * per * m, past), vp).view(groups, n, per * m, dim + 1)
+            mixed = mixed.transpose(0, 1).contiguous()  # [n, groups, per * m, dim + 1]
+            on_new = on_new.sub_(top).exp_()
+            for k in range(0, keys, TAIL_KEY_BLOCK):
+                mixed += torch.matmul(on_new[..., k : k + TAIL_KEY_BLOCK], vn[r : r + n, :, k : k + TAIL_KEY_BLOCK])
+            result = mixed[..., :dim] / mixed[..., dim:]
+            out[r : r + n, :, t : t + m] = result.view(n, groups, per, m, dim).reshape(n, heads, m, dim)
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -3123,29 +3138,6 @@ def _bottom_right_mask(length: int, past: int, dtype, device):
 
     allowed = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-
-
-def _merged_attention(query, prefix_k, prefix_v, new_k, new_v, scale):
-    """Attention of `query` [rows, heads, length, dim] over one batch-1 prefix and each row's new keys, on a CPU:
-    the queries of all rows that share a key head are folded into one sequence that reads the prefix once (no mask,
-    no copy of it per row), each row's new tokens are read causally on their own, and the two parts are merged by
-    their log-sum-exps (as flash attention merges blocks). Returns [rows, heads, length, dim]."""
-    import torch
-
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    rows, heads, length, dim = query.shape
-    groups = prefix_k.shape[1]
-    per = heads // groups
-    folded = query.reshape(rows, groups, per, length, dim).permute(1, 2, 0, 3, 4).reshape(1, groups, -1, dim)
-    out_p, lse_p = flash(folded, prefix_k, prefix_v, scale=scale)[:2]
-    out_p = out_p.reshape(groups, per, rows, length, dim).permute(2, 0, 1, 3, 4).reshape(query.shape)
-    lse_p = lse_p.reshape(groups, per, rows, length).permute(2, 0, 1, 3).reshape(rows, heads, length)
-    out_n, lse_n = flash(
-        query, new_k.repeat_interleave(per, 1), new_v.repeat_interleave(per, 1), is_causal=True, scale=scale
-    )[:2]
-    lse = torch.logaddexp(lse_p, lse_n)
-    out = out_p.float() * torch.exp(lse_p - lse).unsqueeze(-1) + out_n.float() * torch.exp(lse_n - lse).unsqueeze(-1)
-    return out.to(query.dtype)
 
 
 def use_prefix_attention(backbone) -> None:
@@ -3309,14 +3301,14 @@ def _run_batches(
     cands: list[list[int]],
     out: list,
     cache=None,
-    batches: list[list[int]] | None = None,
+    max_rows: int | None = None,
 ) -> None:
-    """Run seqs in `batches` (default: packed under the token budget), each against copies of `cache` if given, read
-    the labels and the full-vocabulary log-sum-exp: out[i] = (label logits, lse)."""
+    """Pack seqs under the token budget (and at most `max_rows` a forward), run each batch (against copies of
+    `cache` if given), read the labels and the full-vocabulary log-sum-exp: out[i] = (label logits, lse)."""
     backbone, head = engine.backbone(), engine.model.lm_head.weight
     device = head.device
     read = _READERS[engine.settings.readout]
-    for b in batches or _batches([len(s) for s in seqs], engine.settings.token_budget):
+    for b in _batches([len(s) for s in seqs], engine.settings.token_budget, max_rows):
         ids = _padded(seqs, b, engine.pad_id).to(device)
         if cache is None:
             h = backbone(input_ids=ids, use_cache=False).last_hidden_state
@@ -3337,32 +3329,13 @@ def _encode(engine: TorchEngine, ids: list[int], cache=None):
     return engine.backbone()(input_ids=ids_t, cache=past, use_cache=True).cache
 
 
-def tail_rows(engine: TorchEngine, shared: int, longest: int, kind: str) -> int | None:
-    """The most tails of one attention kind (tail_kind; the longest `longest` tokens) one forward runs against a
-    prefix of `shared` tokens: where the prefix is joined to each row, BLINK_PREFIX_KV_TOKENS bounds the copies x
-    length held at once, and SMALL_ATTENTION_BATCH the FP32 scores; a prefix read in place is never copied, so only
-    the token budget bounds them (None)."""
-    if kind == "in_place":
+def tail_rows(engine: TorchEngine, shared: int, longest: int) -> int | None:
+    """The most tails (the longest `longest` tokens) one forward runs against a prefix of `shared` tokens: where the
+    prefix is joined to each row (a GPU), BLINK_PREFIX_KV_TOKENS bounds the copies x length held at once; a prefix
+    read in place is never copied, so only the token budget bounds them (None)."""
+    if reads_in_place(engine.model.lm_head.weight.device):
         return None
-    rows = engine.settings.prefix_kv_tokens // (shared + longest)
-    if kind == "float32":
-        rows = min(rows, SMALL_ATTENTION_BATCH // (engine.heads * longest * (shared + longest)))
-    return max(1, rows)
-
-
-def tail_batches(engine: TorchEngine, shared: int, lengths: list[int]) -> list[list[int]]:
-    """Tails (by index, of these lengths) after a prefix of `shared` tokens, in forwards of one attention kind each
-    (tail_kind, from each tail's own length), each kind's packed under the token budget and its row bound
-    (tail_rows). Which path a tail's attention takes thus never depends on the tails beside it."""
-    device = engine.model.lm_head.weight.device
-    kinds: dict[str, list[int]] = {}
-    for i, n in enumerate(lengths):
-        kinds.setdefault(tail_kind(device, engine.heads, shared, n), []).append(i)
-    out = []
-    for kind, rows in kinds.items():
-        cap = tail_rows(engine, shared, max(lengths[i] for i in rows), kind)
-        out += [[rows[j] for j in b] for b in _batches([lengths[i] for i in rows], engine.settings.token_budget, cap)]
-    return out
+    return max(1, engine.settings.prefix_kv_tokens // (shared + longest))
 
 
 @dataclass
@@ -3418,8 +3391,8 @@ def _forward(
                 points = [c for c in cuts[rows[0]] if c < shared] if store.keeps else []
                 cache, read, encoded = store.prefix(engine, group[0][:shared], points)
                 tails = [s[shared:] for s in group]
-                batches = tail_batches(engine, shared, [len(t) for t in tails])
-                _run_batches(engine, tails, group_cands, part, cache=cache, batches=batches)
+                cap = tail_rows(engine, shared, max(map(len, tails)))
+                _run_batches(engine, tails, group_cands, part, cache=cache, max_rows=cap)
                 computed += encoded + sum(map(len, tails))
             else:
                 read = 0

@@ -291,9 +291,9 @@ def test_kv_token_cap_bounds_the_copies_held_at_once(tiny_qwen, spy, monkeypatch
     prompts = render(tiny_qwen, DOC, QUESTIONS)
     evidence = prompts[0].cuts[1]
     longest_tail = max(len(p.ids) for p in prompts) - evidence
-    assert blink.reads_in_place(torch.device("cpu"), evidence, longest_tail)
-    if not in_place:  # the prefix joined to every row, as on a GPU or where it is short
-        monkeypatch.setattr(blink, "MERGED_MIN_PREFIX_RATIO", 10**9)
+    assert blink.reads_in_place(torch.device("cpu"))
+    if not in_place:  # the prefix joined to every row, as on a GPU
+        monkeypatch.setattr(blink, "reads_in_place", lambda device: False)
     eng = prefix_on(tiny_qwen, prefix_kv_tokens=2 * (evidence + longest_tail))  # two copies of the prefix
     handle = count_rows(eng, spy)
     try:
@@ -499,8 +499,8 @@ def joined_attention(query, prefix_k, prefix_v, new_k, new_v):
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("rows, length, past, heads, groups", [(1, 5, 40, 9, 3), (4, 17, 300, 9, 3), (3, 8, 64, 4, 4)])
-def test_merged_attention_reads_the_prefix_once_and_equals_the_joined(
+@pytest.mark.parametrize("rows, length, past, heads, groups", [(1, 5, 40, 9, 3), (4, 17, 300, 9, 3), (3, 70, 64, 4, 4)])
+def test_tail_attention_reads_the_prefix_once_and_equals_the_joined(
     dtype, tolerance, rows, length, past, heads, groups
 ):
     torch.manual_seed(rows * 1000 + past)
@@ -508,30 +508,41 @@ def test_merged_attention_reads_the_prefix_once_and_equals_the_joined(
     prefix_k, prefix_v = (torch.randn(1, groups, past, 16, dtype=dtype) for _ in range(2))
     new_k, new_v = (torch.randn(rows, groups, length, 16, dtype=dtype) for _ in range(2))
     want = joined_attention(query, prefix_k, prefix_v, new_k, new_v)
-    got = blink._merged_attention(query, prefix_k, prefix_v, new_k, new_v, 16**-0.5)
+    got = blink._tail_attention(query, prefix_k, prefix_v, new_k, new_v, 16**-0.5)
     assert got.shape == query.shape and got.dtype == dtype
     assert (got.double() - want).abs().max() < tolerance
-    k, v = (torch.cat([p.expand(rows, -1, -1, -1), n], -2) for p, n in ((prefix_k, new_k), (prefix_v, new_v)))
-    small = blink._float32_attention(query, k, v, past, 16**-0.5)  # the joined path's, for a few scores
-    assert small.shape == query.shape and small.dtype == dtype and (small.double() - want).abs().max() < tolerance
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tails_attention_is_its_own_whatever_runs_beside_it(dtype, monkeypatch):
+    # The same row alone, beside other rows, padded to a longer length, and split into blocks of rows and of queries
+    # gives the same numbers, bit for bit: no sum over keys depends on the batch.
+    torch.manual_seed(7)
+    rows, heads, groups, past, length, pad = 5, 9, 3, 90, 37, 50
+    query = torch.randn(rows, heads, length + pad, 16, dtype=dtype)
+    prefix_k, prefix_v = (torch.randn(1, groups, past, 16, dtype=dtype) for _ in range(2))
+    new_k, new_v = (torch.randn(rows, groups, length + pad, 16, dtype=dtype) for _ in range(2))
+    first = (query[:1, :, :length], prefix_k, prefix_v, new_k[:1, :, :length], new_v[:1, :, :length], None)
+    alone = blink._tail_attention(*first)
+    padded = blink._tail_attention(query, prefix_k, prefix_v, new_k, new_v, None)
+    assert torch.equal(padded[:1, :, :length], alone)
+    monkeypatch.setattr(blink, "TAIL_ATTENTION_SCORES", heads * (past + 128) * 8)  # blocks of 8 queries, one row each
+    assert torch.equal(blink._tail_attention(query, prefix_k, prefix_v, new_k, new_v, None), padded)
 
 
 def test_long_prefixes_are_read_in_place_and_answer_as_when_joined(eng, monkeypatch):
-    # The tails of one request read its evidence in place, once for every row (_merged_attention); the same forward
-    # with the prefix joined to every row (the path shorter prefixes take) gives the same numbers.
+    # On a CPU the tails of one request read its evidence in place, once for every row (_tail_attention); the same
+    # forward with the prefix joined to every row (a GPU's path) and the plain path give the same numbers.
     prompts = render(eng, DOC, QUESTIONS)
     seqs, cands, cuts = [p.ids for p in prompts], [p.cand for p in prompts], [p.cuts for p in prompts]
-    assert cuts[0][1] >= blink.MERGED_MIN_PREFIX_RATIO * max(len(s) - cuts[0][1] for s in seqs)  # long enough
-    merged_calls = []
-    merged = blink._merged_attention
-    monkeypatch.setattr(blink, "_merged_attention", lambda *args: merged_calls.append(1) or merged(*args))
+    calls = []
+    tail = blink._tail_attention
+    monkeypatch.setattr(blink, "_tail_attention", lambda *args: calls.append(1) or tail(*args))
     read_once = forward_rows(eng, seqs, cands, cuts, prefix=True)
-    assert merged_calls  # the evidence was read in place
-    monkeypatch.setattr(blink, "MERGED_MIN_PREFIX_RATIO", 10**9)
-    calls = len(merged_calls)
-    joined = forward_rows(eng, seqs, cands, cuts, prefix=True)  # few scores: in FP32 products
-    monkeypatch.setattr(blink, "SMALL_ATTENTION_SCORES", 0)
-    flash = forward_rows(eng, seqs, cands, cuts, prefix=True)  # torch's kernel under the bottom-right mask
-    assert len(merged_calls) == calls  # every tail joined to the prefix
-    assert rows_gap(read_once, joined) < 1e-4 and rows_gap(read_once, flash) < 1e-4
+    assert calls  # the evidence was read in place
+    monkeypatch.setattr(blink, "reads_in_place", lambda device: False)
+    count = len(calls)
+    joined = forward_rows(eng, seqs, cands, cuts, prefix=True)  # torch's kernel under the bottom-right mask
+    assert len(calls) == count  # every tail joined to the prefix
+    assert rows_gap(read_once, joined) < 1e-4
     assert rows_gap(read_once, forward_rows(eng, seqs, cands, cuts, prefix=False)) < 1e-4
