@@ -5,6 +5,7 @@ goes.
 
     python -m bench engine_ab --base 8e926fc            # the three decision cases, one thread
     python -m bench engine_ab --base 8e926fc --profile  # and the short question's time by operator, both sides
+    python -m bench engine_ab --base 8e926fc --dtype bfloat16  # both at bfloat16 (engine_ab-bfloat16.json)
 
 Each case alternates the two engines request by request (the order flipped every pair) and times each call in this
 process's CPU seconds, so load from other processes inflates both sides of a pair alike; it records each side's
@@ -115,6 +116,7 @@ def flags(parser) -> None:
     parser.add_argument("--base", required=True, help="the git revision whose blink.py is the reference")
     parser.add_argument("--pairs", type=int, default=4, help="requests per case for each side (short: 5x)")
     parser.add_argument("--cases", default="short,document,again")
+    parser.add_argument("--dtype", choices=blink.DTYPES, help="both sides' dtype (default: the one blink answers in)")
     parser.add_argument(
         "--profile", action="store_true", help="print the short question's time by operator, both sides"
     )
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     run = harness.Run("engine_ab", argv, __doc__, flags)
     args = run.args
     pairs = 2 if run.quick else args.pairs
-    dtype = blink.Settings.from_env({}).compute_dtype
+    dtype = args.dtype or blink.Settings.from_env({}).compute_dtype
     deps = {args.base: deployment(blink_at(args.base, run.files()), dtype), "working tree": deployment(blink, dtype)}
     exact = deployment(blink, "float32")
     run.probe()
@@ -137,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:  # where the short question's time goes, before the change and after
         for side, dep in deps.items():
             print(f"short question, {side}:\n{profile_short(dep, requests['short'][:10])}", flush=True)
-    run.write({"base": args.base, "dtype": dtype, "model": blink.STANDIN_MODEL, "rows": rows})
+    stem = "engine_ab" if args.dtype is None else f"engine_ab-{args.dtype}"
+    run.write({"base": args.base, "dtype": dtype, "model": blink.STANDIN_MODEL, "rows": rows}, stem)
     return 0
 
 
