@@ -195,6 +195,22 @@ def cluster_processes(cluster) -> list:
 RAY_TEMP_ROOT_MAX = 16
 
 
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """This process's environment with `values` set for the duration; afterwards each variable is as it was (set to
+    what it was, or unset)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def ray_temp_root() -> str:
     """Where a local cluster's own temp folder goes: RAY_TMPDIR, else TMPDIR, else /tmp (Ray's own order), or /tmp
     where that folder's path is too long for Ray's socket paths."""
@@ -210,15 +226,10 @@ def ray_temp() -> Iterator[str]:
     was given (Ray's default /tmp/ray exists only where Ray ran before). On leaving, RAY_TMPDIR is as it was and
     the folder is gone."""
     temp = tempfile.mkdtemp(prefix="blink-ray-", dir=ray_temp_root())
-    saved = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp
     try:
-        yield temp
+        with environment({"RAY_TMPDIR": temp}):
+            yield temp
     finally:
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -243,21 +254,13 @@ def _ray_serve(env_vars: dict | None, nodes: int, cpus: int) -> Iterator[str]:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    saved = {k: os.environ.get(k) for k in RAY_NODE_ENV}
-    os.environ.update(RAY_NODE_ENV)  # the nodes, and every process they start, inherit these
-    try:
+    with environment(RAY_NODE_ENV):  # the nodes, and every process they start, inherit these
         cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": cpus, "gcs_server_port": free_port(), "include_dashboard": False},
         )
         for _ in range(nodes - 1):
             cluster.add_node(num_cpus=cpus)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         ray.init(
             address=cluster.address,

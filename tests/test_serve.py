@@ -107,15 +107,10 @@ def ray_root():
     """A new, empty temp root made Ray's (RAY_TMPDIR) for the module, as on a machine where Ray never ran: Ray's
     default temp folder (<root>/ray) is absent when the cluster starts. Nothing may be left in it afterwards."""
     root = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's socket paths go below it
-    saved = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = root
     try:
-        yield root
+        with servers.environment({"RAY_TMPDIR": root}):
+            yield root
     finally:
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
         left = os.listdir(root)
         if not left:
             os.rmdir(root)

@@ -19,7 +19,7 @@ from dataclasses import replace
 import httpx
 import pytest
 import systemone_requests as gen
-from conftest import DEFAULTS, ROOT, start_app, wait_up
+from conftest import DEFAULTS, ROOT, SESSION_TEMP, start_app, wait_up
 from test_vllm import EXTRAS, assert_same_answers
 
 import blink
@@ -58,8 +58,10 @@ def vllm_python() -> str:
 
 
 def child_env() -> dict:
-    """This environment without blink's variables, plus the vLLM side's."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}, **VLLM_ENV}
+    """This environment without blink's variables, plus the vLLM side's, its temp folder the session's: torch's
+    compiler keeps its precompiled headers under <temp>/torchinductor_<user> whatever TORCHINDUCTOR_CACHE_DIR says."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BLINK_")}
+    return {**env, **VLLM_ENV, "TMPDIR": SESSION_TEMP}
 
 
 @pytest.fixture(scope="module")
