@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from urllib.parse import urlparse
 
 import pytest
@@ -23,6 +24,7 @@ from bench import servers
 ROOT = servers.ROOT
 KRITE = os.path.join(ROOT, ".venv-krite", "bin", "python")
 JEVBENCH = os.path.join(ROOT, ".venv-jevbench", "bin", "jevbench")
+JEVCOMPAT = os.path.join(os.path.dirname(sys.executable), "jevcompat")  # requirements-ci.txt: it shares typesafe-sdk
 HARNESS_S = 600  # the examples suite's 43 requests took about 1 min on the loaded 2-core CI machine
 
 # krite's own client (krite_bench.client.Engine in its jev dialect: from_jev, then its response schema and its
@@ -199,3 +201,25 @@ def test_jevbench_check_and_the_examples_suite_pass_against_the_app(default_app,
     assert scores["pillars"]["BAT"] == 1.0  # an answer stays the same when the request's other questions change
     printed = re.search(r"^\s+BAT\s+([0-9.]+)\s", run.stdout, re.M)  # the table jevbench printed is the report's
     assert printed and float(printed.group(1)) == round(100 * scores["pillars"]["BAT"], 1)
+
+
+def test_jevcompat_finds_the_app_conformant_with_its_key_required(tmp_path_factory):
+    # jevcompat's conformance suite (its 48 requirements of the System One API, the official SDK's drop-in check
+    # included), unmodified, against app.py with an API key, so its authentication checks run too (the one it then
+    # skips, auth.ignored-when-off, is covered by the keyless apps above). A 255-option question can take minutes on
+    # a loaded 2-core machine, past jevcompat's default 120 s.
+    key = "jevcompat-test-key"
+    with servers.app({"BLINK_API_KEY": key}, str(tmp_path_factory.mktemp("jevcompat-app"))) as server:
+        assert server.down is None, f"{server.down}\n{servers.log_tail(server.log)}"
+        report = tmp_path_factory.mktemp("jevcompat") / "report.json"
+        done = subprocess.run(
+            [JEVCOMPAT, "test", server.url.rstrip("/"), "--key", key, "--json", str(report), "--timeout", "600"],
+            capture_output=True, text=True, timeout=HARNESS_S,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]  # 0: conformant
+    summary = json.loads(report.read_text())["summary"]
+    assert summary["verdict"] == "conformant" and summary["untested_musts"] == []
+    assert summary["MUST"]["failed"] == 0 and summary["SHOULD"]["failed"] == 0 and summary["SHOULD"]["skipped"] == 0
+    status = {r["id"]: r["status"] for r in json.loads(report.read_text())["results"]}
+    assert status["auth.bearer"] == status["auth.missing"] == status["auth.invalid"] == "pass"  # the key was required
+    assert status["semantics.batching"] == "pass"  # other questions in the request do not change an answer
