@@ -399,20 +399,92 @@ def _systemone_question(key: str, q) -> None:
             _typed(level, TEXTLIKE, [*crit_loc, i])
 
 
+def _systemone_questions(body: dict) -> dict:
+    """A System One body's questions, each checked against the wire schema."""
+    questions = _typed(_need(body, "questions", ["body"]), (dict,), ["body", "questions"])
+    if not questions:
+        raise WireError("questions must hold at least one question", ["body", "questions"], kind="too_short")
+    for key, q in questions.items():
+        _systemone_question(key, q)
+    return questions
+
+
+def _state_call(model: str, state, questions: dict, uris: dict, deployment: blink.Deployment) -> WireCall:
+    """One state and its questions (assets placed) parsed into a WireCall under the deployment's limits."""
+    state, placed, listed = place_assets(state, questions, uris)
+    return WireCall(model, deployment.request(state, placed, images=listed or None), questions)
+
+
 def systemone_call(body, parts: Mapping[str, bytes], deployment: blink.Deployment) -> WireCall:
     """A System One body (with the image parts of its multipart form, if any) checked and parsed into blink's
     terms; WireError or BlinkError naming the field otherwise."""
     _typed(body, (dict,), ["body"])
     model = wire_model(_typed(_need(body, "model", ["body"]), (str,), ["body", "model"]), deployment)
     state = _typed(_need(body, "state", ["body"]), TEXTLIKE, ["body", "state"])
-    questions = _typed(_need(body, "questions", ["body"]), (dict,), ["body", "questions"])
-    if not questions:
-        raise WireError("questions must hold at least one question", ["body", "questions"], kind="too_short")
-    for key, q in questions.items():
-        _systemone_question(key, q)
+    questions = _systemone_questions(body)
     uris = asset_uris(body.get("assets"), parts, deployment.engine(model))
-    state, placed, listed = place_assets(state, questions, uris)
-    return WireCall(model, deployment.request(state, placed, images=listed or None), questions)
+    return _state_call(model, state, questions, uris, deployment)
+
+
+# ---- System One batch (laya-serve's POST /v1/systemone/batch) ----------------------------------------------------
+
+MAX_BATCH_STATES = blink.MAX_BATCH_REQUESTS  # states in one batch request (laya-serve's limit: 64)
+
+
+@dataclass(frozen=True)
+class WireBatch:
+    """A batch request in blink's terms: the served model and one WireCall per state, in order."""
+
+    model: str
+    calls: list[WireCall]
+
+
+def in_state(exc: Exception, i: int) -> Exception:
+    """State i's refusal located inside its batch: a location in the state (or none) moves under `states[i]`, and
+    the message names the state; a refusal of the request as a whole (busy, a model failure) passes as it is."""
+    if not isinstance(exc, blink.BlinkError):
+        return exc
+    loc = exc.loc
+    if loc[:2] == ["body", "state"] or len(loc) <= 1:
+        loc = ["body", "states", i, *loc[2:]]
+    message = f"states[{i}]: {exc}"
+    if isinstance(exc, WireError):
+        return WireError(message, loc, exc.status, exc.kind, exc.retry_after)
+    return type(exc)(message, loc) if isinstance(exc, blink.ReplayMiss) else blink.BlinkError(message, loc)
+
+
+def systemone_batch_call(body, parts: Mapping[str, bytes], deployment: blink.Deployment) -> WireBatch:
+    """A batch body, {model?, states: [1-MAX_BATCH_STATES states], questions, assets?}: one question set asked of
+    every state (laya-serve's shape; `model` defaults to the SDKs' default alias). Checked and parsed whole: the
+    first state that cannot be asked refuses the request, naming it (states[i])."""
+    _typed(body, (dict,), ["body"])
+    model = wire_model(_typed(body.get("model", DEFAULT_MODEL_ALIAS), (str,), ["body", "model"]), deployment)
+    states = _typed(_need(body, "states", ["body"]), (list,), ["body", "states"])
+    if not 1 <= len(states) <= MAX_BATCH_STATES:
+        raise WireError(
+            f"states: give 1 to {MAX_BATCH_STATES} states (got {len(states)})",
+            ["body", "states"],
+            kind="too_short" if not states else "too_long",
+        )
+    questions = _systemone_questions(body)
+    uris = asset_uris(body.get("assets"), parts, deployment.engine(model))
+    calls = []
+    for i, state in enumerate(states):
+        try:
+            _typed(state, TEXTLIKE, ["body", "state"])
+            calls.append(_state_call(model, state, questions, uris, deployment))
+        except blink.BlinkError as exc:
+            raise in_state(exc, i) from None
+    return WireBatch(model, calls)
+
+
+def systemone_batch_response(batch: WireBatch, results: list) -> dict:
+    """{results: [one System One response per state, in order]} (laya-serve's shape); the first state whose answer
+    failed refuses the request, naming the state."""
+    for i, result in enumerate(results):
+        if isinstance(result, Exception):
+            raise in_state(result, i)
+    return {"results": [systemone_response(call, result) for call, result in zip(batch.calls, results)]}
 
 
 def score_confidence(dist: list[float]) -> float:
@@ -584,7 +656,7 @@ def _decision_instructions(value, loc: list, images: list, first_number: int) ->
 
 def _decision_options(q: dict, kind: str, loc: list) -> dict | list:
     """A choice's {key: description} (a boolean value keyed by its JSON text) or a score's level texts."""
-    name, high = ("choices", blink.MAX_OPTIONS) if kind == "choice" else ("levels", 10)
+    name, high = ("choices", blink.MAX_OPTIONS) if kind == "choice" else ("levels", blink.MAX_LEVELS)
     items = _typed(_need(q, name, loc), (list,), [*loc, name])
     if not 2 <= len(items) <= high:
         raise WireError(f"{_field([*loc, name])}: give 2 to {high} {name} (got {len(items)})", [*loc, name])
