@@ -149,7 +149,10 @@ def systemone_schemas(models: list[str]) -> dict:
         **{f"SystemOne{kind.title()}Question": schema for kind, schema in questions.items()},
         "SystemOneQuestion": {
             "oneOf": [ref(f"SystemOne{kind.title()}Question") for kind in questions],
-            "discriminator": {"propertyName": "type"},
+            "discriminator": {
+                "propertyName": "type",
+                "mapping": {kind: ref(f"SystemOne{kind.title()}Question")["$ref"] for kind in questions},
+            },
         },
         "SystemOneAsset": asset,
         "SystemOneRequest": obj({"model": model, "state": text_like(), **shared}, ("model", "state", "questions")),

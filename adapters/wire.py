@@ -441,12 +441,11 @@ class WireBatch:
 
 def in_state(exc: Exception, i: int) -> Exception:
     """State i's refusal located inside its batch: a location in the state (or none) moves under `states[i]`, and
-    the message names the state; a refusal of the request as a whole (busy, a model failure) passes as it is."""
-    if not isinstance(exc, blink.BlinkError):
-        return exc
-    loc = exc.loc
-    if loc[:2] == ["body", "state"] or len(loc) <= 1:
-        loc = ["body", "states", i, *loc[2:]]
+    the message names the state; a refusal of the shared questions or of the request as a whole (busy, a model
+    failure) passes as it is."""
+    if not isinstance(exc, blink.BlinkError) or not (exc.loc[:2] == ["body", "state"] or len(exc.loc) <= 1):
+        return exc  # the batch as a whole, or its shared questions, named as they are
+    loc = ["body", "states", i, *exc.loc[2:]]
     message = f"states[{i}]: {exc}"
     if isinstance(exc, WireError):
         return WireError(message, loc, exc.status, exc.kind, exc.retry_after)
