@@ -143,6 +143,12 @@ def test_a_batch_keeps_the_order_and_shape_of_its_states(mock_url):
         ({"states": ["x"] * 65, "questions": QS}, 422, ["body", "states"], "1 to 64 states (got 65)"),
         ({"states": ["a", "b", None], "questions": QS}, 422, ["body", "states", 2], "states[2]"),
         ({"states": ["a", 5], "questions": QS}, 422, ["body", "states", 1], "states[1]"),
+        (
+            json.dumps({"states": ["a", "b", "c", {"note": "a\ud800b"}], "questions": QS}).encode(),
+            422,
+            ["body", "states", 3, "note"],
+            "states[3]",
+        ),
         ({"states": ["a", "data:image/png;base64,iVBORw0KGgo="], "questions": QS}, 422, ["body", "states", 1], None),
         ({"states": ["a"]}, 422, ["body", "questions"], "questions is required"),
         ({"states": ["a"], "questions": {}}, 422, ["body", "questions"], "at least one question"),
