@@ -2,7 +2,7 @@
 
 Every schema here is built from what adapters/wire.py checks a body against and shapes a reply from: the question
 types (blink.QUESTION_TYPES, wire.DECISION_TYPES), the limits (blink.MAX_OPTIONS, MAX_LEVELS, MAX_QUESTIONS,
-wire.MAX_BATCH_STATES), the text-like kinds (wire.TEXTLIKE), the message parts (wire._DECISION_PARTS), the opt-in
+wire.MAX_BATCH_STATES), the text-like kinds (wire.TEXTLIKE), the message parts (wire.DECISION_PARTS), the opt-in
 features (blink.ABSTAIN_THRESHOLDS), the served models and the default alias; a limit changed there changes the
 document. tests/test_field_routes.py validates the document with openapi-spec-validator and every route's real
 replies, and refusals, against it with openapi-core. This module imports blink and adapters/wire only.
@@ -241,10 +241,10 @@ def decisions_schemas() -> dict:
                 },
                 ("role", "content"),
             )
-            for role, allowed in wire._DECISION_PARTS.items()
+            for role, allowed in wire.DECISION_PARTS.items()
         ]
     }
-    item = {"oneOf": [message, obj({"type": {"enum": list(wire._DECISION_ITEMS)}}, ("type",))]}
+    item = {"oneOf": [message, obj({"type": {"enum": list(wire.DECISION_ITEMS)}}, ("type",))]}
     instructions = {
         "oneOf": [
             {"type": "string"},

@@ -6,6 +6,8 @@ module imports blink and neither FastAPI nor Gradio.
     {model, answers: {name: answer}, usage}; GET /v1/models -> {models: [{name, description, release_date}]}.
     Images come as `assets` keyed by a placeholder that stands in the state, instructions or criteria (JSON
     data_base64, or a multipart part the SDK sends: a `request` JSON part plus `asset-N` parts).
+  System One batch (laya-serve's): POST /v1/systemone/batch {model?, states: [1-64], questions, assets?} ->
+    {results: [one System One response per state]}; refused whole, naming the state, when one state cannot be asked.
   OpenAI Decisions (client openai >= 3.26): POST /v1/decisions {model, input, questions: [...]} ->
     {model, answers: [... in question order], usage}.
 
@@ -39,13 +41,13 @@ TEXTLIKE = (str, dict, list)  # instructions and descriptions: text, or structur
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
 DECISION_TYPES = {"predicate": "noul", "choice": "choice", "score": "score"}  # Decisions type -> blink type
-_DECISION_PARTS = {
+DECISION_PARTS = {
     "user": ("input_text", "input_image", "input_json"),
     "developer": ("input_text",),
     "system": ("input_text",),
     "assistant": ("output_text", "refusal"),
 }
-_DECISION_ITEMS = ("function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output")
+DECISION_ITEMS = ("function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output")
 BLINK_EXTRAS = (
     "label_mass",
     "rotations",
@@ -583,9 +585,9 @@ def _decision_content(content, role: str, loc: list) -> str | list:
     for i, part in enumerate(_typed(content, (list,), loc)):
         ploc = [*loc, i]
         kind = _need(_typed(part, (dict,), ploc), "type", ploc)
-        if kind not in _DECISION_PARTS[role]:
+        if kind not in DECISION_PARTS[role]:
             raise WireError(
-                f"{_field(ploc)}: a {role} message takes {', '.join(_DECISION_PARTS[role])} parts (got {kind!r:.40})",
+                f"{_field(ploc)}: a {role} message takes {', '.join(DECISION_PARTS[role])} parts (got {kind!r:.40})",
                 [*ploc, "type"],
             )
         if kind == "input_image":
@@ -614,18 +616,18 @@ def decision_state(value):
         _typed(item, (dict,), iloc)
         if "role" in item:
             role = item["role"]
-            if role not in _DECISION_PARTS:
+            if role not in DECISION_PARTS:
                 raise WireError(
                     f"{_field([*iloc, 'role'])} must be user, developer, system or assistant", [*iloc, "role"]
                 )
             turns.append(
                 {"role": role, "content": _decision_content(_need(item, "content", iloc), role, [*iloc, "content"])}
             )
-        elif item.get("type") in _DECISION_ITEMS:
+        elif item.get("type") in DECISION_ITEMS:
             turns.append({k: v for k, v in item.items() if v is not None})
         else:
             raise WireError(
-                f"{_field(iloc)} must be a message (with a role) or one of {', '.join(_DECISION_ITEMS)}", iloc
+                f"{_field(iloc)} must be a message (with a role) or one of {', '.join(DECISION_ITEMS)}", iloc
             )
     if len(turns) == 1 and turns[0].get("role") == "user":
         return turns[0]["content"]
