@@ -106,6 +106,7 @@ EXAMPLES_DIR = os.path.join(HERE, "examples")
 
 MAX_OPTIONS = 255
 MAX_QUESTIONS = 512
+MAX_LEVELS = 10  # levels of a score question (2 to this)
 MAX_PROMPTS = 2048  # rendered prompts per request: `permute` adds one per rotation, `multi` one per option
 MAX_BATCH_REQUESTS = 64  # requests decided together by one decide_many call or one Batcher forward
 MAX_INT_DIGITS = 4000  # longest integer a request may hold (Python refuses to print integers past 4300 digits)
@@ -619,8 +620,8 @@ def _noul_options(crit, where: str) -> list[Option]:
 
 def _score_options(crit, where: str) -> list[Option]:
     """The ordered levels of a score question, 0..K-1."""
-    if not isinstance(crit, list) or not 2 <= len(crit) <= 10:
-        raise BlinkError(f"{where}: a score takes a list of 2 to 10 levels")
+    if not isinstance(crit, list) or not 2 <= len(crit) <= MAX_LEVELS:
+        raise BlinkError(f"{where}: a score takes a list of 2 to {MAX_LEVELS} levels")
     return [Option(str(i), f"Level {i}: {text(c)}" if c is not None else f"Level {i}") for i, c in enumerate(crit)]
 
 

@@ -2,9 +2,10 @@
 
 `HttpLayer(deployment, ServerSettings.from_env()).install(app)` puts it on an app before the app starts:
 
-  routes   POST /v1/systemone and /v1/decisions, GET /v1/models (adapters/wire.py reads and shapes the protocols);
-           GET /metrics (Prometheus' text format). Each route checks the key and the body limit itself, so the
-           routes are guarded wherever they are served.
+  routes   POST /v1/systemone, /v1/systemone/batch (laya-serve's: up to 64 states, one question set) and
+           /v1/decisions, GET /v1/models (adapters/wire.py reads and shapes the protocols); GET /openapi.json (the
+           /v1 routes' OpenAPI document, adapters/openapi.py); GET /metrics (Prometheus' text format). Each route
+           checks the key and the body limit itself, so the routes are guarded wherever they are served.
   guard    ASGI middleware in front of every other route of that app (a Gradio app's included):
            - the body limit, BLINK_MAX_BODY_BYTES: a declared Content-Length past it is refused at once (413), a
              chunked body as it streams, before anything behind the guard reads it whole;
@@ -49,7 +50,7 @@ from starlette.datastructures import Headers
 from starlette.routing import Match
 
 import blink
-from adapters import wire
+from adapters import openapi, wire
 
 log = logging.getLogger("blink.http")
 LOG_LINE_CHARS = 400  # the most of any one log line: nothing a caller sends is copied into the log past this
@@ -300,7 +301,14 @@ class Metrics:
 # The layer: routes, admission, body, answer, reply
 # ==================================================================================================================
 
-OWN_PATHS = ("/v1/systemone", "/v1/decisions", "/v1/models", "/metrics")  # the routes guard themselves
+OWN_PATHS = (
+    "/v1/systemone",
+    "/v1/systemone/batch",
+    "/v1/decisions",
+    "/v1/models",
+    "/openapi.json",
+    "/metrics",
+)  # the routes guard themselves
 
 
 class HttpLayer:
@@ -314,8 +322,10 @@ class HttpLayer:
         deployment.watch(self.metrics.forwards)
         self.router = APIRouter()
         self.router.add_api_route("/v1/systemone", self.systemone, methods=["POST"])
+        self.router.add_api_route("/v1/systemone/batch", self.systemone_batch, methods=["POST"])
         self.router.add_api_route("/v1/decisions", self.decisions, methods=["POST"])
         self.router.add_api_route("/v1/models", self.models, methods=["GET"])
+        self.router.add_api_route("/openapi.json", self.openapi_page, methods=["GET"])
         self.router.add_api_route("/metrics", self.metrics_page, methods=["GET"])
         shorten_logs("blink", "blink.http", "blink.app")
 
@@ -326,10 +336,13 @@ class HttpLayer:
         if getattr(app.state, "blink_http", None) is self:
             return
         app.state.blink_http = self
+        before = len(app.router.routes)
         if hasattr(app, "include_router"):
             app.include_router(self.router)
         else:
             app.router.routes.extend(self.router.routes)
+        # first, so /openapi.json is this layer's document, not the one FastAPI (and Gradio's app) would serve there
+        app.router.routes[:] = app.router.routes[before:] + app.router.routes[:before]
         app.add_middleware(Guard, layer=self, rule=rule or KeyRule())
 
     def check_key(self, headers: Mapping[str, str]) -> None:
@@ -373,6 +386,18 @@ class HttpLayer:
         (replicas behind an ingress: adapters/serve.py) overrides this one step."""
         return self.deployment.submit(call.request, call.model)
 
+    def answer_batch(self, protocol: wire.WireProtocol, body, parts: dict, carried: object) -> dict:
+        """A batch call parsed, every state's request handed to the model's Batcher at once (so they share its
+        forwards), and shaped; in a wire thread, like answer."""
+        self.handoff.enter(carried)
+        batch = wire.systemone_batch_call(body, parts, self.deployment)
+        return wire.systemone_batch_response(batch, self.decided_many(batch))
+
+    def decided_many(self, batch: wire.WireBatch) -> list:
+        """{answers, meta} of each state's call, or the exception it raised, in order (Deployment.submit_many). A
+        host that overrides decided overrides this too."""
+        return self.deployment.submit_many([call.request for call in batch.calls], batch.model)
+
     def listing(self) -> dict:
         """GET /v1/models' payload: the deployment's models (a host whose models load elsewhere overrides it)."""
         return wire.models_listing(self.deployment)
@@ -386,14 +411,15 @@ class HttpLayer:
         status, headers, content = wire.reply(protocol, payload, exc)
         return Response(content, status, headers, media_type="application/json")
 
-    async def wire_route(self, request: HTTPRequest, protocol: wire.WireProtocol) -> Response:
-        """One wire call: key, room, body; then parsed, answered and shaped in a wire thread."""
+    async def wire_route(self, request: HTTPRequest, protocol: wire.WireProtocol, answer=None) -> Response:
+        """One wire call: key, room, body; then parsed, answered and shaped in a wire thread (by `answer`, default
+        self.answer)."""
         try:
             self.check_key(request.headers)
             self.check_room()
             body, parts = await self.read_body(request)
             payload = await anyio.to_thread.run_sync(
-                self.answer, protocol, body, parts, self.handoff.carry(request), limiter=self.threads
+                answer or self.answer, protocol, body, parts, self.handoff.carry(request), limiter=self.threads
             )
         except Exception as exc:  # noqa: BLE001 - every failure becomes the protocol's error reply
             return self.reply(protocol, None, exc)
@@ -402,6 +428,11 @@ class HttpLayer:
     async def systemone(self, request: HTTPRequest) -> Response:
         """TypeSafe's System One API: {model, state, questions, assets?} -> {model, answers, usage}."""
         return await self.wire_route(request, wire.SYSTEM_ONE)
+
+    async def systemone_batch(self, request: HTTPRequest) -> Response:
+        """laya-serve's batch route: {model?, states: [...], questions, assets?} -> {results: [System One response per
+        state]}, with /v1/systemone's key, limits and errors."""
+        return await self.wire_route(request, wire.SYSTEM_ONE, self.answer_batch)
 
     async def decisions(self, request: HTTPRequest) -> Response:
         """OpenAI's Decisions API: {model, input, questions} -> {model, answers, usage}."""
@@ -414,6 +445,14 @@ class HttpLayer:
         except wire.WireError as exc:
             return self.reply(wire.SYSTEM_ONE, None, exc)
         return self.reply(wire.SYSTEM_ONE, self.listing())
+
+    async def openapi_page(self, request: HTTPRequest) -> Response:
+        """The OpenAPI 3.1 document of the /v1 routes (adapters/openapi.py), behind the key when there is one."""
+        try:
+            self.check_key(request.headers)
+        except wire.WireError as exc:
+            return self.reply(wire.SYSTEM_ONE, None, exc)
+        return JSONResponse(openapi.document(self.deployment, self.settings.api_key is not None))
 
     async def metrics_page(self, request: HTTPRequest) -> Response:
         """Every metric in Prometheus' text format, behind the key when there is one."""

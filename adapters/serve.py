@@ -739,6 +739,17 @@ class ServeLayer(http.HttpLayer):
         request = call.request
         return self.line.ask(Ask(request, call.model, evidence_key(call.model, request), price_of(request)))
 
+    def decided_many(self, batch: wire.WireBatch) -> list:
+        """Each state's {answers, meta} (or its error) from the replica routing picks for it, one state after
+        another."""
+        out = []
+        for call in batch.calls:
+            try:
+                out.append(self.decided(call))
+            except Exception as exc:  # noqa: BLE001 - this state's own error, kept in its place
+                out.append(exc)
+        return out
+
     def listing(self) -> dict:
         """/v1/models as a replica lists its models."""
         return self.listed

@@ -6,6 +6,8 @@ module imports blink and neither FastAPI nor Gradio.
     {model, answers: {name: answer}, usage}; GET /v1/models -> {models: [{name, description, release_date}]}.
     Images come as `assets` keyed by a placeholder that stands in the state, instructions or criteria (JSON
     data_base64, or a multipart part the SDK sends: a `request` JSON part plus `asset-N` parts).
+  System One batch (laya-serve's): POST /v1/systemone/batch {model?, states: [1-64], questions, assets?} ->
+    {results: [one System One response per state]}; refused whole, naming the state, when one state cannot be asked.
   OpenAI Decisions (client openai >= 3.26): POST /v1/decisions {model, input, questions: [...]} ->
     {model, answers: [... in question order], usage}.
 
@@ -39,13 +41,13 @@ TEXTLIKE = (str, dict, list)  # instructions and descriptions: text, or structur
 _BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"))
 DECISION_TYPES = {"predicate": "noul", "choice": "choice", "score": "score"}  # Decisions type -> blink type
-_DECISION_PARTS = {
+DECISION_PARTS = {
     "user": ("input_text", "input_image", "input_json"),
     "developer": ("input_text",),
     "system": ("input_text",),
     "assistant": ("output_text", "refusal"),
 }
-_DECISION_ITEMS = ("function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output")
+DECISION_ITEMS = ("function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output")
 BLINK_EXTRAS = (
     "label_mass",
     "rotations",
@@ -399,20 +401,91 @@ def _systemone_question(key: str, q) -> None:
             _typed(level, TEXTLIKE, [*crit_loc, i])
 
 
+def _systemone_questions(body: dict) -> dict:
+    """A System One body's questions, each checked against the wire schema."""
+    questions = _typed(_need(body, "questions", ["body"]), (dict,), ["body", "questions"])
+    if not questions:
+        raise WireError("questions must hold at least one question", ["body", "questions"], kind="too_short")
+    for key, q in questions.items():
+        _systemone_question(key, q)
+    return questions
+
+
+def _state_call(model: str, state, questions: dict, uris: dict, deployment: blink.Deployment) -> WireCall:
+    """One state and its questions (assets placed) parsed into a WireCall under the deployment's limits."""
+    state, placed, listed = place_assets(state, questions, uris)
+    return WireCall(model, deployment.request(state, placed, images=listed or None), questions)
+
+
 def systemone_call(body, parts: Mapping[str, bytes], deployment: blink.Deployment) -> WireCall:
     """A System One body (with the image parts of its multipart form, if any) checked and parsed into blink's
     terms; WireError or BlinkError naming the field otherwise."""
     _typed(body, (dict,), ["body"])
     model = wire_model(_typed(_need(body, "model", ["body"]), (str,), ["body", "model"]), deployment)
     state = _typed(_need(body, "state", ["body"]), TEXTLIKE, ["body", "state"])
-    questions = _typed(_need(body, "questions", ["body"]), (dict,), ["body", "questions"])
-    if not questions:
-        raise WireError("questions must hold at least one question", ["body", "questions"], kind="too_short")
-    for key, q in questions.items():
-        _systemone_question(key, q)
+    questions = _systemone_questions(body)
     uris = asset_uris(body.get("assets"), parts, deployment.engine(model))
-    state, placed, listed = place_assets(state, questions, uris)
-    return WireCall(model, deployment.request(state, placed, images=listed or None), questions)
+    return _state_call(model, state, questions, uris, deployment)
+
+
+# ---- System One batch (laya-serve's POST /v1/systemone/batch) ----------------------------------------------------
+
+MAX_BATCH_STATES = blink.MAX_BATCH_REQUESTS  # states in one batch request (laya-serve's limit: 64)
+
+
+@dataclass(frozen=True)
+class WireBatch:
+    """A batch request in blink's terms: the served model and one WireCall per state, in order."""
+
+    model: str
+    calls: list[WireCall]
+
+
+def in_state(exc: Exception, i: int) -> Exception:
+    """State i's refusal located inside its batch: a location in the state (or none) moves under `states[i]`, and
+    the message names the state; a refusal of the shared questions or of the request as a whole (busy, a model
+    failure) passes as it is."""
+    if not isinstance(exc, blink.BlinkError) or not (exc.loc[:2] == ["body", "state"] or len(exc.loc) <= 1):
+        return exc  # the batch as a whole, or its shared questions, named as they are
+    loc = ["body", "states", i, *exc.loc[2:]]
+    message = f"states[{i}]: {exc}"
+    if isinstance(exc, WireError):
+        return WireError(message, loc, exc.status, exc.kind, exc.retry_after)
+    return type(exc)(message, loc) if isinstance(exc, blink.ReplayMiss) else blink.BlinkError(message, loc)
+
+
+def systemone_batch_call(body, parts: Mapping[str, bytes], deployment: blink.Deployment) -> WireBatch:
+    """A batch body, {model?, states: [1-MAX_BATCH_STATES states], questions, assets?}: one question set asked of
+    every state (laya-serve's shape; `model` defaults to the SDKs' default alias). Checked and parsed whole: the
+    first state that cannot be asked refuses the request, naming it (states[i])."""
+    _typed(body, (dict,), ["body"])
+    model = wire_model(_typed(body.get("model", DEFAULT_MODEL_ALIAS), (str,), ["body", "model"]), deployment)
+    states = _typed(_need(body, "states", ["body"]), (list,), ["body", "states"])
+    if not 1 <= len(states) <= MAX_BATCH_STATES:
+        raise WireError(
+            f"states: give 1 to {MAX_BATCH_STATES} states (got {len(states)})",
+            ["body", "states"],
+            kind="too_short" if not states else "too_long",
+        )
+    questions = _systemone_questions(body)
+    uris = asset_uris(body.get("assets"), parts, deployment.engine(model))
+    calls = []
+    for i, state in enumerate(states):
+        try:
+            _typed(state, TEXTLIKE, ["body", "state"])
+            calls.append(_state_call(model, state, questions, uris, deployment))
+        except blink.BlinkError as exc:
+            raise in_state(exc, i) from None
+    return WireBatch(model, calls)
+
+
+def systemone_batch_response(batch: WireBatch, results: list) -> dict:
+    """{results: [one System One response per state, in order]} (laya-serve's shape); the first state whose answer
+    failed refuses the request, naming the state."""
+    for i, result in enumerate(results):
+        if isinstance(result, Exception):
+            raise in_state(result, i)
+    return {"results": [systemone_response(call, result) for call, result in zip(batch.calls, results)]}
 
 
 def score_confidence(dist: list[float]) -> float:
@@ -512,9 +585,9 @@ def _decision_content(content, role: str, loc: list) -> str | list:
     for i, part in enumerate(_typed(content, (list,), loc)):
         ploc = [*loc, i]
         kind = _need(_typed(part, (dict,), ploc), "type", ploc)
-        if kind not in _DECISION_PARTS[role]:
+        if kind not in DECISION_PARTS[role]:
             raise WireError(
-                f"{_field(ploc)}: a {role} message takes {', '.join(_DECISION_PARTS[role])} parts (got {kind!r:.40})",
+                f"{_field(ploc)}: a {role} message takes {', '.join(DECISION_PARTS[role])} parts (got {kind!r:.40})",
                 [*ploc, "type"],
             )
         if kind == "input_image":
@@ -543,18 +616,18 @@ def decision_state(value):
         _typed(item, (dict,), iloc)
         if "role" in item:
             role = item["role"]
-            if role not in _DECISION_PARTS:
+            if role not in DECISION_PARTS:
                 raise WireError(
                     f"{_field([*iloc, 'role'])} must be user, developer, system or assistant", [*iloc, "role"]
                 )
             turns.append(
                 {"role": role, "content": _decision_content(_need(item, "content", iloc), role, [*iloc, "content"])}
             )
-        elif item.get("type") in _DECISION_ITEMS:
+        elif item.get("type") in DECISION_ITEMS:
             turns.append({k: v for k, v in item.items() if v is not None})
         else:
             raise WireError(
-                f"{_field(iloc)} must be a message (with a role) or one of {', '.join(_DECISION_ITEMS)}", iloc
+                f"{_field(iloc)} must be a message (with a role) or one of {', '.join(DECISION_ITEMS)}", iloc
             )
     if len(turns) == 1 and turns[0].get("role") == "user":
         return turns[0]["content"]
@@ -584,7 +657,7 @@ def _decision_instructions(value, loc: list, images: list, first_number: int) ->
 
 def _decision_options(q: dict, kind: str, loc: list) -> dict | list:
     """A choice's {key: description} (a boolean value keyed by its JSON text) or a score's level texts."""
-    name, high = ("choices", blink.MAX_OPTIONS) if kind == "choice" else ("levels", 10)
+    name, high = ("choices", blink.MAX_OPTIONS) if kind == "choice" else ("levels", blink.MAX_LEVELS)
     items = _typed(_need(q, name, loc), (list,), [*loc, name])
     if not 2 <= len(items) <= high:
         raise WireError(f"{_field([*loc, name])}: give 2 to {high} {name} (got {len(items)})", [*loc, name])

@@ -333,6 +333,29 @@ def test_the_wire_examples_run_against_the_launched_app(launched, tmp_path):
         ]
 
 
+def test_the_batch_examples_run_against_the_launched_app(launched, tmp_path):
+    """docs/wire.md's curl and httpx examples of /v1/systemone/batch, run as written against the launched app (on the
+    mock engine), print each state's answers as the served engine gives that state alone."""
+    from conftest import serving
+
+    app, url = launched
+    blocks = code_blocks("Batch: one question set, many states", "docs/wire.md")
+    assert [lang for lang, _ in blocks] == ["bash", "python"]
+    with serving(app, blink.MockEngine(app.DEPLOYMENT.default_model, app.SETTINGS)):
+        curl, printed = (run_example(lang, code, url, tmp_path) for lang, code in blocks)
+        queue = {"billing": "payments", "access": None, "other": None}
+        states = ["I was charged twice.", "Lunch at noon?", {"message": "Cannot log in", "plan": "team"}]
+        want = [
+            app.DEPLOYMENT.decide(s, {"spam": {"type": "noul"}, "queue": {"type": "choice", "criteria": queue}})
+            for s in states
+        ]
+        results = json.loads(curl)["results"]
+        assert [r["answers"]["spam"]["noul"] for r in results] == [w["answers"]["spam"]["noul"] for w in want]
+        assert [r["answers"]["queue"]["choice"] for r in results] == [w["answers"]["queue"]["choice"] for w in want]
+        alone = [app.DEPLOYMENT.decide(s, {"spam": {"type": "noul"}})["answers"]["spam"]["noul"] for s in states[:2]]
+        assert printed.strip() == str(alone)
+
+
 def test_the_api_examples_run_against_the_launched_app(launched, tmp_path):
     """docs/api.md's gradio_client example, run as written against the launched app (the live stand-in), prints the
     answers the app's deployment gives the same requests in process, at the deployment's own temperature; its MCP

@@ -356,6 +356,22 @@ def post(url: str, route: str, **kwargs) -> httpx.Response:
     return httpx.post(url.rstrip("/") + route, timeout=60, **kwargs)
 
 
+def test_the_app_serves_the_batch_route_and_the_openapi_document(mock_app):
+    """app.py's Gradio app serves laya-serve's batch route and the /v1 routes' OpenAPI document at /openapi.json
+    (where Gradio's FastAPI app would serve its own); tests/test_field_routes.py checks both in depth."""
+    _, url = mock_app
+    states = [TICKET, "Lunch at noon?"]
+    r = post(url, "/v1/systemone/batch", json={"states": states, "questions": {"spam": {"type": "noul"}}})
+    assert r.status_code == 200, r.text
+    singles = [
+        post(url, "/v1/systemone", json={**GOOD, "state": s, "questions": {"spam": {"type": "noul"}}}).json()
+        for s in states
+    ]
+    assert [x["answers"] for x in r.json()["results"]] == [x["answers"] for x in singles]
+    document = httpx.get(url.rstrip("/") + "/openapi.json", timeout=60).json()
+    assert document["openapi"] == "3.1.0" and "/v1/systemone/batch" in document["paths"]
+
+
 @pytest.mark.parametrize(
     "body,loc,kind",
     [

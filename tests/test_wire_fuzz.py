@@ -1,6 +1,6 @@
-"""Property-based bodies for the wire routes of the launched app (mock engine): whatever arrives, /v1/systemone and
-/v1/decisions answer 200 with a body the official clients' own response models accept, or a 4xx in the protocol's
-error shape. Never a 5xx."""
+"""Property-based bodies for the wire routes of the launched app (mock engine): whatever arrives, /v1/systemone (and
+its batch route) and /v1/decisions answer 200 with a body the official clients' own response models accept, or a 4xx
+in the protocol's error shape. Never a 5xx."""
 
 from __future__ import annotations
 
@@ -68,6 +68,16 @@ SYSTEMONE = usually(
     st.one_of(
         st.fixed_dictionaries({}, optional={"model": MODEL, "state": JSON, "questions": JSON, "assets": JSON}), JSON
     ),
+)
+BATCH = usually(
+    st.fixed_dictionaries(
+        {
+            "states": usually(st.lists(STATE, min_size=1, max_size=4), st.one_of(JSON, st.lists(JSON, max_size=66))),
+            "questions": st.dictionaries(NAME, WIRE_QUESTION, min_size=1, max_size=3),
+        },
+        optional={"model": MODEL, "assets": st.one_of(JSON, st.dictionaries(TEXT, ASSET, max_size=2))},
+    ),
+    st.one_of(st.fixed_dictionaries({}, optional={"states": JSON, "questions": JSON, "model": MODEL}), JSON),
 )
 PART = st.one_of(
     st.fixed_dictionaries(
@@ -212,6 +222,31 @@ def test_systemone_bodies(mock_wire):
     report("/v1/systemone", counts)
 
 
+def test_systemone_batch_bodies(mock_wire):
+    """laya-serve's batch route: a result per state, each one the SDK's response model accepts, or a 4xx."""
+    counts: Counter = Counter()
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(body=BATCH)
+    @example(body={"states": ["x", {"a": 1}], "questions": {"q": {"type": "noul"}}})
+    @example(body={"states": ["x"] * 65, "questions": {"q": {"type": "noul"}}})
+    def case(body):
+        response = mock_wire.post(
+            "v1/systemone/batch", content=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
+        if response.status_code != 200:
+            counts[check_systemone(response)] += 1
+            return
+        results = response.json()["results"]
+        assert len(results) == len(body["states"])
+        for result in results:
+            SystemOneResponse.model_validate_json(json.dumps(result))  # as the SDK reads a reply
+        counts["answered"] += 1
+
+    case()
+    report("/v1/systemone/batch", counts)
+
+
 def test_decisions_bodies(mock_wire):
     counts: Counter = Counter()
 
@@ -236,7 +271,7 @@ def test_decisions_bodies(mock_wire):
     report("/v1/decisions", counts)
 
 
-@pytest.mark.parametrize("route", ["v1/systemone", "v1/decisions"])
+@pytest.mark.parametrize("route", ["v1/systemone", "v1/systemone/batch", "v1/decisions"])
 def test_bytes_that_are_not_a_request(mock_wire, route):
     """Raw bytes, odd content types and encodings: a 4xx every time."""
     bodies = [
