@@ -197,6 +197,11 @@ def drive(url: str, requests: list[Request], clients: int) -> dict:
     return {"wall_s": wall, "done": done}
 
 
+def computed(meta: dict) -> int:
+    """Prompt tokens a replica computed for one answer: its input tokens less those read from the prefix cache."""
+    return meta["input_tokens"] - (meta.get("cached_tokens") or 0)
+
+
 def row(workload: str, arm: str, requests: list[Request], run: dict) -> dict:
     """One arm on one workload: req/s, latency, cached share, the requests per replica and the documents split."""
     metas = [reply["x_meta"] for _, reply in run["done"]]
@@ -219,6 +224,15 @@ def row(workload: str, arm: str, requests: list[Request], run: dict) -> dict:
         ),
         "by_replica": sorted((sum(m["replica"] == r for m in metas) for r in replicas), reverse=True),
         "replica_ids": replicas,
+        # the prompt tokens each replica computed (not read from its cache), busiest first, and all of them over the
+        # wall time: two replicas on free cores compute about twice one replica's tokens a second
+        "computed_by_replica": sorted(
+            (sum(computed(m) for m in metas if m["replica"] == r) for r in replicas), reverse=True
+        ),
+        "computed_per_s": round(sum(computed(m) for m in metas) / run["wall_s"], 1),
+        "load_1m": round(
+            os.getloadavg()[0], 2
+        ),  # the machine's load as the workload ended (other work shares the cores)
         "documents_split": sum(len(replicas_of[doc]) > 1 for doc in again),
         "documents_asked_again": len(again),
     }
