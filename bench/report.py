@@ -877,20 +877,34 @@ def serve_arm(r: dict) -> str:
 
 def serve_table(res: dict) -> list[str]:
     """bench/serve.py: per workload and arm (and draw, where there were several), req/s, latency, cached share, the
-    split over replicas and the answers against in-process decide()."""
+    split over replicas and the answers against in-process decide(); where the run counted them, the prompt tokens
+    each replica computed, all of them a second, and the machine's load as the workload ended."""
     draws = any("draw" in r for r in res["rows"]) and res.get("draws", 1) > 1
+    work = all("computed_per_s" in r for r in res["rows"])
     lines = [
-        "| workload | arm |" + (" draw |" if draws else "") + " req/s | p50 s | p99 s | cached share | "
-        "requests per replica | documents split | vs in-process: largest gap, picks changed |",
-        "|---|---|" + ("---|" if draws else "") + "---|---|---|---|---|---|---|",
+        "| workload | arm |"
+        + (" draw |" if draws else "")
+        + " req/s | p50 s | p99 s | cached share | requests per replica | documents split |"
+        + (" computed tokens per replica | computed tokens/s | load (1 min) |" if work else "")
+        + " vs in-process: largest gap, picks changed |",
+        "|---|---|"
+        + ("---|" if draws else "")
+        + "---|---|---|---|---|---|"
+        + ("---|---|---|" if work else "")
+        + "---|",
     ]
     for r in res["rows"]:
         split = f"{r['documents_split']} of {r['documents_asked_again']}" if r["documents_asked_again"] else "—"
         vs = r["vs_in_process"]
+        computed = (
+            f" {'/'.join(map(str, r['computed_by_replica']))} | {r['computed_per_s']:.0f} | {r['load_1m']:.2f} |"
+            if work
+            else ""
+        )
         lines.append(
             f"| {r['workload']} | {serve_arm(r)} |" + (f" {r['draw']} |" if draws else "") + f" {r['req_per_s']:.3f} "
             f"| {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['cached_share']:.1%} | "
-            f"{'/'.join(map(str, r['by_replica']))} | {split} | {vs['max_prob_diff']:.1e}, "
+            f"{'/'.join(map(str, r['by_replica']))} | {split} |{computed} {vs['max_prob_diff']:.1e}, "
             f"{len(vs['picks_differ'])} of {vs['questions']} |"
         )
     return lines
