@@ -2,8 +2,8 @@
 
     python -m bench serve            # documents of ~3,400 tokens
     python -m bench serve --quick    # documents of ~540 tokens, fewer of them (5-8 minutes on a 2-core AMD EPYC)
-    python -m bench serve --draws 3 --words 300 --workloads reask,hot --leads '' --name serve-default
-                                     # the default router over three draws of replica ids (serve-default.json)
+    python -m bench serve --draws 2 --words 300 --workloads reask,hot --leads '' --name serve-default
+                                     # the default router over two draws of replica ids (serve-default.json)
 
 The cluster: two Ray nodes of one CPU each on this machine (bench/servers.py ray_serve: Ray's ray.cluster_utils), each
 replica holding one CPU and one torch thread, blink at its defaults (no BLINK_* variable read). The arms (the
