@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import time
 from collections.abc import Callable
@@ -184,8 +185,8 @@ def load_average() -> list[float]:
 
 
 def command(name: str, argv: list[str]) -> str:
-    """The command line that runs a benchmark, as typed."""
-    return " ".join(["python -m bench", name, *argv])
+    """The command line that runs a benchmark, as typed (each argument quoted where a shell needs it: `--leads ''`)."""
+    return "python -m bench " + shlex.join([name, *argv])
 
 
 def write_json(path: str, res: dict) -> str:

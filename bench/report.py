@@ -870,56 +870,133 @@ def memory_summary(res: dict, path: str) -> str:
     )
 
 
+def serve_arm(r: dict) -> str:
+    """A serve row's arm as tables name it (rule lead with its lead)."""
+    return arms.title("serve", r["arm"]).format(lead=r.get("lead"))
+
+
 def serve_table(res: dict) -> list[str]:
-    """bench/serve.py: per workload and arm, req/s, latency, cached share, the split over replicas and the answers
-    against in-process decide()."""
+    """bench/serve.py: per workload and arm (and draw, where there were several), req/s, latency, cached share, the
+    split over replicas and the answers against in-process decide(); where the run counted them, the prompt tokens
+    each replica computed, all of them a second, and the machine's load as the workload ended."""
+    draws = any("draw" in r for r in res["rows"]) and res.get("draws", 1) > 1
+    work = all("computed_per_s" in r for r in res["rows"])
     lines = [
-        "| workload | arm | req/s | p50 s | p99 s | cached share | requests per replica | documents split | "
-        "vs in-process: largest gap, picks changed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | arm |"
+        + (" draw |" if draws else "")
+        + " req/s | p50 s | p99 s | cached share | requests per replica | documents split |"
+        + (" computed tokens per replica | computed tokens/s | load (1 min) |" if work else "")
+        + " vs in-process: largest gap, picks changed |",
+        "|---|---|"
+        + ("---|" if draws else "")
+        + "---|---|---|---|---|---|"
+        + ("---|---|---|" if work else "")
+        + "---|",
     ]
     for r in res["rows"]:
         split = f"{r['documents_split']} of {r['documents_asked_again']}" if r["documents_asked_again"] else "—"
         vs = r["vs_in_process"]
+        computed = (
+            f" {'/'.join(map(str, r['computed_by_replica']))} | {r['computed_per_s']:.0f} | {r['load_1m']:.2f} |"
+            if work
+            else ""
+        )
         lines.append(
-            f"| {r['workload']} | {arms.title('serve', r['arm']).format(lead=r.get('lead'))} | {r['req_per_s']:.3f} "
+            f"| {r['workload']} | {serve_arm(r)} |" + (f" {r['draw']} |" if draws else "") + f" {r['req_per_s']:.3f} "
             f"| {r['p50_s']:.2f} | {r['p99_s']:.2f} | {r['cached_share']:.1%} | "
-            f"{'/'.join(map(str, r['by_replica']))} | {split} | {vs['max_prob_diff']:.1e}, "
+            f"{'/'.join(map(str, r['by_replica']))} | {split} |{computed} {vs['max_prob_diff']:.1e}, "
             f"{len(vs['picks_differ'])} of {vs['questions']} |"
         )
     return lines
 
 
-def serve_report(res: dict) -> list[str]:
-    """serve: what ran, the table, then the targets."""
-    c = res["config"]
-    return [
-        f"{res['model']} in {res['dtype']} on {res['cluster']}; documents of ~{c['words']:,} words; re-ask "
-        f"{c['docs']} documents x {c['asks']} asks and distinct {2 * c['docs']} documents from {c['clients']} "
-        f"clients, hot {c['hot_requests']} requests from {2 * c['clients']}; BLINK_ROUTE_MAX_LEAD "
-        f"{res['default_lead']} unless the arm says.",
-        "",
-        *serve_table(res),
-        "",
-        *(f"- {t['target']}: {t['value']} ({'met' if t['met'] else 'MISSED'})" for t in res["targets"]),
+def serve_spread_table(res: dict) -> list[str]:
+    """bench/serve.py over several draws: each arm's figures on each workload, median (min-max) over its draws."""
+
+    def cell(s: dict, fmt: str) -> str:
+        return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+    lines = [
+        "| workload | arm | draws | req/s median (min-max) | p50 s | p99 s | cached share "
+        "| documents split, each draw |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for r in res["spread"]:
+        split = ", ".join(map(str, r["documents_split"])) + f" of {r['documents_asked_again']}"
+        lines.append(
+            f"| {r['workload']} | {serve_arm(r)} | {r['draws']} | {cell(r['req_per_s'], '.3f')} | "
+            f"{cell(r['p50_s'], '.2f')} | {cell(r['p99_s'], '.2f')} | {cell(r['cached_share'], '.1%')} | "
+            f"{split if r['documents_asked_again'] else '—'} |"
+        )
+    return lines
+
+
+def serve_target_line(t: dict) -> str:
+    """One target: its value (over draws: the median, each draw's value and in how many it was met)."""
+    verdict = "met" if t["met"] else "MISSED"
+    if "values" not in t:
+        return f"- {t['target']}: {t['value']} ({verdict})"
+    each = ", ".join(map(str, t["values"]))
+    where = "every draw" if t["met"] else "some draws"
+    return (
+        f"- {t['target']}: median {t['value']}, each draw {each} (min {t['min']}, max {t['max']}); met in "
+        f"{t['met_in']} of {len(t['values'])} draws ({verdict} in {where})"
+    )
+
+
+def serve_report(res: dict) -> list[str]:
+    """serve: what ran, the spread over draws (where there were several), the table, then the targets."""
+    c = res["config"]
+    names = c.get("workloads", ["reask", "distinct", "hot"])
+    work = [f"re-ask {c['docs']} documents x {c['asks']} asks"]
+    work += [f"distinct {2 * c['docs']} documents"] if "distinct" in names else []
+    lines = [
+        f"{res['model']} in {res['dtype']} on {res['cluster']}; documents of ~{c['words']:,} words; "
+        f"{' and '.join(work)} from {c['clients']} clients"
+        + (f", hot {c['hot_requests']} requests from {2 * c['clients']}" if "hot" in names else "")
+        + f"; BLINK_ROUTE_MAX_LEAD {res['default_lead']} unless the arm says."
+        + (
+            f" {res['draws']} draws: every arm deployed {res['draws']} times, the arms taking turns (new replica ids "
+            "each time, so new homes for the documents)."
+            if res.get("draws", 1) > 1
+            else ""
+        ),
+        "",
+    ]
+    if res.get("draws", 1) > 1:
+        lines += ["Over the draws:", "", *serve_spread_table(res), "", "Each draw:", ""]
+    lines += [*serve_table(res), "", *(serve_target_line(t) for t in res["targets"])]
+    if res.get("draws", 1) > 1:
+        lines.append(f"- draws meeting every target at once: {res['met_at_once']} of {res['draws']}")
+    return lines
 
 
 def serve_summary(res: dict, path: str) -> str:
-    """serve's last line: evidence routing's re-ask figures against one replica and the other routers, and the hot
-    workload's p99."""
-    at = {(r["workload"], r["arm"]): r for r in res["rows"] if "lead" not in r}
+    """serve's last line: evidence routing's re-ask figures against one replica and the other routers (medians over
+    the draws), and the hot workload's p99."""
+    if res.get("spread"):
+        at = {
+            (r["workload"], r["arm"]): {k: r[k]["median"] for k in ("req_per_s", "p99_s", "cached_share")}
+            for r in res["spread"]
+            if "lead" not in r
+        }
+    else:
+        at = {(r["workload"], r["arm"]): r for r in res["rows"] if "lead" not in r}
     ev = at[("reask", "evidence")]
     peers = ", ".join(
         f"{ev['req_per_s'] / at[('reask', peer)]['req_per_s']:.2f}x {arms.title('serve', peer)}"
         for peer in ("one_replica", "pow2", "prefix_tree")
     )
+    hot = (
+        f"hot p99 {at[('hot', 'evidence')]['p99_s']:.1f} s (pow2 {at[('hot', 'pow2')]['p99_s']:.1f} s); "
+        if ("hot", "evidence") in at
+        else ""
+    )
     met = sum(t["met"] for t in res["targets"])
     return (
         f"blink on Ray Serve ({'quick' if res['quick'] else 'full'}, {res['hardware']}, {res['duration_s']:.0f} s): "
         f"re-ask under evidence {ev['req_per_s']:.2f} req/s = {peers}; cached share {ev['cached_share']:.1%} "
-        f"(one replica {at[('reask', 'one_replica')]['cached_share']:.1%}); hot p99 "
-        f"{at[('hot', 'evidence')]['p99_s']:.1f} s (pow2 {at[('hot', 'pow2')]['p99_s']:.1f} s); targets met {met} of "
+        f"(one replica {at[('reask', 'one_replica')]['cached_share']:.1%}); {hot}targets met {met} of "
         f"{len(res['targets'])}; "
         f"results {os.path.relpath(path)}"
     )
@@ -1013,7 +1090,10 @@ REPORTS = {
     "models": (models_report, ("models", "skipped")),
     "order": (order_report, ("model", "questions", "temperature", "arms")),
     "vllm_check": (vllm_report, ("answers", "http", "not_up", "vllm_own_route", "targets")),
-    "serve": (serve_report, ("model", "dtype", "cluster", "config", "default_lead", "rows", "targets")),
+    "serve": (
+        serve_report,
+        ("model", "dtype", "cluster", "config", "default_lead", "rows", "targets", "draws", "spread", "met_at_once"),
+    ),
     "route_sim": (route_sim_report, ("cost_model", "check", "predicted", "rows", "targets", "asks_per_replica")),
 }
 # The header every run writes (harness.Run.header), and the names older files gave some of its fields.
