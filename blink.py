@@ -46,7 +46,6 @@ import sys
 import threading
 import time
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
