@@ -46,7 +46,6 @@ import sys
 import threading
 import time
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -2059,27 +2058,38 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None, backbone=None) 
     return "onednn", verdict
 
 
-def quantize_int8(model) -> str:
-    """Every linear layer but lm_head quantized in place to int8 by torch's own dynamic quantization (its x86
-    engine, which picks fbgemm's or oneDNN's kernel): weights per output channel, each product's activations per
-    tensor at run time, int32 accumulation. lm_head stays float32: blink reads its label rows and log-sum-exp
-    itself, exactly. CPU only. Of the kernels torch ships, this one was the fastest on a 2-core AMD EPYC
-    (AVX512-VNNI) at the stand-in's MLP shapes, against blink's packed bfloat16 product at 64 and 512 rows
-    (torch._int_mm lost its gain to per-token quantization in Python; oneDNN's qlinear with int8 activations ran
-    a reference path). Returns "int8"."""
+def _int8_forward(self, x):
+    """nn.Linear.forward by an int8 product: x quantized per token (its rows' absolute maxima over 127), multiplied by
+    the int8 weight (per output channel) with int32 accumulation, rescaled to x's dtype."""
     import torch
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    rows = x.reshape(-1, x.shape[-1]).float()
+    scale = rows.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127
+    q = torch.round(rows / scale).to(torch.int8)
+    out = torch._int_mm(q, self.qweight).float().mul_(scale).mul_(self.wscale)
+    if self.bias is not None:
+        out += self.bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def quantize_int8(model) -> str:
+    """Every linear layer of the decoder but lm_head made int8 in place: weights per output channel (one byte each,
+    the float copy dropped), activations per token at run time (so one token's outlier values, such as the first
+    token's, scale no other token), int32 accumulation by torch._int_mm (oneDNN's VNNI or AMX kernel). lm_head stays
+    as loaded: blink reads its label rows and log-sum-exp itself, exactly. CPU only. Returns "int8"."""
+    import torch
 
     head = model.get_output_embeddings()
     if head.weight.device.type != "cpu":
-        raise BlinkError("BLINK_QUANTIZE=int8 runs on a CPU only (torch's dynamic int8 kernels have no CUDA form)")
-    if "x86" in torch.backends.quantized.supported_engines:
-        torch.backends.quantized.engine = "x86"
-    names = {name: per_channel_dynamic_qconfig for name, m in model.named_modules() if type(m) is torch.nn.Linear}
-    names.pop(next(name for name, m in model.named_modules() if m is head), None)
-    with warnings.catch_warnings():  # torch marks eager quantization deprecated in favour of torchao; it still ships
-        warnings.simplefilter("ignore")
-        quantize_dynamic(model, names, dtype=torch.qint8, inplace=True)
+        raise BlinkError("BLINK_QUANTIZE=int8 runs on a CPU only (its int8 product here is CPU's)")
+    for layer in [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]:
+        weight = layer.weight.detach().float()
+        wscale = weight.abs().amax(1).clamp_(min=1e-12) / 127
+        qweight = torch.round(weight / wscale[:, None]).clamp_(-127, 127).to(torch.int8)
+        del layer.weight
+        layer.register_buffer("qweight", qweight.t().contiguous())  # (in, out): _int_mm's right operand
+        layer.register_buffer("wscale", wscale)
+        layer.forward = types.MethodType(_int8_forward, layer)
     return "int8"
 
 

@@ -162,8 +162,8 @@ REGISTRY: dict[str, dict[str, Arm]] = {
         Arm(
             "int8",
             "int8",
-            "BLINK_QUANTIZE=int8: every linear layer but lm_head quantized to int8 by torch's dynamic quantization "
-            "(weights per output channel), the rest in float32",
+            "BLINK_QUANTIZE=int8: every linear layer but lm_head int8 (weights per output channel, activations per "
+            "token, torch._int_mm), the rest in float32",
             {"quantize": "int8"},
         ),
     ),
