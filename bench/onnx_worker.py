@@ -102,7 +102,7 @@ class OnnxReader:
         return f"onnxruntime {ort.__version__}, {os.path.basename(self.path)}"
 
 
-def main() -> None:
+def serve() -> None:
     """Build the reader from the first line's arguments, then answer calls until stdin closes."""
     out = sys.stdout
     sys.stdout = sys.stderr  # only replies go to the real stdout
@@ -123,4 +123,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    serve()
