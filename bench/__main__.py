@@ -23,6 +23,7 @@ BENCHMARKS = (
     "memory",
     "vllm_check",
     "gpu",
+    "shape4b",
     "report",
 )
 

@@ -121,6 +121,33 @@ REGISTRY: dict[str, dict[str, Arm]] = {
             runs="llamacpp:start",
         ),
         Arm(
+            "llama.cpp_q8_0",
+            "llama.cpp_q8_0",
+            "llama-cpp-python on the stand-in's weights at Q8_0 (llama.cpp's quantizer), fed blink's prompt ids, every "
+            "prompt evaluated from nothing",
+            runs="llamacpp:start",
+        ),
+        Arm(
+            "llama.cpp_q8_0_reuse",
+            "llama.cpp_q8_0_reuse",
+            "the same at Q8_0 keeping the longest common prefix with the previous prompt in its KV cache",
+            runs="llamacpp:start",
+        ),
+        Arm(
+            "onnxruntime_int8",
+            "onnxruntime_int8",
+            "ONNX Runtime: the stand-in exported by torch.onnx, quantized by onnxruntime's quantize_dynamic (int8 "
+            "weights, activations per call), in .venv-onnx, fed blink's prompt ids, each prompt evaluated from nothing",
+            runs="onnxrt:start",
+        ),
+        Arm(
+            "blink_int8",
+            "blink_int8",
+            "blink with BLINK_QUANTIZE=int8 (otherwise its defaults): a Deployment serving its own engine, decide()",
+            {"quantize": "int8"},
+            runs="peers:start_blink",
+        ),
+        Arm(
             "blink_vllm",
             "blink_vllm",
             "blink on vLLM: `python app.py` with BLINK_BACKEND=vllm in .venv-vllm, asked over /v1/systemone, its CPU "

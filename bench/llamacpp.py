@@ -1,8 +1,11 @@
 """llama.cpp, what a CPU user picks, as a decision peer: llama-cpp-python on the stand-in's own GGUF file (the Q4_1
 weights blink's stand-in is de-quantized from), fed blink's exact prompt token ids, each question's label logits read
 at the prompt's last position. Two arms: every prompt evaluated from nothing ("llama.cpp"), and the longest common
-prefix with the previous prompt kept in its KV cache, as llama-server does ("llama.cpp_reuse"). Both take System One
-bodies like the other decision peers (bench/peers.py), and answer in blink's shapes.
+prefix with the previous prompt kept in its KV cache, as llama-server does ("llama.cpp_reuse"); and the same two at
+Q8_0 ("llama.cpp_q8_0", "llama.cpp_q8_0_reuse"), the precision of the INT8 peers: the stand-in's weights quantized to
+Q8_0 by llama.cpp's own quantizer (llama_model_quantize, from the Q4_1 file, whose de-quantized weights are the very
+ones blink's stand-in loads), kept under BLINK_CACHE (gguf/). All take System One bodies like the other decision
+peers (bench/peers.py), and answer in blink's shapes.
 
 Runs where `llama_cpp` imports (`bash tools/setup.sh --llama`: pip builds llama.cpp from source, for the
 instructions of the CPU it builds on); otherwise its rows say why it was skipped.
@@ -10,7 +13,9 @@ instructions of the CPU it builds on); otherwise its rows say why it was skipped
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,7 +27,14 @@ if TYPE_CHECKING:  # the child process that computes imports this module: it nee
     from bench.arms import Arm
     from bench.peers import PeerContext
 
-REUSE = "llama.cpp_reuse"  # the arm that keeps the longest common prefix in its KV cache
+# each arm's weights (the GGUF type) and whether it keeps the longest common prefix in its KV cache
+ARMS = {
+    "llama.cpp": ("q4_1", False),
+    "llama.cpp_reuse": ("q4_1", True),
+    "llama.cpp_q8_0": ("q8_0", False),
+    "llama.cpp_q8_0_reuse": ("q8_0", True),
+}
+FTYPES = {"q8_0": 7}  # llama.cpp's LLAMA_FTYPE_MOSTLY_* of each type made here
 SKIP_CRASHED = "setup builds it without AMX (tools/llama_build.py); rebuild with bash tools/setup.sh --llama"
 SKIP_NO_PACKAGE = (
     "needs llama-cpp-python (bash tools/setup.sh --llama, which builds llama.cpp from source: about 5 min on 2 cores)"
@@ -91,8 +103,9 @@ class LlamaArm:
 
     dtype = "q4_1"  # the stand-in's GGUF weights: no matmul probe of their own (held against float32's)
 
-    def __init__(self, engine: blink.TorchEngine, reader: isolated.Child | isolated.Local):
+    def __init__(self, engine: blink.TorchEngine, reader: isolated.Child | isolated.Local, dtype: str | None = None):
         self.engine, self.reader = engine, reader
+        self.dtype = dtype or self.dtype
 
     @property
     def evaluated(self) -> int:
@@ -120,18 +133,47 @@ def context_size(engine: blink.TorchEngine) -> int:
     return int(min(blink.context_length(engine.model.config), 32768))
 
 
+def quantize(source: str, path: str, ftype: int) -> str:
+    """`source` (a GGUF file) quantized by llama.cpp's own quantizer to `ftype` at `path` (re-quantizing allowed)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize = ftype, True
+    if llama_cpp.llama_model_quantize(source.encode(), path.encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize failed on {source}")
+    return path
+
+
+def standin_gguf_as(kind: str, cache_dir: str) -> str:
+    """The stand-in's GGUF file at `kind`: the shipped Q4_1 file, or one quantized from it once (in a child process,
+    where llama.cpp's native code runs) and kept under cache_dir/gguf."""
+    if kind == "q4_1":
+        return models.standin_gguf()
+    path = os.path.join(cache_dir, "gguf", blink.STANDIN_GGUF.replace("Q4_1", kind.upper()))
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.partial-{os.getpid()}"
+        isolated.Child("llama.cpp", quantize, models.standin_gguf(), partial, FTYPES[kind]).close()
+        os.replace(partial, path)
+    return path
+
+
 def start(arm: Arm, ctx: PeerContext) -> LlamaArm | str:
-    """A llama.cpp arm reading the stand-in's GGUF file in a child process of its own (stopped with ctx.stack), or
-    why it cannot run here."""
+    """A llama.cpp arm reading the stand-in's GGUF file at the arm's type in a child process of its own (stopped with
+    ctx.stack), or why it cannot run here."""
     if importlib.util.find_spec("llama_cpp") is None:
         return SKIP_NO_PACKAGE
     if ctx.engine.model_id != blink.STANDIN_MODEL:
         return "runs on the stand-in's GGUF file only"
-    size = context_size(ctx.engine)
-    reader = isolated.Child("llama.cpp", LlamaReader, models.standin_gguf(), size, ctx.threads, arm.name == REUSE)
+    kind, reuse = ARMS[arm.name]
+    try:
+        gguf = standin_gguf_as(kind, ctx.engine.settings.cache_dir)
+        reader = isolated.Child("llama.cpp", LlamaReader, gguf, context_size(ctx.engine), ctx.threads, reuse)
+    except isolated.Crashed as exc:
+        return f"{exc}; {SKIP_CRASHED}"
     ctx.stack.callback(reader.close)
     try:
         reader.call("read", ctx.engine.label_ids[:2], ctx.engine.label_ids[:1])  # a crashing build fails here
     except isolated.Crashed as exc:
         return f"{exc}; {SKIP_CRASHED}"
-    return LlamaArm(ctx.engine, reader)
+    return LlamaArm(ctx.engine, reader, kind)

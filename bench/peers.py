@@ -137,6 +137,30 @@ def start_pipeline_bfloat16(arm: arms.Arm, ctx: PeerContext):
     return counted(own_pipeline(ctx.engine, dtype), ctx)
 
 
+class BlinkPipe:
+    """blink under an arm's settings, its own engine behind a Deployment, answering System One bodies; counts the
+    prompt tokens it computed (meta.prefill_tokens) and names its dtype (its quantization where it has one)."""
+
+    def __init__(self, engine: blink.TorchEngine):
+        self.dep = blink.Deployment.serving(engine)
+        self.dtype = "int8" if engine.settings.quantize == "int8" else blink.dtype_name(engine.model.dtype)
+        self.tokens = 0
+
+    def computed_tokens(self) -> int:
+        """Prompt tokens computed so far."""
+        return self.tokens
+
+    def __call__(self, body: dict) -> dict:
+        out = self.dep.decide(body["state"], body["questions"])
+        self.tokens += out["meta"]["prefill_tokens"]
+        return out["answers"]
+
+
+def start_blink(arm: arms.Arm, ctx: PeerContext) -> BlinkPipe:
+    """blink under the arm's settings over blink's defaults, its model loaded once more for it."""
+    return BlinkPipe(arms.engine(arm, ctx.engine.model_id, ctx.engine.settings))
+
+
 def export_config(model: str, folder: str) -> str | None:
     """blink's prompt as a transformers DecisionConfig, written by `python blink.py export FOLDER --model MODEL`;
     None (and why) when this blink has no export command or it failed."""

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import replace
 
 import blink
-from bench import arms, grid, harness, peers, report, throughput, workloads
+from bench import arms, grid, harness, llamacpp, peers, report, throughput, workloads
 
 # Each slow arm runs at most `budget` prompt tokens per cell (always at least one question); its time for the whole
 # request is then scaled from the questions it ran, and the cell says so. blink with the shared prefix always runs
@@ -92,6 +92,8 @@ DECISION_TARGETS = (
 )
 OWN_PROMPT_PIPELINES = ("pipeline", "pipeline_bfloat16")  # pipeline("decision") with its own prompt, by dtype
 LLAMA_TARGET = 1.5  # llama.cpp (its faster arm) at least this many times slower than blink, in every case
+# the int8 peers, blink at int8 against each (llama.cpp at Q8_0: its faster arm), in every case
+INT8_TARGETS = ((("onnxruntime_int8",), 1.2), (("llama.cpp_q8_0", "llama.cpp_q8_0_reuse"), 2.0))
 VLLM_TARGET = 1.0  # blink on vLLM at least this many times slower than blink, in every case
 MAX_PROB_DIFF = 0.03  # blink's answers against the float32 unbatched path: no pick flips, probabilities this close
 GRID = arms.of("grid")
@@ -439,6 +441,26 @@ def ratio_target(row: dict, case: str, peer: str, threshold: float, what: str, e
     }
 
 
+def int8_target(row: dict, case: str, peer: str, threshold: float, what: str, exact: bool) -> dict:
+    """blink at int8 (the blink_int8 arm where it ran, else blink at its defaults) at least `threshold` times faster
+    than an int8 peer in one case (wall clock and CPU time)."""
+    mine = "blink_int8" if "blink_int8" in row["arms"] else "blink"
+    value, cpu = (round(row["arms"][peer][k] / row["arms"][mine][k], 2) for k in ("total_wall_s", "total_cpu_s"))
+    return {
+        "target": f"{mine} >= {threshold:g}x {peer}: {what}",
+        "case": case,
+        "peer": peer,
+        "blink_arm": mine,
+        "short": f"{mine} vs {peer}: {what}",
+        "value": value,
+        "value_cpu_time": cpu,
+        "threshold": threshold,
+        "met": value >= threshold if exact else None,
+        "met_cpu_time": cpu >= threshold if exact else None,
+        "cell": f"{row['questions']} question(s), {row['prompt_tokens']} prompt tokens",
+    }
+
+
 def decision_targets(decision: dict, quick: bool) -> list[dict]:
     """The targets on what this run measured: blink against pipeline("decision") in its own dtype on the three cases,
     against llama.cpp (its faster arm) and blink on vLLM on every case where they ran, and its answers against the
@@ -452,10 +474,16 @@ def decision_targets(decision: dict, quick: bool) -> list[dict]:
             out.append(ratio_target(row, case, peer, threshold, what, exact))
     for case, _, what in DECISION_TARGETS:
         row = decision[case]
-        ran = [name for name in arms.of("decision") if name.startswith("llama.cpp") and f"vs_{name}" in row]
+        ran = [name for name, (kind, _) in llamacpp.ARMS.items() if kind == "q4_1" and f"vs_{name}" in row]
         if ran:
             best = min(ran, key=lambda name: row[f"vs_{name}"]["wall"])  # the arm closest to blink
             out.append(ratio_target(row, case, best, LLAMA_TARGET, what, exact))
+    for case, _, what in DECISION_TARGETS:
+        for peers_, threshold in INT8_TARGETS:
+            ran = [name for name in peers_ if name in decision[case]["arms"]]
+            if ran:
+                best = min(ran, key=lambda name: decision[case]["arms"][name]["total_wall_s"])  # closest to blink
+                out.append(int8_target(decision[case], case, best, threshold, what, exact))
     for case, _, what in DECISION_TARGETS:
         if "vs_blink_vllm" in decision[case]:
             out.append(ratio_target(decision[case], case, "blink_vllm", VLLM_TARGET, what, exact))
@@ -478,13 +506,18 @@ def decision_targets(decision: dict, quick: bool) -> list[dict]:
     return out
 
 
-def decision_part(engine: blink.TorchEngine, run: harness.Run, servers: bool) -> tuple[dict, list, list]:
-    """The decision peers: every arm of the registry's "decision" arms against blink on the three cases, then over
-    HTTP against `transformers serve`; blink on vLLM and the HTTP servers only where `servers` (not in --quick without
-    --decision). An arm that cannot run here is a row saying why."""
+def decision_part(
+    engine: blink.TorchEngine, run: harness.Run, servers: bool, only: list[str] | None = None
+) -> tuple[dict, list, list]:
+    """The decision peers: every arm of the registry's "decision" arms against blink on the three cases (or the arms
+    in `only`, pipeline always), then over HTTP against `transformers serve` (not with `only`); blink on vLLM and the
+    HTTP servers only where `servers` (not in --quick without --decision). An arm that cannot run here is a row
+    saying why."""
     size = "quick" if run.quick else "full"
     threads = run.threads["threads"]
     names = [n for n in arms.of("decision") if n != "blink" and (servers or arms.of("decision")[n].python == "project")]
+    if only:
+        names = [n for n in names if n in only or n == "pipeline"]
     logs = run.files()
     print(f"server logs in {logs}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -495,7 +528,9 @@ def decision_part(engine: blink.TorchEngine, run: harness.Run, servers: bool) ->
             pipes, skipped = peers.start_peers(ctx, names)
             cases = peers.decision_cases(engine, DECISION[size], pipes)
         left_out = [n for n in arms.of("decision") if n not in names and n != "blink"]
-        skipped += [{"target": n, "skipped": "--quick without --decision"} for n in left_out]
+        skipped += [
+            {"target": n, "skipped": "not among --peers" if only else "--quick without --decision"} for n in left_out
+        ]
         for case, row in cases.items():
             others = "".join(f", {name} x{row[f'vs_{name}']['wall']}" for name in pipes if name != "pipeline")
             rates = ", ".join(f"{name} {a['gflops']:.0f}" for name, a in row["arms"].items() if a.get("gflops"))
@@ -508,10 +543,11 @@ def decision_part(engine: blink.TorchEngine, run: harness.Run, servers: bool) ->
                 f"{rates}",
                 flush=True,
             )
-        if servers:
+        if servers and not only:
             http = peers.http_rows(engine, HTTP[size], threads, None if why else export_dir, logs)
         else:
-            http = [{"target": name, "skipped": "--quick without --decision"} for name in arms.of("http")]
+            why = "not among --peers" if only else "--quick without --decision"
+            http = [{"target": name, "skipped": why} for name in arms.of("http")]
     for r in http:
         print(
             f"http {r['target']} {r.get('clients', '')}: {r.get('requests_per_s', r.get('skipped'))} req/s "
@@ -528,6 +564,11 @@ def flags(ap) -> None:
     ap.add_argument("--name", default=None, help="results file stem (default: full or decision)")
     ap.add_argument("--app", action="store_true", help="also drive the Gradio app's /decide with gradio_client")
     ap.add_argument("--no-throughput", action="store_true", help="skip the Batcher throughput part")
+    ap.add_argument(
+        "--peers",
+        default=None,
+        help="comma-separated decision arms to run (pipeline always runs); the HTTP servers are left out",
+    )
     ap.add_argument(
         "--token-budget",
         type=int,
@@ -573,7 +614,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    decision, http, peers_skipped = decision_part(engine, run, servers=args.decision or not run.quick)
+    only = args.peers.split(",") if args.peers else None
+    unknown = [n for n in only or [] if n not in arms.of("decision")]
+    if unknown:
+        raise SystemExit(f"--peers: no decision arm {', '.join(unknown)} (bench/arms.py names them)")
+    decision, http, peers_skipped = decision_part(engine, run, servers=args.decision or not run.quick, only=only)
     cells = []
     if mode != "decision":
         warm_up(engine)

