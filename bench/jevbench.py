@@ -2,6 +2,7 @@
 
     python -m bench jevbench            # check, --suite examples and --suite jevbench-mini (1,248 requests), both arms
     python -m bench jevbench --quick    # check and --suite examples only (results in jevbench-quick.json)
+    python -m bench jevbench --dimensions BAT --mini-arms defaults   # jevbench-mini's BAT tests only, at the defaults
 
 jevbench 0.1.0 (pinned in tools/requirements-jevbench.txt, installed into .venv-jevbench by `bash tools/setup.sh
 --harnesses`; without it this prints why and exits 0: skipped, nothing measured) ships its suites, frozen plans and
@@ -62,8 +63,9 @@ def scores(report: dict) -> dict:
     return out
 
 
-def arm_run(arm: str, suites: list[str], files: str) -> dict:
-    """jevbench check and eval of each suite against the arm's app: {check, suites: {suite: {run, report}}}."""
+def arm_run(arm: str, suites: list[str], files: str, mini: list[str]) -> dict:
+    """jevbench check and eval of each suite against the arm's app: {check, suites: {suite: {run, report}}};
+    jevbench-mini with jevbench's own selection flags `mini`."""
     cache = os.path.join(files, f"cache-{arm}")
     out = {"dtype": fieldharness.arm_dtype(arm), "env": fieldharness.ARMS[arm], "suites": {}}
     with fieldharness.app(arm, files) as url:
@@ -76,7 +78,8 @@ def arm_run(arm: str, suites: list[str], files: str) -> dict:
             path = os.path.join(files, f"{arm}-{suite}.json")
             ran = fieldharness.run(
                 [command(), "eval", "--suite", suite, "--url", endpoint, "--model", fieldharness.MODEL,
-                 "--concurrency", "1", "--cache-dir", cache, "--out", path],
+                 "--concurrency", "1", "--cache-dir", cache, "--out", path,
+                 *(mini if suite == "jevbench-mini" else [])],
                 files, harness_env(),
             )  # fmt: skip
             report = json.load(open(path, encoding="utf-8")) if os.path.exists(path) else None
@@ -85,10 +88,10 @@ def arm_run(arm: str, suites: list[str], files: str) -> dict:
     return out
 
 
-def targets(arms: dict, suites: list[str]) -> list[dict]:
+def targets(arms: dict) -> list[dict]:
     """BAT at the defaults on every suite run."""
     out = []
-    for suite in suites:
+    for suite in arms["defaults"]["suites"]:
         value = arms["defaults"]["suites"][suite]["scores"]["BAT"]
         out.append(
             {
@@ -114,9 +117,15 @@ def summary_rows(arms: dict) -> list[str]:
     return lines
 
 
+def flags(ap) -> None:
+    """jevbench's own flags."""
+    ap.add_argument("--dimensions", default=None, help="jevbench-mini's dimensions only (jevbench's --dimensions)")
+    ap.add_argument("--mini-arms", default=",".join(fieldharness.ARMS), help="the arms jevbench-mini runs on")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run jevbench's check and suites against each arm's app, write the results file, print the scores."""
-    run = harness.Run("jevbench", argv, __doc__, threads="0")
+    run = harness.Run("jevbench", argv, __doc__, flags, threads="0")
     why = fieldharness.missing("jevbench")
     if why:
         print(f"skipped: {why}; nothing was measured")
@@ -124,14 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     suites = SUITES["quick" if run.quick else "full"]
     files = run.files()
     print(f"server logs and jevbench's own files in {files}", flush=True)
-    arms = {arm: arm_run(arm, suites, files) for arm in fieldharness.ARMS}
+    mini = ["--dimensions", run.args.dimensions] if run.args.dimensions else []
+    mini_arms = run.args.mini_arms.split(",")
+    arms = {
+        arm: arm_run(arm, [s for s in suites if s != "jevbench-mini" or arm in mini_arms], files, mini)
+        for arm in fieldharness.ARMS
+    }
     result = {
         "jevbench": version(),
         "model_field": fieldharness.MODEL,
         "suites": suites,
+        "jevbench_mini_selection": {"arms": mini_arms, "flags": mini},
         "arms": arms,
         "published": PUBLISHED,
-        "targets": targets(arms, suites),
+        "targets": targets(arms),
     }
     path = run.write(result)
     print("\n".join(summary_rows(arms)))

@@ -1074,7 +1074,7 @@ REPORTS = {
     "order": (order_report, ("model", "questions", "temperature", "arms")),
     "vllm_check": (vllm_report, ("answers", "http", "not_up", "vllm_own_route", "targets")),
     "serve": (serve_report, ("model", "dtype", "cluster", "config", "default_lead", "rows", "targets")),
-    "jevbench": (jevbench_report, ("jevbench", "model_field", "arms", "published", "targets")),
+    "jevbench": (jevbench_report, ("jevbench", "model_field", "arms", "published", "targets", "suites")),
     "krite": (krite_report, ("krite_bench", "suites", "cases", "arms", "published", "targets")),
     "route_sim": (route_sim_report, ("cost_model", "check", "predicted", "rows", "targets", "asks_per_replica")),
 }
