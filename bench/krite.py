@@ -14,8 +14,8 @@ bench/results/files/krite):
 - suites (suites()) from bench/data/clearcut.jsonl, named blink-clearcut-* (none of krite's dataset ids): its 48
   labelled choice questions as 4-option and as 8-option choices (the gold option, the question's own other options,
   then options of the other questions, seeded; the gold's position random, as krite's own builder places it), its
-  26 yes/no questions and its 21 graded questions; and each choice suite again with blink's `permute: K` in every
-  question (all K cyclic rotations averaged; a blink request option, not in krite's Protocol v1);
+  26 yes/no questions and its 14 three-level graded questions; and each choice suite again with blink's `permute: K`
+  in every question (all K cyclic rotations averaged; a blink request option, not in krite's Protocol v1);
 - engines.toml: the arm's app as krite's own client meets a Jev-style server (request_model "jev-latest", dialect
   "jev": krite maps the reply with client.from_jev and validates it against its response schema).
 
@@ -45,6 +45,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "clearcu
 DATASET = "blink-clearcut"
 SEED = 13  # krite's own seed
 CHOICE_K = (4, 8)
+SCORE_LEVELS = 3  # the score suite's questions: those with 3 levels (14 of the 21)
 INSTRUCTIONS = "Which option fits the text?"  # a labelled question without instructions gets this one
 # krite's published rows (its site and package) and its targets
 PUBLISHED = {
@@ -141,9 +142,12 @@ def choice_suite(k: int) -> list[dict]:
 
 
 def graded_suite(qtype: str) -> list[dict]:
-    """The labelled yes/no (noul: gold True/False) or graded (score: gold level index) questions."""
-    suite, cases = f"{DATASET}-{qtype}", []
-    for qid, state, q, label in (r for r in labelled() if r[2]["type"] == qtype):
+    """The labelled yes/no (noul: gold True/False) or 3-level graded (score: gold level index) questions (krite scores
+    a score suite's agreement over one level count)."""
+    suite, cases = f"{DATASET}-{qtype}{SCORE_LEVELS if qtype == 'score' else ''}", []
+    for qid, state, q, label in labelled():
+        if q["type"] != qtype or (qtype == "score" and len(q["criteria"]) != SCORE_LEVELS):
+            continue
         question = {"type": qtype, "instructions": q.get("instructions") or INSTRUCTIONS}
         if qtype == "score":
             question["criteria"] = list(q["criteria"])
@@ -168,7 +172,7 @@ def suites() -> dict[str, list[dict]]:
     """Every suite this benchmark writes: {suite id: cases}."""
     plain = {f"{DATASET}-choice{k}": choice_suite(k) for k in CHOICE_K}
     permuted = {f"{sid}-permute": with_permute(cases) for sid, cases in plain.items()}
-    graded = {f"{DATASET}-{t}": graded_suite(t) for t in ("noul", "score")}
+    graded = {f"{DATASET}-noul": graded_suite("noul"), f"{DATASET}-score{SCORE_LEVELS}": graded_suite("score")}
     return {**plain, **permuted, **graded}
 
 
@@ -209,7 +213,7 @@ def arm_run(arm: str, root: str, files: str, cases: dict) -> dict:
     python = os.path.join(fieldharness.environment("krite"), "bin", "python")
     out = os.path.join(root, "results", arm)
     plain = [f"{DATASET}-choice{k}" for k in CHOICE_K]
-    quality = [*plain, f"{DATASET}-noul", f"{DATASET}-score"]
+    quality = [*plain, f"{DATASET}-noul", f"{DATASET}-score{SCORE_LEVELS}"]
     orders = [*plain, *(f"{s}-permute" for s in plain)]
     inv_n, mix_n = str(cases["invariance"]), str(cases["interference"])
     commands = {
