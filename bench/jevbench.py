@@ -98,7 +98,7 @@ def targets(arms: dict) -> list[dict]:
                 "target": f"jevbench BAT = 100 at blink's defaults ({suite})",
                 "value": value,
                 "threshold": BAT_TARGET,
-                "met": value is not None and value >= BAT_TARGET,
+                "met": None if value is None else value >= BAT_TARGET,  # None: the suite did not complete
             }
         )
     return out

@@ -997,7 +997,10 @@ def engine_ab_table(res: dict) -> list[str]:
 def field_targets(res: dict) -> list[str]:
     """A field harness's targets (jevbench, krite) with the measured values."""
     verdict = {True: "met", False: "**missed**"}
-    return [f"- {t['target']}: {_cell(t['value'])} — {verdict[bool(t['met'])]}" for t in res["targets"]]
+    return [
+        f"- {t['target']}: {_cell(t['value'])} — {'not measured' if t['value'] is None else verdict[bool(t['met'])]}"
+        for t in res["targets"]
+    ]
 
 
 def jevbench_report(res: dict) -> list[str]:
