@@ -22,6 +22,8 @@ BENCHMARKS = (
     "route_sim",
     "memory",
     "vllm_check",
+    "jevbench",
+    "krite",
     "gpu",
     "shape4b",
     "report",

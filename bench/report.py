@@ -1071,6 +1071,69 @@ def engine_ab_table(res: dict) -> list[str]:
     return lines
 
 
+def field_targets(res: dict) -> list[str]:
+    """A field harness's targets (jevbench, krite) with the measured values."""
+    verdict = {True: "met", False: "**missed**"}
+    return [
+        f"- {t['target']}: {_cell(t['value'])} — {'not measured' if t['value'] is None else verdict[bool(t['met'])]}"
+        for t in res["targets"]
+    ]
+
+
+def jevbench_report(res: dict) -> list[str]:
+    """jevbench: its pillar and overall scores (x100, as its table prints them) per arm and suite, the leaderboard's
+    published rows beside them, the targets."""
+    pillars = ["REP", "BAT", "MEA", "LOG", "CHO", "overall"]
+    lines = [
+        f"jevbench {res['jevbench']}, model field {res['model_field']!r}; the model is the stand-in (REP, MEA, LOG,"
+        " CHO and overall are its own; BAT is the engine's).",
+        "",
+        "| system | suite | " + " | ".join(pillars) + " | requests | exit | seconds |",
+        "|---|---|" + "---|" * (len(pillars) + 3),
+    ]
+    for arm, got in res["arms"].items():
+        for suite, one in got["suites"].items():
+            s, report_ = one["scores"], one["report"] or {}
+            cells = [f"{100 * s[p]:.1f}" if s.get(p) is not None else "-" for p in pillars]
+            requests = (report_.get("result") or {}).get("requests", "-")
+            lines.append(
+                f"| blink {arm} ({got['dtype']}) | {suite} | " + " | ".join(cells)
+                + f" | {requests} | {one['run']['returncode']} | {one['run']['seconds']} |"
+            )  # fmt: skip
+    for name, row in res["published"].items():
+        cells = [f"{row[p]:.1f}" if p in row else "-" for p in pillars]
+        lines.append(f"| {name} (published) | jevbench-mini | " + " | ".join(cells) + " | - | - | - |")
+    return [*lines, "", *field_targets(res)]
+
+
+def krite_report(res: dict) -> list[str]:
+    """krite: per arm its flip rates, interference and quality (accuracy, raw ECE) rows, krite's published rows, the
+    targets."""
+    suites = ", ".join(f"{k} ({v['cases']})" for k, v in res["suites"].items())
+    lines = [
+        f"krite-bench {res['krite_bench']}; suites {suites}; cases per run {res['cases']}. The model is the"
+        " stand-in: accuracy and ECE are its own.",
+        "",
+        "| system | measure | suite | value |",
+        "|---|---|---|---|",
+    ]
+    for arm, got in res["arms"].items():
+        name, f = f"blink {arm} ({got['dtype']})", got["figures"]
+        lines += [f"| {name} | flip rate | {sid} | {_cell(v)} |" for sid, v in f["flip_rate"].items()]
+        lines += [
+            f"| {name} | interference max dp | {k} | {_cell(v)} |" for k, v in f["interference_max_prob_dev"].items()
+        ]
+        for sid, q in f["quality"].items():
+            lines += [
+                f"| {name} | accuracy | {sid} | {_cell(q['accuracy'])} |",
+                f"| {name} | ECE | {sid} | {_cell(q['ece'])} |",
+            ]
+        lines += [f"| {name} | error rate | {k} | {_cell(v)} |" for k, v in f["error_rates"].items()]
+    for measure, rows in res["published"].items():
+        lines += [f"| {who} (published) | {measure} | krite's | {v} |" for who, v in rows.items()]
+    return [*lines, "", *field_targets(res)]
+
+
 REPORTS = {
     "run": (
         run_report,
@@ -1094,6 +1157,8 @@ REPORTS = {
         serve_report,
         ("model", "dtype", "cluster", "config", "default_lead", "rows", "targets", "draws", "spread", "met_at_once"),
     ),
+    "jevbench": (jevbench_report, ("jevbench", "model_field", "arms", "published", "targets", "suites")),
+    "krite": (krite_report, ("krite_bench", "suites", "cases", "arms", "published", "targets")),
     "route_sim": (route_sim_report, ("cost_model", "check", "predicted", "rows", "targets", "asks_per_replica")),
 }
 # The header every run writes (harness.Run.header), and the names older files gave some of its fields.

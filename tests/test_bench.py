@@ -556,6 +556,8 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "engine_ab.json": "engine_ab",
         "full.json": "run",
         "gpu.json": "gpu",
+        "jevbench.json": "jevbench",
+        "krite.json": "krite",
         "memory.json": "memory",
         "models.json": "models",
         "order.json": "order",

@@ -115,7 +115,8 @@ def krite_ask(python: str, url: str, requests: list[dict]) -> dict:
 def assert_valid(asked: dict, raw: list[dict]) -> None:
     """Every reply passed krite's client and schema, the schema is the installed package's own file, and blink's
     additions are in each raw reply's x_meta.answers (and would fail the schema inside an answer)."""
-    assert asked["schema"].startswith(os.path.join(ROOT, ".venv-krite")) and os.path.exists(asked["schema"])
+    own = os.path.realpath(os.path.join(ROOT, ".venv-krite"))  # krite resolves its package's path (a linked venv too)
+    assert asked["schema"].startswith(own) and os.path.exists(asked["schema"])
     for row, reply in zip(asked["rows"], raw):
         assert row["status"] == 200 and row["error"] is None, row
         assert row.get("with_x_field_valid") in (None, False)  # the schema forbids a per-answer extra
@@ -223,3 +224,51 @@ def test_jevcompat_finds_the_app_conformant_with_its_key_required(tmp_path_facto
     status = {r["id"]: r["status"] for r in json.loads(report.read_text())["results"]}
     assert status["auth.bearer"] == status["auth.missing"] == status["auth.invalid"] == "pass"  # the key was required
     assert status["semantics.batching"] == "pass"  # other questions in the request do not change an answer
+
+
+# krite's own loader and checks over the suites bench/krite.py writes: every case loads by its id, its request is a
+# valid Protocol v1 request (the permute suites add blink's `permute` and nothing else), its bucket is krite's, and
+# its gold is an index krite's runners can score
+KRITE_SUITES = r"""
+import json, sys
+from pathlib import Path
+import jsonschema
+from krite_bench import data, runners
+root, ids = Path(sys.argv[1]), sys.argv[2:]
+request = jsonschema.Draft202012Validator(json.loads((data.SCHEMA_DIR / "request.schema.json").read_text()))
+out = {}
+for sid in ids:
+    cases = data.load_suite(sid, root / "benchmarks" / "data")
+    bad = []
+    for c in cases:
+        req = json.loads(json.dumps(c["request"]))
+        permute = req["questions"]["q"].pop("permute", None)
+        q = req["questions"]["q"]
+        k = len(q.get("criteria") or []) or 2
+        if not request.is_valid(req) or data.bucket(c["type"], k) != c["bucket"] or c["suite"] != sid:
+            bad.append(c["case_id"])
+        if (permute is not None) != sid.endswith("-permute") or permute not in (None, k):
+            bad.append(c["case_id"])
+        runners.gold_index(q, c["gold"]["q"])  # raises where the gold is not one of the options
+    ks = sorted({len(c["request"]["questions"]["q"].get("criteria") or []) for c in cases})
+    out[sid] = {"cases": len(cases), "bad": bad, "ks": ks}
+print(json.dumps(out))
+"""
+
+
+def test_the_krite_suites_load_and_validate_with_krites_own_code(krite_python, tmp_path):
+    from bench import krite
+
+    written = krite.suites()
+    assert not any(
+        sid.split("-")[0] in {"agnews", "banking77", "massive", "boolq", "xnli", "sst5", "amazon"} for sid in written
+    )
+    krite.write_root(str(tmp_path), written)
+    done = subprocess.run(
+        [krite_python, "-c", KRITE_SUITES, str(tmp_path), *written], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    assert {sid: row["bad"] for sid, row in got.items()} == {sid: [] for sid in written}
+    assert got["blink-clearcut-choice4"]["ks"] == [4] and got["blink-clearcut-choice8"]["ks"] == [8]
+    assert got["blink-clearcut-choice8-permute"]["cases"] == got["blink-clearcut-choice8"]["cases"] == 48
