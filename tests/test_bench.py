@@ -554,6 +554,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "decision.json": "run",
         "drift.json": "drift",
         "engine_ab.json": "engine_ab",
+        "engine_ab-float32.json": "engine_ab",
         "full.json": "run",
         "gpu.json": "gpu",
         "jevbench.json": "jevbench",
