@@ -11,6 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import wait_until
+from test_batching import held_batcher
+from test_prefix import DOC
 
 import blink
 
@@ -20,21 +22,7 @@ TARGET = {
     "criteria": ["billing", "shipping", "technical support", "account security"],
 }
 SHORT = "The parcel arrived three days late and the box was crushed; the customer wants a refund."
-LONG = " ".join(  # evidence past prefix_min_tokens: it runs from a kept prefix of its own
-    f"Ticket {n}: the customer's {item} {problem}; they asked for {ask}, and the agent tagged it for {team}."
-    for n, (item, problem, ask, team) in enumerate(
-        [
-            ("router", "stopped working after an update", "a replacement", "technical support"),
-            ("invoice", "was charged twice", "a refund", "billing"),
-            ("parcel", "never arrived", "a callback", "shipping"),
-            ("password", "cannot be reset", "help", "account security"),
-            ("laptop", "arrived damaged", "a replacement", "returns"),
-            ("gift card", "shows the wrong price", "a refund", "billing"),
-        ]
-        * 3,
-        start=1,
-    )
-)
+LONG = " ".join([DOC] * 3)  # evidence past prefix_min_tokens: it runs from a kept prefix of its own
 OTHERS = [  # other callers' requests: evidence and questions of other lengths
     ("Paid in full on Monday, thanks!", {"paid": {"type": "noul", "instructions": "Has the customer paid?"}}),
     (
@@ -111,17 +99,7 @@ def test_the_batcher_packs_callers_without_moving_their_answers(engine, served):
     dep = served(engine, blink.Settings(batch_max_requests=8))
     requests = [(SHORT, {"target": TARGET}), (LONG, {"target": TARGET, **fillers(3)}), *OTHERS]
     alone = [dep.decide(*r)["answers"] for r in requests]
-    batcher = dep.batcher()
-    real, entered, release, sizes = batcher.run, threading.Event(), threading.Event(), []
-
-    def held(jobs):
-        sizes.append(len(jobs))
-        if len(sizes) == 1:
-            entered.set()
-            assert release.wait(120)
-        return real(jobs)
-
-    batcher.run = held
+    batcher, sizes, entered, release = held_batcher(dep)
     results: dict = {}
     threads = [
         threading.Thread(target=lambda i=i: results.setdefault(i, dep.submit(dep.request(*requests[i]))))
