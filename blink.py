@@ -648,7 +648,8 @@ def question_options(q: dict, loc: list) -> tuple[Option, ...]:
 
 
 # Opt-in per question (absent or null = off; a question without them renders and keys exactly as before):
-#   "permute": N        choice only: average the distribution over N cyclic rotations of the options (1..options)
+#   "permute": N        choice only: average the distribution over N cyclic rotations of the options in key order
+#                       (1..options), so the answer does not depend on the order the request lists them in
 #   "multi": true       choice only: one yes/no prompt per option, independent p(yes) each ("which of these apply")
 #   "abstain": {...}    any type: {"min_label_mass": x} and/or {"min_confidence": y}, each from 0 to 1
 ABSTAIN_THRESHOLDS = ("min_label_mass", "min_confidence")
@@ -713,7 +714,7 @@ def abstain_rule(q: dict, loc: list) -> dict[str, float]:
 
 
 def rotation_shifts(n_options: int, rotations: int) -> list[int]:
-    """Evenly spaced cyclic shifts, the first 0 (the request's own order): 4 options, 2 rotations -> [0, 2]."""
+    """Evenly spaced cyclic shifts, the first 0 (the options in key order): 4 options, 2 rotations -> [0, 2]."""
     return [i * n_options // rotations for i in range(rotations)]
 
 
@@ -727,13 +728,17 @@ def prompt_rows(
     criterion: str, options: tuple[Option, ...], rotations: int | None, multi: bool
 ) -> tuple[PromptRow, ...]:
     """What each rendered prompt of a question shows. One prompt normally (the request's own rendering). With
-    `permute: N`, one per rotation, the options shifted cyclically and lettered A.. in shown order. With `multi`, one
-    noul-shaped prompt per option: the criterion gains "Does this option apply: <option>", the options are Yes / No."""
+    `permute: N`, one per rotation of the options sorted by key, shifted cyclically and lettered A.. in shown order.
+    With `multi`, one noul-shaped prompt per option: the criterion gains "Does this option apply: <option>", the
+    options are Yes / No."""
     if multi:
         return tuple(PromptRow(multi_criterion(criterion, o.text).strip(), YES_NO) for o in options)
     if rotations is None:
         return (PromptRow(criterion, options),)
-    return tuple(PromptRow(criterion, options[s:] + options[:s]) for s in rotation_shifts(len(options), rotations))
+    # Rotations of one canonical order, not of the listed one: two requests that list the same options in other
+    # orders render the same prompts, so (with batch-invariant forwards) they get the same bits back.
+    ordered = tuple(sorted(options, key=lambda o: o.key))
+    return tuple(PromptRow(criterion, ordered[s:] + ordered[:s]) for s in rotation_shifts(len(ordered), rotations))
 
 
 OPTION_BANDS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, MAX_OPTIONS))
@@ -1822,7 +1827,9 @@ def load_pretrained(auto_class, source: str, revision: str | None, settings: Set
     # Hub's kernels that transformers fetches and runs by default on a GPU (offline, that load fails outright)
     load = dict(
         revision=revision,
-        dtype=torch_dtype(settings),
+        # int8 loads the checkpoint's own dtype and widens what it keeps to float32 after quantizing (quantize_int8):
+        # a 4B bfloat16 checkpoint then never stands whole in float32 (17 GB)
+        dtype="auto" if settings.quantize == "int8" else torch_dtype(settings),
         attn_implementation="sdpa",
         use_safetensors=True,
         trust_remote_code=False,
@@ -2076,7 +2083,12 @@ def quantize_int8(model) -> str:
     """Every linear layer of the decoder but lm_head made int8 in place: weights per output channel (one byte each,
     the float copy dropped), activations per token at run time (so one token's outlier values, such as the first
     token's, scale no other token), int32 accumulation by torch._int_mm (oneDNN's VNNI or AMX kernel). lm_head stays
-    as loaded: blink reads its label rows and log-sum-exp itself, exactly. CPU only. Returns "int8"."""
+    as loaded: blink reads its label rows and log-sum-exp itself, exactly. CPU only. Returns "int8".
+
+    The model comes in its checkpoint's dtype (load_pretrained). Each layer is quantized from its own weight upcast,
+    one layer at a time; the token embedding and lm_head then stay in that dtype (the embedding's output widened to
+    float32, the readout upcasting the rows it reads: both exact), and every other floating tensor (norms, biases,
+    convolutions) becomes float32, the dtype the forward runs in. The results are those of a float32 load."""
     import torch
 
     head = model.get_output_embeddings()
@@ -2086,10 +2098,18 @@ def quantize_int8(model) -> str:
         weight = layer.weight.detach().float()
         wscale = weight.abs().amax(1).clamp_(min=1e-12) / 127
         qweight = torch.round(weight / wscale[:, None]).clamp_(-127, 127).to(torch.int8)
-        del layer.weight
+        del layer.weight, weight
         layer.register_buffer("qweight", qweight.t().contiguous())  # (in, out): _int_mm's right operand
         layer.register_buffer("wscale", wscale)
         layer.forward = types.MethodType(_int8_forward, layer)
+    embedding = model.get_input_embeddings()
+    kept = {id(embedding.weight), id(head.weight)}
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is not None and t.is_floating_point() and id(t) not in kept and t.dtype != torch.float32:
+                    tensors[name] = torch.nn.Parameter(t.float(), False) if name in module._parameters else t.float()
+    embedding.register_forward_hook(lambda _module, _args, out: out.float())
     return "int8"
 
 
@@ -2446,8 +2466,8 @@ class TorchEngine(PromptEngine):
     def compute(self) -> dict:
         """backend "torch", the weights' dtype and device; on a CPU, what runs the linear layers (cpu_matmul) and
         the verdict BLINK_CPU_MATMUL=auto measured or read for it (None: not measured)."""
-        weight = self.model.get_input_embeddings().weight
-        out = {"backend": self.name, "dtype": dtype_name(weight.dtype), "device": weight.device.type}
+        weight = self.model.get_input_embeddings().weight  # under int8 in the checkpoint's dtype: not the compute's
+        out = {"backend": self.name, "dtype": self.settings.compute_dtype, "device": weight.device.type}
         if weight.device.type == "cpu":
             out.update(cpu_matmul=self.matmul, cpu_matmul_verdict=self.matmul_verdict)
         return out

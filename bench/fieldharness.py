@@ -30,6 +30,18 @@ def missing(name: str) -> str | None:
     return None
 
 
+def version(name: str, package: str) -> str:
+    """The version of `package` installed in the harness environment `name`."""
+    python = os.path.join(environment(name), "bin", "python")
+    got = run([python, "-c", f"import importlib.metadata as m; print(m.version({package!r}))"], ".")
+    return got["stdout"].strip()
+
+
+def targets_line(targets: list[dict], sep: str = "; ") -> str:
+    """Each target with met or missed and its value, for the line a harness prints last."""
+    return sep.join(f"{t['target']}: {'met' if t['met'] else 'missed'} ({t['value']})" for t in targets)
+
+
 def arm_dtype(arm: str) -> str:
     """The dtype blink computes in under the arm's variables on this machine."""
     return blink.Settings.from_env(ARMS[arm]).compute_dtype

@@ -45,13 +45,6 @@ def harness_env() -> dict:
     return {k: v for k, v in os.environ.items() if k != "JEVBENCH_API_KEY"}
 
 
-def version() -> str:
-    """The installed jevbench version."""
-    python = os.path.join(fieldharness.environment("jevbench"), "bin", "python")
-    got = fieldharness.run([python, "-c", "import importlib.metadata as m; print(m.version('jevbench'))"], ".")
-    return got["stdout"].strip()
-
-
 def scores(report: dict) -> dict:
     """The report's pillar and overall scores (0-1), with accuracy where jevbench reports one."""
     got = report.get("scores") or {}
@@ -140,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for arm in fieldharness.ARMS
     }
     result = {
-        "jevbench": version(),
+        "jevbench": fieldharness.version("jevbench", "jevbench"),
         "model_field": fieldharness.MODEL,
         "suites": suites,
         "jevbench_mini_selection": {"arms": mini_arms, "flags": mini},
@@ -150,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     path = run.write(result)
     print("\n".join(summary_rows(arms)))
-    met = ", ".join(f"{t['target']}: {'met' if t['met'] else 'missed'} ({t['value']})" for t in result["targets"])
+    met = fieldharness.targets_line(result["targets"], ", ")
     print(f"jevbench: {met}; wrote {path}")
     failed = [a for a, got in arms.items() if got["check"]["returncode"] != 0]
     return 1 if failed else 0

@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         arms[arm] = arm_run(arm, root, files, cases)
         arms[arm]["figures"] = figures(arms[arm])
     result = {
-        "krite_bench": version(),
+        "krite_bench": fieldharness.version("krite", "krite-bench"),
         "suites": {sid: {"cases": len(c), "bucket": c[0]["bucket"]} for sid, c in written.items()},
         "cases": cases,
         "arms": arms,
@@ -318,17 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     path = run.write(result)
     for arm, got in arms.items():
         print(f"{arm} ({got['dtype']}): {json.dumps(got['figures'])}")
-    met = "; ".join(f"{t['target']}: {'met' if t['met'] else 'missed'} ({t['value']})" for t in result["targets"])
+    met = fieldharness.targets_line(result["targets"])
     print(f"krite: {met}; wrote {path}")
     failed = [f"{a} {n}" for a, got in arms.items() for n, r in got["runs"].items() if r["returncode"] != 0]
     return 1 if failed else 0
-
-
-def version() -> str:
-    """The installed krite-bench version."""
-    python = os.path.join(fieldharness.environment("krite"), "bin", "python")
-    got = fieldharness.run([python, "-c", "import importlib.metadata as m; print(m.version('krite-bench'))"], ".")
-    return got["stdout"].strip()
 
 
 if __name__ == "__main__":

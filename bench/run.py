@@ -423,42 +423,37 @@ def same_dtype_pipeline(row: dict) -> str | None:
     return next((p for p in OWN_PROMPT_PIPELINES if row["arms"].get(p, {}).get("dtype") == dtype), None)
 
 
-def ratio_target(row: dict, case: str, peer: str, threshold: float, what: str, exact: bool) -> dict:
-    """blink at least `threshold` times faster than `peer` in one case (wall clock and CPU time)."""
-    value, cpu = row[f"vs_{peer}"]["wall"], row[f"vs_{peer}"]["cpu"]
+def speed_target(row: dict, case: str, peer: str, mine: str, ratios: tuple, threshold: float, what: str, exact: bool):
+    """One speed target's row: `mine` at least `threshold` times faster than `peer` in one case, by the ratios
+    (wall clock, CPU time) given; met is None where the run was not exact."""
+    value, cpu = ratios
     return {
-        "target": f"blink >= {threshold:g}x {peer}: {what}",
+        "target": f"{mine} >= {threshold:g}x {peer}: {what}",
         "case": case,
         "peer": peer,
-        "short": f"vs {peer}: {what}",
+        "short": f"vs {peer}: {what}" if mine == "blink" else f"{mine} vs {peer}: {what}",
         "value": value,
         "value_cpu_time": cpu,
         "threshold": threshold,
         "met": value >= threshold if exact else None,
         "met_cpu_time": cpu >= threshold if exact else None,
-        "picks_differ_from_blink": row[f"vs_{peer}"]["picks_differ_from_blink"],
         "cell": f"{row['questions']} question(s), {row['prompt_tokens']} prompt tokens",
     }
+
+
+def ratio_target(row: dict, case: str, peer: str, threshold: float, what: str, exact: bool) -> dict:
+    """blink at least `threshold` times faster than `peer` in one case (wall clock and CPU time)."""
+    ratios = row[f"vs_{peer}"]["wall"], row[f"vs_{peer}"]["cpu"]
+    out = speed_target(row, case, peer, "blink", ratios, threshold, what, exact)
+    return {**out, "picks_differ_from_blink": row[f"vs_{peer}"]["picks_differ_from_blink"]}
 
 
 def int8_target(row: dict, case: str, peer: str, threshold: float, what: str, exact: bool) -> dict:
     """blink at int8 (the blink_int8 arm where it ran, else blink at its defaults) at least `threshold` times faster
     than an int8 peer in one case (wall clock and CPU time)."""
     mine = "blink_int8" if "blink_int8" in row["arms"] else "blink"
-    value, cpu = (round(row["arms"][peer][k] / row["arms"][mine][k], 2) for k in ("total_wall_s", "total_cpu_s"))
-    return {
-        "target": f"{mine} >= {threshold:g}x {peer}: {what}",
-        "case": case,
-        "peer": peer,
-        "blink_arm": mine,
-        "short": f"{mine} vs {peer}: {what}",
-        "value": value,
-        "value_cpu_time": cpu,
-        "threshold": threshold,
-        "met": value >= threshold if exact else None,
-        "met_cpu_time": cpu >= threshold if exact else None,
-        "cell": f"{row['questions']} question(s), {row['prompt_tokens']} prompt tokens",
-    }
+    ratios = tuple(round(row["arms"][peer][k] / row["arms"][mine][k], 2) for k in ("total_wall_s", "total_cpu_s"))
+    return {**speed_target(row, case, peer, mine, ratios, threshold, what, exact), "blink_arm": mine}
 
 
 def decision_targets(decision: dict, quick: bool) -> list[dict]:

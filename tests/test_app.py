@@ -230,8 +230,10 @@ def test_multi_and_permute_answers(launched, client):
     assert issues["multi"] is True and list(p) == qs["issues"]["criteria"] and all(0 < v < 1 for v in p.values())
     assert issues["choices"] == [k for k, v in p.items() if v > 0.5]
     assert issues["confidence"] == pytest.approx(min(abs(2 * v - 1) for v in p.values()))
-    # the two rotations (shifts 0 and 1 of 3 options) asked as plain choices: the permuted answer is their average
-    options = qs["team"]["criteria"]
+    # the two rotations (shifts 0 and 1 of the 3 options in key order) asked as plain choices: the permuted answer is
+    # their average
+    options = sorted(qs["team"]["criteria"])
+    assert options != qs["team"]["criteria"]  # key order is not the listed order here
     rotated = app.DEPLOYMENT.decide(
         state, {f"r{s}": {"type": "choice", "criteria": options[s:] + options[:s]} for s in (0, 1)}
     )["answers"]

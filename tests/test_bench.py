@@ -565,6 +565,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "overhead.json": "overhead",
         "route_sim.json": "route_sim",
         "serve.json": "serve",
+        "serve-default.json": "serve",
         "vllm-cpu.json": "vllm_check",
     }
 
@@ -722,6 +723,7 @@ def test_the_bench_readme_tables_are_what_report_prints():
         "memory.json": None,
         "vllm-cpu.json": None,
         "serve.json": None,
+        "serve-default.json": None,
         "route_sim.json": None,
         "full.json": "Time per request",
     }  # full: the grid's tables

@@ -3,6 +3,7 @@ real stand-in model (one session engine, few short prompts)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -360,9 +361,12 @@ def test_options_keep_the_trained_rendering(standin):
     plain = standin.render(req(STATE, {"intent": INTENT}))[0]
     opted = standin.render(req(STATE, {"intent": {**INTENT, "abstain": {"min_confidence": 0.2}, "multi": False}}))[0]
     rotations = standin.render(req(STATE, {"intent": {**INTENT, "permute": 3}}))
-    assert opted.ids == plain.ids == rotations[0].ids
-    assert rotations[1].ids == standin.render(req(STATE, {"intent": rot(INTENT, 1)}))[0].ids
-    assert rotations[1].keys == ["replacement", "advice", "refund"]
+    assert opted.ids == plain.ids
+    # permute's rotations are of the options in key order, each rendered as a plain question listing them so
+    keyed = {**INTENT, "criteria": {k: INTENT["criteria"][k] for k in sorted(INTENT["criteria"])}}
+    assert rotations[0].ids == standin.render(req(STATE, {"intent": keyed}))[0].ids
+    assert rotations[1].ids == standin.render(req(STATE, {"intent": rot(keyed, 1)}))[0].ids
+    assert rotations[1].keys == ["refund", "replacement", "advice"]
 
 
 def test_batched_readout_and_shared_prefix_carry_the_same_label_mass(live):
@@ -423,3 +427,34 @@ def test_rotating_the_options_flips_the_plain_choice_but_not_the_robust_one(stan
     assert robust[0]["probabilities"] == pytest.approx(mean, abs=1e-6)
     assert sorted(robust[0]["rotation_choices"]) == sorted(a["choice"] for a in plain)
     assert all(0 < a["label_mass"] < 1 for a in plain + robust)
+
+
+def test_permute_rotates_the_key_order_so_the_listed_order_cannot_move_the_answer(standin, served):
+    """Two rotations of four options: every one of the 24 listed orders renders the same prompts (the key order's
+    rotations) and gets the same answer back; without permute the stand-in's pick follows the listed order."""
+    q = {
+        "type": "choice",
+        "instructions": "Which department should handle this ticket?",
+        "criteria": {
+            "shipping": "deliveries and parcels",
+            "billing": "payments and invoices",
+            "tech": "software and login problems",
+            "returns": "sending an item back",
+        },
+    }
+    orders = [dict(p) for p in itertools.permutations(q["criteria"].items())]
+    shown = {
+        tuple(tuple(o.key for o in row.shown) for row in parse({**q, "criteria": c, "permute": 2}).rows) for c in orders
+    }
+    assert shown == {(("billing", "returns", "shipping", "tech"), ("shipping", "tech", "billing", "returns"))}
+    results = served(standin).decide_many(
+        [(STATE, {"q": {**q, "criteria": c, "permute": 2}}) for c in orders]
+        + [(STATE, {"q": {**q, "criteria": c}}) for c in orders]
+    )
+    robust = [r["answers"]["q"] for r in results[: len(orders)]]
+    plain = [r["answers"]["q"] for r in results[len(orders) :]]
+    assert len({a["choice"] for a in plain}) > 1  # the listed order does move a plain pick on this model
+    assert len({a["choice"] for a in robust}) == 1
+    for a in robust:
+        assert a["probabilities"] == pytest.approx(robust[0]["probabilities"], abs=1e-6)
+        assert a["rotation_choices"] == robust[0]["rotation_choices"]

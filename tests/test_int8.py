@@ -4,6 +4,7 @@ weights' memory against bfloat16's."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -73,3 +74,29 @@ def test_int8_decoder_weights_take_about_half_of_bfloat16s(engines):
         if n in layers
     )
     assert q8_layers <= 0.55 * bf_layers
+
+
+def test_int8_from_a_bfloat16_checkpoint_matches_its_float32_copy(tmp_path):
+    """A bfloat16 checkpoint is quantized without a float32 copy of the model: its token embedding and lm_head stay
+    bfloat16, everything else the forward reads becomes float32, and the answers are those of the same weights saved
+    in float32 (every bfloat16 value is exact in float32)."""
+    from transformers import AutoModelForCausalLM
+
+    narrow, wide = str(tmp_path / "bfloat16"), str(tmp_path / "float32")
+    drift.model_folder(narrow, {}, torch.bfloat16)
+    shutil.copytree(narrow, wide)  # the tokenizer; the weights and config then saved over in float32
+    AutoModelForCausalLM.from_pretrained(narrow, dtype=torch.float32).save_pretrained(wide)
+    settings = blink.Settings(quantize="int8")
+    loaded = {name: blink.TorchEngine(path, settings=settings) for name, path in (("bf16", narrow), ("f32", wide))}
+    model = loaded["bf16"].model
+    assert model.get_input_embeddings().weight.dtype == model.lm_head.weight.dtype == torch.bfloat16
+    kept = ("model.embed_tokens.weight", "lm_head.weight")
+    floats = [t for n, t in model.named_parameters() if n not in kept and t.is_floating_point()]
+    assert floats and all(t.dtype == torch.float32 for t in floats)
+    q8 = {n: m.qweight for n, m in model.named_modules() if hasattr(m, "qweight")}
+    assert all(torch.equal(q, loaded["f32"].model.get_submodule(n).qweight) for n, q in q8.items())
+    doc = workloads.document(loaded["f32"].tok, 100, seed=7)
+    request = blink.parse_request(doc, drift.questions(workloads.ticket_count(doc)), settings=settings)
+    got = {name: answers.of(request, e.forward(request).readouts) for name, e in loaded.items()}
+    assert answers.compare(got["f32"], got["bf16"])["max_prob_diff"] <= 1e-6
+    assert loaded["bf16"].compute["dtype"] == "float32"
