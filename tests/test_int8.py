@@ -100,3 +100,6 @@ def test_int8_from_a_bfloat16_checkpoint_matches_its_float32_copy(tmp_path):
     got = {name: answers.of(request, e.forward(request).readouts) for name, e in loaded.items()}
     assert answers.compare(got["f32"], got["bf16"])["max_prob_diff"] <= 1e-6
     assert loaded["bf16"].compute["dtype"] == "float32"
+    # nothing is read from the checkpoint's file any more, so its mapping closed (own_mapped_weights), ties kept
+    with open("/proc/self/maps", encoding="utf-8") as fh:
+        assert narrow not in fh.read()

@@ -420,3 +420,23 @@ def test_blinks_attention_keeps_the_masks_other_callers_give(standin):
     assert len({len(p) for p in prompts}) == 2  # real padding
     for row, want in enumerate(alone):
         assert (batch.logits[row, -1] - want).abs().max() < 1e-3
+
+
+def test_weights_left_in_the_checkpoints_mapped_file_are_copied_out_and_stay_tied():
+    """The stand-in (float32, its embedding tied to lm_head) loaded as from_pretrained loads it reads its weights
+    from the mapped checkpoint; own_mapped_weights copies them into the process, so none is read from a file."""
+    import gc
+
+    from transformers import AutoModelForCausalLM
+
+    folder = blink.standin_folder(blink.Settings().cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    before = blink.mapped_ranges()
+    assert before and any(lo <= model.lm_head.weight.data_ptr() < hi for lo, hi in before)
+    reference = model.lm_head.weight.detach().clone()
+    assert blink.own_mapped_weights(model) > 0
+    gc.collect()
+    mapped = blink.mapped_ranges()
+    assert not any(lo <= t.data_ptr() < hi for t in model.state_dict().values() for lo, hi in mapped)
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # still one tensor
+    assert torch.equal(model.lm_head.weight, reference)
