@@ -358,6 +358,25 @@ def overhead_table(res: dict) -> list[str]:
     return lines
 
 
+def shape4b_table(res: dict) -> list[str]:
+    """bench/shape4b.py: each arm's seconds per case and its resident memory (GB of 2^30 bytes, VmRSS and VmHWM)."""
+    cases = list(next(iter(res["arms"].values()))["cases"])
+    head = [
+        "arm",
+        "load s",
+        *(f"{c} s ({res['arms'][next(iter(res['arms']))]['cases'][c]['prompt_tokens']} tokens)" for c in cases),
+    ]
+    head += ["resident after load", "resident after the runs", "peak resident (load included)", "weights"]
+    gb = lambda mb: f"{mb / 1024:.1f} GB"  # noqa: E731
+    rows = [
+        [name, r["load_s"], *(", ".join(f"{w:.2f}" for w in r["cases"][c]["wall_s"]) for c in cases)]
+        + [gb(r["loaded"]["rss_mb"]), gb(r["after"]["rss_mb"]), gb(r["after"]["peak_rss_mb"]), gb(r["weights_mb"])]
+        for name, r in res["arms"].items()
+    ]
+    ratios = ", ".join(f"{c} {v}x" for c, v in res["int8_time_ratio"].items())
+    return table(head, rows) + ["", f"int8 over bfloat16, median time: {ratios}"]
+
+
 DRIFT_MODELS = {"stand-in": "stand-in", "qwen3.5-tiny": "tiny Qwen3.5 (linear + full attention)"}
 
 
@@ -1144,6 +1163,7 @@ REPORTS = {
     "overhead": (overhead_table, ("rows",)),
     "engine_ab": (engine_ab_table, ("rows", "base", "dtype", "model")),
     "drift": (drift_table, ("rows",)),
+    "shape4b": (shape4b_table, ("arms", "int8_time_ratio", "model")),
     "gpu": (gpu_table, ("rows",)),
     "memory": (memory_table, ("runs", "config", "target_mb")),
     "batch": (

@@ -566,6 +566,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "route_sim.json": "route_sim",
         "serve.json": "serve",
         "serve-default.json": "serve",
+        "shape4b.json": "shape4b",
         "vllm-cpu.json": "vllm_check",
     }
 
@@ -724,6 +725,8 @@ def test_the_bench_readme_tables_are_what_report_prints():
         "vllm-cpu.json": None,
         "serve.json": None,
         "serve-default.json": None,
+        "krite.json": None,
+        "shape4b.json": None,
         "route_sim.json": None,
         "full.json": "Time per request",
     }  # full: the grid's tables
