@@ -2075,6 +2075,28 @@ def mapped_ranges(suffix: str = ".safetensors") -> list[tuple[int, int]]:
     return [tuple(int(a, 16) for a in f[0].split("-")) for f in lines if len(f) > 5 and f[-1].endswith(suffix)]
 
 
+def replace_tensors(model, new: Callable) -> int:
+    """Each parameter and buffer of the model for which new(tensor) gives a tensor, replaced by it (a parameter stays
+    a parameter, without grad). A tensor several modules share (tied weights) is replaced once and stays shared.
+    Returns how many tensors were replaced."""
+    import torch
+
+    seen: dict[int, tuple] = {}  # by the old tensor's id: (it, kept alive so no other takes its id; its replacement)
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is None:
+                    continue
+                if id(t) not in seen:
+                    got = new(t)
+                    if got is not None and name in module._parameters:
+                        got = torch.nn.Parameter(got, requires_grad=False)
+                    seen[id(t)] = (t, got)
+                if seen[id(t)][1] is not None:
+                    tensors[name] = seen[id(t)][1]
+    return sum(got is not None for _, got in seen.values())
+
+
 def own_mapped_weights(model) -> int:
     """Every tensor of the model still read from its checkpoint's memory-mapped file copied into the process's own
     memory, so the mapping can close. A weight loaded in the checkpoint's dtype is a view of the file; once the linear
@@ -2082,20 +2104,12 @@ def own_mapped_weights(model) -> int:
     file mapped, and the pages the load read stay resident: 8 GB of a 4B bfloat16 checkpoint beside the model's own 8
     (`python -m bench shape4b`). Tied tensors stay tied. Returns how many tensors were copied."""
     ranges = mapped_ranges()
-    if not ranges:
-        return 0
-    copies: dict[int, tuple] = {}  # by the mapped tensor's id: (it, kept alive so no other takes its id; its copy)
-    for module in model.modules():
-        for tensors in (module._parameters, module._buffers):
-            for name, t in tensors.items():
-                if t is None or t.device.type != "cpu" or t.is_mkldnn:
-                    continue
-                if id(t) not in copies and any(lo <= t.data_ptr() < hi for lo, hi in ranges):
-                    copy = t.detach().clone()
-                    copies[id(t)] = (t, type(t)(copy, False) if name in module._parameters else copy)
-                if id(t) in copies:
-                    tensors[name] = copies[id(t)][1]
-    return len(copies)
+
+    def mapped(t) -> bool:
+        """The tensor's data lies in a mapped checkpoint file."""
+        return t.device.type == "cpu" and not t.is_mkldnn and any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+    return replace_tensors(model, lambda t: t.detach().clone() if mapped(t) else None) if ranges else 0
 
 
 def _int8_forward(self, x):
@@ -2137,11 +2151,9 @@ def quantize_int8(model) -> str:
         layer.forward = types.MethodType(_int8_forward, layer)
     embedding = model.get_input_embeddings()
     kept = {id(embedding.weight), id(head.weight)}
-    for module in model.modules():
-        for tensors in (module._parameters, module._buffers):
-            for name, t in tensors.items():
-                if t is not None and t.is_floating_point() and id(t) not in kept and t.dtype != torch.float32:
-                    tensors[name] = torch.nn.Parameter(t.float(), False) if name in module._parameters else t.float()
+    replace_tensors(
+        model, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 and id(t) not in kept else None
+    )
     embedding.register_forward_hook(lambda _module, _args, out: out.float())
     return "int8"
 
@@ -2500,8 +2512,8 @@ class TorchEngine(PromptEngine):
 
     @property
     def compute(self) -> dict:
-        """backend "torch", the weights' dtype and device; on a CPU, what runs the linear layers (cpu_matmul) and
-        the verdict BLINK_CPU_MATMUL=auto measured or read for it (None: not measured)."""
+        """backend "torch", the dtype it computes in and its device; on a CPU, what runs the linear layers
+        (cpu_matmul) and the verdict BLINK_CPU_MATMUL=auto measured or read for it (None: not measured)."""
         weight = self.model.get_input_embeddings().weight  # under int8 in the checkpoint's dtype: not the compute's
         out = {"backend": self.name, "dtype": self.settings.compute_dtype, "device": weight.device.type}
         if weight.device.type == "cpu":

@@ -360,12 +360,8 @@ def overhead_table(res: dict) -> list[str]:
 
 def shape4b_table(res: dict) -> list[str]:
     """bench/shape4b.py: each arm's seconds per case and its resident memory (GB of 2^30 bytes, VmRSS and VmHWM)."""
-    cases = list(next(iter(res["arms"].values()))["cases"])
-    head = [
-        "arm",
-        "load s",
-        *(f"{c} s ({res['arms'][next(iter(res['arms']))]['cases'][c]['prompt_tokens']} tokens)" for c in cases),
-    ]
+    cases = next(iter(res["arms"].values()))["cases"]
+    head = ["arm", "load s", *(f"{c} s ({got['prompt_tokens']} tokens)" for c, got in cases.items())]
     head += ["resident after load", "resident after the runs", "peak resident (load included)", "weights"]
     gb = lambda mb: f"{mb / 1024:.1f} GB"  # noqa: E731
     rows = [
