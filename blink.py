@@ -120,7 +120,7 @@ READOUTS = ("rows", "batched")
 CPU_MATMULS = ("auto", "onednn", "torch")  # what runs a float32 model's linear layers on a CPU
 IMAGE_LAYOUTS = ("inline", "first")
 DTYPES = ("bfloat16", "float16", "float32")
-QUANTIZE = ("none", "int8")  # the decoder's linear layers on a CPU: as loaded, or int8 (quantize_int8)
+QUANTIZE = ("none", "int8")  # the decoder's linear layers' weights on a CPU: as loaded, or int8 (quantize_int8)
 # Where shared prefixes are on by default. float32: the prefix path equals the plain one within float rounding.
 # bfloat16: neither path is exact, and `python bench/drift.py` measured the prefix path as close to the float32
 # answers as the plain path (largest probability difference 0.022 against 0.022 on an 18,000-token document, no
@@ -318,7 +318,7 @@ class Settings:
     vllm_args: str = setting("BLINK_VLLM_ARGS", "{}", json_object=True)  # vLLM engine arguments, a JSON object
     temperature: float = setting("BLINK_TEMPERATURE", 1.0, 0.0, 1e6, above=True)  # the release temperature, not fitted
     dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: by hardware (default_dtype)
-    quantize: str = setting("BLINK_QUANTIZE", "none", choices=QUANTIZE)  # int8: CPU only, not a default (drift)
+    quantize: str = setting("BLINK_QUANTIZE", "none", choices=QUANTIZE)  # int8: CPU only, not a default (speed)
     token_budget: int | None = setting("BLINK_TOKEN_BUDGET", None, 1, kind=int)  # padded tokens per forward
     max_input_tokens: int = setting("BLINK_MAX_INPUT_TOKENS", 131072, 1)  # per question, as evaluated
     max_request_tokens: int = setting("BLINK_MAX_REQUEST_TOKENS", 1048576, 1)  # all of a request's prompts
@@ -388,10 +388,8 @@ class Settings:
 
     @property
     def compute_dtype(self) -> str:
-        """The weights' dtype on every backend: BLINK_DTYPE if set, else default_dtype for this hardware; float32
-        under BLINK_QUANTIZE=int8 (torch's dynamic int8 product takes float32 activations)."""
-        if self.quantize == "int8":
-            return "float32"
+        """The weights' dtype on every backend (under BLINK_QUANTIZE=int8, the dtype the int8 weights widen to):
+        BLINK_DTYPE if set, else default_dtype for this hardware."""
         return self.dtype or default_dtype(self.gpu, self.cpu_bf16)
 
     def derived_defaults(self) -> dict:
@@ -1827,9 +1825,7 @@ def load_pretrained(auto_class, source: str, revision: str | None, settings: Set
     # Hub's kernels that transformers fetches and runs by default on a GPU (offline, that load fails outright)
     load = dict(
         revision=revision,
-        # int8 loads the checkpoint's own dtype and widens what it keeps to float32 after quantizing (quantize_int8):
-        # a 4B bfloat16 checkpoint then never stands whole in float32 (17 GB)
-        dtype="auto" if settings.quantize == "int8" else torch_dtype(settings),
+        dtype=torch_dtype(settings),
         attn_implementation="sdpa",
         use_safetensors=True,
         trust_remote_code=False,
@@ -2113,48 +2109,34 @@ def own_mapped_weights(model) -> int:
 
 
 def _int8_forward(self, x):
-    """nn.Linear.forward by an int8 product: x quantized per token (its rows' absolute maxima over 127), multiplied by
-    the int8 weight (per output channel) with int32 accumulation, rescaled to x's dtype."""
+    """nn.Linear.forward from an int8 weight: its values widened to x's dtype (exact: every int8 is a bfloat16), the
+    product taken in that dtype, then each output channel scaled by the weight's scale."""
     import torch
 
-    rows = x.reshape(-1, x.shape[-1]).float()
-    scale = rows.abs().amax(-1, keepdim=True).clamp_(min=1e-12) / 127
-    q = torch.round(rows / scale).to(torch.int8)
-    out = torch._int_mm(q, self.qweight).float().mul_(scale).mul_(self.wscale)
-    if self.bias is not None:
-        out += self.bias
-    return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+    out = torch.nn.functional.linear(x, self.qweight.to(x.dtype)).mul_(self.wscale)
+    return out if self.bias is None else out.add_(self.bias)
 
 
 def quantize_int8(model) -> str:
-    """Every linear layer of the decoder but lm_head made int8 in place: weights per output channel (one byte each,
-    the float copy dropped), activations per token at run time (so one token's outlier values, such as the first
-    token's, scale no other token), int32 accumulation by torch._int_mm (oneDNN's VNNI or AMX kernel). lm_head stays
-    as loaded: blink reads its label rows and log-sum-exp itself, exactly. CPU only. Returns "int8".
-
-    The model comes in its checkpoint's dtype (load_pretrained). Each layer is quantized from its own weight upcast,
-    one layer at a time; the token embedding and lm_head then stay in that dtype (the embedding's output widened to
-    float32, the readout upcasting the rows it reads: both exact), and every other floating tensor (norms, biases,
-    convolutions) becomes float32, the dtype the forward runs in. The results are those of a float32 load."""
+    """Every linear layer of the decoder but lm_head made int8 in place: one byte per weight with a scale per output
+    channel (the float copy dropped), widened back to the compute dtype one layer at a time as the forward reaches it.
+    The activations stay in the compute dtype: per-token int8 activations moved the stand-in's answers by up to 0.1
+    from float32's, where int8 weights alone move them no more than bfloat16 does (`python -m bench quantfloor`).
+    lm_head stays as loaded: blink reads its label rows and log-sum-exp itself. CPU only. Returns "int8"."""
     import torch
 
     head = model.get_output_embeddings()
     if head.weight.device.type != "cpu":
-        raise BlinkError("BLINK_QUANTIZE=int8 runs on a CPU only (its int8 product here is CPU's)")
+        raise BlinkError("BLINK_QUANTIZE=int8 runs on a CPU only (measured there alone)")
     for layer in [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]:
         weight = layer.weight.detach().float()
         wscale = weight.abs().amax(1).clamp_(min=1e-12) / 127
         qweight = torch.round(weight / wscale[:, None]).clamp_(-127, 127).to(torch.int8)
+        dtype = layer.weight.dtype
         del layer.weight, weight
-        layer.register_buffer("qweight", qweight.t().contiguous())  # (in, out): _int_mm's right operand
-        layer.register_buffer("wscale", wscale)
+        layer.register_buffer("qweight", qweight)
+        layer.register_buffer("wscale", wscale.to(dtype))
         layer.forward = types.MethodType(_int8_forward, layer)
-    embedding = model.get_input_embeddings()
-    kept = {id(embedding.weight), id(head.weight)}
-    replace_tensors(
-        model, lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 and id(t) not in kept else None
-    )
-    embedding.register_forward_hook(lambda _module, _args, out: out.float())
     return "int8"
 
 
@@ -2514,7 +2496,7 @@ class TorchEngine(PromptEngine):
     def compute(self) -> dict:
         """backend "torch", the dtype it computes in and its device; on a CPU, what runs the linear layers
         (cpu_matmul) and the verdict BLINK_CPU_MATMUL=auto measured or read for it (None: not measured)."""
-        weight = self.model.get_input_embeddings().weight  # under int8 in the checkpoint's dtype: not the compute's
+        weight = self.model.get_input_embeddings().weight
         out = {"backend": self.name, "dtype": self.settings.compute_dtype, "device": weight.device.type}
         if weight.device.type == "cpu":
             out.update(cpu_matmul=self.matmul, cpu_matmul_verdict=self.matmul_verdict)

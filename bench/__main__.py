@@ -26,6 +26,7 @@ BENCHMARKS = (
     "krite",
     "gpu",
     "shape4b",
+    "quantfloor",
     "report",
 )
 

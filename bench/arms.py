@@ -189,9 +189,9 @@ REGISTRY: dict[str, dict[str, Arm]] = {
         Arm(
             "int8",
             "int8",
-            "BLINK_QUANTIZE=int8: every linear layer but lm_head int8 (weights per output channel, activations per "
-            "token, torch._int_mm), the rest in float32",
-            {"quantize": "int8"},
+            "BLINK_QUANTIZE=int8 in bfloat16: every linear layer but lm_head int8 (weights per output channel, widened "
+            "to bfloat16 as each layer runs), the activations and the rest in bfloat16",
+            {"quantize": "int8", "dtype": "bfloat16"},
         ),
     ),
     "gpu": _named(

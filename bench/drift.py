@@ -9,8 +9,8 @@ Arms (the registry's "drift" arms, bench/arms.py), each a torch engine at blink'
   float32_onednn   float32 with the linear layers by oneDNN (BLINK_CPU_MATMUL=onednn)
   bfloat16         bfloat16 weights and activations (BLINK_DTYPE=bfloat16), shared prefixes on
   bfloat16_plain   the same without shared prefixes (BLINK_PREFIX_CACHE=0): the prefix path drifts no more than this
-  int8             float32 with every linear layer but lm_head int8 (BLINK_QUANTIZE=int8: weights per output
-                   channel, activations per token at run time, int32 accumulation by torch._int_mm)
+  int8             bfloat16 with every linear layer but lm_head int8 (BLINK_QUANTIZE=int8: weights per output
+                   channel, widened to bfloat16 as each layer runs)
 
 Each document gets 8 questions of every type (6 choices of 4 options, a yes/no, a 5-level score). Reported per arm:
 the largest label-logit and probability difference from float32 and the questions whose pick differs, with

@@ -373,6 +373,20 @@ def shape4b_table(res: dict) -> list[str]:
     return table(head, rows) + ["", f"int8 over bfloat16, median time: {ratios}"]
 
 
+def quantfloor_table(res: dict) -> list[str]:
+    """bench/quantfloor.py: each arm's largest probability difference from float32 and its picks that differ, per
+    log, and its worst against the bound."""
+    arms = list(res["rows"][0]["arms"])
+    head = ["arm", *(f"{r['doc_tokens']}-token log" for r in res["rows"]), f"largest (bound {res['bound']})"]
+    rows = [
+        [arm]
+        + [f"{r['arms'][arm]['max_prob_diff']:.4f} ({len(r['arms'][arm]['picks_differ'])})" for r in res["rows"]]
+        + [f"{res['worst'][arm]:.4f} {'within' if res['worst'][arm] <= res['bound'] else 'over'}"]
+        for arm in arms
+    ]
+    return table(head, rows) + ["", "Each cell: the largest probability difference (the picks that differ)."]
+
+
 DRIFT_MODELS = {"stand-in": "stand-in", "qwen3.5-tiny": "tiny Qwen3.5 (linear + full attention)"}
 
 
@@ -1160,6 +1174,7 @@ REPORTS = {
     "engine_ab": (engine_ab_table, ("rows", "base", "dtype", "model")),
     "drift": (drift_table, ("rows",)),
     "shape4b": (shape4b_table, ("arms", "int8_time_ratio", "model")),
+    "quantfloor": (quantfloor_table, ("rows", "worst", "bound", "model")),
     "gpu": (gpu_table, ("rows",)),
     "memory": (memory_table, ("runs", "config", "target_mb")),
     "batch": (

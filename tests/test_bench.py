@@ -563,6 +563,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "models.json": "models",
         "order.json": "order",
         "overhead.json": "overhead",
+        "quantfloor.json": "quantfloor",
         "route_sim.json": "route_sim",
         "serve.json": "serve",
         "serve-default.json": "serve",
@@ -727,6 +728,7 @@ def test_the_bench_readme_tables_are_what_report_prints():
         "serve-default.json": None,
         "krite.json": None,
         "shape4b.json": None,
+        "quantfloor.json": None,
         "route_sim.json": None,
         "full.json": "Time per request",
     }  # full: the grid's tables
