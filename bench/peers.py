@@ -139,11 +139,13 @@ def start_pipeline_bfloat16(arm: arms.Arm, ctx: PeerContext):
 
 class BlinkPipe:
     """blink under an arm's settings, its own engine behind a Deployment, answering System One bodies; counts the
-    prompt tokens it computed (meta.prefill_tokens) and names its dtype (its quantization where it has one)."""
+    prompt tokens it computed (meta.prefill_tokens) and names its dtype (its quantization where it has one) and the
+    dtype its products run in (under int8, the compute dtype its weights widen to: its matmul probe)."""
 
     def __init__(self, engine: blink.TorchEngine):
         self.dep = blink.Deployment.serving(engine)
-        self.dtype = "int8" if engine.settings.quantize == "int8" else blink.dtype_name(engine.model.dtype)
+        self.product_dtype = engine.settings.compute_dtype
+        self.dtype = "int8" if engine.settings.quantize == "int8" else self.product_dtype
         self.tokens = 0
 
     def computed_tokens(self) -> int:
@@ -234,12 +236,14 @@ def decision_cases(engine: blink.TorchEngine, cfg: dict, pipes: dict) -> dict:
         }
         for arm, runs in times[case].items():
             dtype = blink.dtype_name(engine.model.dtype) if arm == "blink" else getattr(pipes[arm], "dtype", None)
+            product = getattr(pipes.get(arm), "product_dtype", None)
             row["arms"][arm] = {
                 "wall_s": [round(w, 4) for w, _ in runs],
                 "cpu_s": [round(c, 4) for _, c in runs],
                 "total_wall_s": round(sum(w for w, _ in runs), 4),
                 "total_cpu_s": round(sum(c for _, c in runs), 4),
                 **computed_work(engine.prefill_cost, tokens[case][arm], sum(w for w, _ in runs), dtype),
+                **({"product_dtype": product} if product and product != dtype else {}),
             }
         for name in pipes:
             theirs = answers.compare(mine, answers.flat(answered[(case, name)]))
@@ -274,13 +278,13 @@ def computed_work(cost: blink.PrefillCost, tokens: list[int | None], wall_s: flo
 
 def utilisation(decision: dict, probe_of) -> None:
     """Each arm's model FLOP utilisation in every case (harness.utilisation): its model_gflop over its time, against
-    the matmul probe at the dtype it computes in (`probe_of(dtype)` -> (dtype probed, GFLOP/s): harness.Run's
-    matmul_probe), written beside its times."""
+    the matmul probe at the dtype its products run in (its product_dtype where it has one, else its dtype;
+    `probe_of(dtype)` -> (dtype probed, GFLOP/s): harness.Run's matmul_probe), written beside its times."""
     for row in decision.values():
         for arm in row["arms"].values():
             if arm.get("model_gflop") is None:
                 continue
-            arm["probe_dtype"], probe = probe_of(arm["dtype"])
+            arm["probe_dtype"], probe = probe_of(arm.get("product_dtype", arm["dtype"]))
             arm["matmul_gflops"] = round(probe, 2)
             share = harness.utilisation(arm["model_gflop"] * 1e9, arm["total_wall_s"], probe)
             arm["utilisation"] = None if share is None else round(share, 3)
