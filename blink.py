@@ -1438,8 +1438,8 @@ class Forward:
     engine: str  # "torch", "replay" or "mock"
     source: str
     model_ms: float | None = None  # forward passes only; excludes any wait for a device
-    prefill_tokens: int | None = None  # tokens the model computed; input_tokens counts every prompt's
-    cached_tokens: int | None = None  # prompt tokens read from prefixes encoded by earlier calls
+    prefill_tokens: int | None = None  # prompt tokens the model computed for this request (Prefill.computed)
+    cached_tokens: int | None = None  # input_tokens - prefill_tokens: read from prefixes kept or computed for others
     batched_requests: int | None = None
     recorded_on: str | None = None
     recorded_ms: float | None = None
@@ -2030,6 +2030,19 @@ def pack_linear(layer) -> None:
     layer.forward = types.MethodType(_packed_forward, layer)
 
 
+@functools.cache
+def onednn_packs_bfloat16() -> bool:
+    """Whether this torch's oneDNN lays out bfloat16 weights on this CPU: it refuses a CPU without AVX-512 (BW, VL,
+    DQ) or AVX-NE-CONVERT, where torch's own kernel then runs bfloat16."""
+    import torch
+
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def cpu_matmul(model, choice: str, cache_dir: str | None = None, backbone=None) -> tuple[str, dict | None]:
     """What runs the model's linear layers (but lm_head) on a CPU with oneDNN in torch, unless `choice`
     (BLINK_CPU_MATMUL) is "torch". bfloat16: the decoder stack's (`backbone`) weights packed for oneDNN at load
@@ -2050,6 +2063,8 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None, backbone=None) 
     ):
         return "torch", None
     if weight.dtype == torch.bfloat16:
+        if not onednn_packs_bfloat16():
+            return "torch", None
         for layer in (m for m in (backbone or model).modules() if type(m) is torch.nn.Linear and m is not head):
             pack_linear(layer)
         return "onednn", None
@@ -2599,7 +2614,7 @@ class TorchEngine(PromptEngine):
         seqs = [p.ids for job in jobs for p in job.work]
         cands = [p.cand for job in jobs for p in job.work]
         cuts = [p.cuts for job in jobs for p in job.work]
-        rows, done = _forward(self.key, seqs, cands, cuts) if seqs else ([], Prefill(0.0, 0, []))
+        rows, done = _forward(self.key, seqs, cands, cuts) if seqs else ([], Prefill(0.0, [], []))
         return _split_forwards(self.name, jobs, rows, done)
 
     def _run_image(self, job: Job) -> Forward:
@@ -2617,6 +2632,7 @@ class TorchEngine(PromptEngine):
             LIVE,
             model_ms=model_ms,
             prefill_tokens=n_tokens,
+            cached_tokens=0,
             batched_requests=1,
             extra=meta,
         )
@@ -2656,20 +2672,21 @@ def _split_forwards(
     engine: str, jobs: list[Job], rows: list[tuple[list[float], float]], done: Prefill
 ) -> list[Forward]:
     """The packed run's (label scores, lse) rows, in prompt order over all jobs, split back into one Forward per
-    job, each with what the run did (`done`)."""
+    job: the run's model time, its own prompts' tokens and those the run computed on its account (`done`)."""
     out, k = [], 0
     for job in jobs:
         n = len(job.work)
+        read, computed = sum(done.read[k : k + n]), sum(done.computed[k : k + n])
         out.append(
             Forward(
                 question_readouts(job.work, rows[k : k + n]),
-                sum(len(p.ids) for p in job.work),
+                read,
                 engine,
                 LIVE,
                 model_ms=done.model_ms,
-                prefill_tokens=done.computed,
+                prefill_tokens=computed,
                 batched_requests=len(jobs),
-                cached_tokens=None if done.cached is None else sum(done.cached[k : k + n]),
+                cached_tokens=read - computed,
             )
         )
         k += n
@@ -2769,7 +2786,8 @@ class VllmEngine(PromptEngine):
 
     def read(self, prompts: list[Prompt]) -> tuple[list[tuple[list[float], float]], Prefill]:
         """Every prompt's (label log-probs, 0.0) from one generate call, and what the call did: its time (the wait
-        for an earlier call excluded) and the prompt tokens vLLM computed (its prefix cache served the rest)."""
+        for an earlier call excluded) and per prompt the tokens sent (once per run of labels, label_chunks) and those
+        vLLM computed for it (its prefix cache served the rest: num_cached_tokens, the request's own count)."""
         requests = [(i, chunk) for i, p in enumerate(prompts) for chunk in label_chunks(p.cand)]
         params = [
             self.sampling_params(max_tokens=1, temperature=0.0, logprob_token_ids=chunk, detokenize=False)
@@ -2784,11 +2802,12 @@ class VllmEngine(PromptEngine):
         if len(outputs) != len(requests):
             raise RuntimeError(f"vLLM answered {len(outputs)} of {len(requests)} prompts")
         scores: list[list[float]] = [[] for _ in prompts]
-        computed = 0
+        read, computed = [0] * len(prompts), [0] * len(prompts)
         for (i, chunk), output in zip(requests, outputs):
             scores[i] += label_logprobs(output, chunk)
-            computed += len(prompts[i].ids) - (getattr(output, "num_cached_tokens", None) or 0)
-        return [(row, 0.0) for row in scores], Prefill(model_ms, computed, None)
+            read[i] += len(prompts[i].ids)
+            computed[i] += len(prompts[i].ids) - (getattr(output, "num_cached_tokens", None) or 0)
+        return [(row, 0.0) for row in scores], Prefill(model_ms, read, computed)
 
     def _run_text(self, jobs: list[Job]) -> list[Forward]:
         """Text jobs in one generate call, split back per job."""
@@ -2909,14 +2928,16 @@ class PrefillCost:
 
 def encode_plan(cost: PrefillCost, start: int, ends: list[int]) -> list[tuple[int, int]]:
     """The (from, to) token spans a prefix is encoded in, continuing a kept cache of its first `start` tokens (0:
-    none) through each cut point in `ends`; a span starts over from nothing where that costs fewer FLOPs."""
+    none) through each cut point in `ends`; a span starts over from nothing where that costs fewer FLOPs, and the
+    spans before it are dropped (their cut points are not kept), so no token of the prefix is computed twice."""
     spans = []
     for end in ends:
         if start and not cost.continuing_pays(start, end - start):
             start = 0
         spans.append((start, end))
         start = end
-    return spans
+    restart = max((i for i, (a, _) in enumerate(spans) if a == 0), default=0)
+    return spans[restart:]
 
 
 class BoundedStore:
@@ -2990,7 +3011,7 @@ class PrefixStore(BoundedStore):
     def prefix(self, engine: TorchEngine, ids: list[int], points: list[int]) -> tuple[object, int, int]:
         """A cache holding exactly `ids`: kept, or encoded from the longest kept one of the shorter cut points
         `points` (each cut point on the way kept too), or from nothing where that costs less (encode_plan). Returns
-        it with the tokens read from kept snapshots and the tokens encoded."""
+        it with the tokens read from kept snapshots and the tokens encoded (together, len(ids))."""
         if not self.keeps:  # nothing is kept: encode the prefix for this call alone
             return _encode(engine, ids), 0, len(ids)
         found = self.get(tuple(ids))
@@ -3425,12 +3446,15 @@ def tail_rows(engine: TorchEngine, shared: int, longest: int) -> int | None:
 
 @dataclass
 class Prefill:
-    """What one forward call did besides its readouts: model ms, tokens it computed, and per prompt the tokens it
-    read from prefixes kept by earlier calls (None: not known)."""
+    """What one forward call did besides its readouts: model ms, and per prompt the tokens the model read for it
+    and those it computed on its account. A prefix that several prompts of the call run from (a request's evidence,
+    or one document shared by packed requests) is computed on the account of the first of them; the others read it
+    as cached, as do all that read it from the prefix store. So sum(read - computed) over any prompts is the tokens
+    they did not cost, and sum(computed) over a call is every token it computed."""
 
     model_ms: float
-    computed: int
-    cached: list[int] | None
+    read: list[int]
+    computed: list[int]
 
 
 # Prefill rate assumed when reserving ZeroGPU time: far below what a 4B model reaches on one GPU, so a call is not
@@ -3465,8 +3489,7 @@ def _forward(
     engine = _LIVE[key]
     store = engine.prefixes
     out: list = [None] * len(seqs)
-    cached = [0] * len(seqs)
-    computed = 0
+    computed = [0] * len(seqs)  # tokens computed on each prompt's account (Prefill)
     t0 = time.perf_counter()
     with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
         for rows, shared in prefix_groups(seqs, cuts, engine.settings, store.keeps):
@@ -3474,18 +3497,20 @@ def _forward(
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
             if shared:
                 points = [c for c in cuts[rows[0]] if c < shared] if store.keeps else []
-                cache, read, encoded = store.prefix(engine, group[0][:shared], points)
+                cache, _, encoded = store.prefix(engine, group[0][:shared], points)
                 tails = [s[shared:] for s in group]
                 cap = tail_rows(engine, shared, max(map(len, tails)))
                 _run_batches(engine, tails, group_cands, part, cache=cache, max_rows=cap)
-                computed += encoded + sum(map(len, tails))
+                computed[rows[0]] += encoded  # the first prompt's account; the rest read the prefix it paid for
+                for i, tail in zip(rows, tails):
+                    computed[i] += len(tail)
             else:
-                read = 0
                 _run_batches(engine, group, group_cands, part)
-                computed += sum(map(len, group))
+                for i in rows:
+                    computed[i] += len(seqs[i])
             for i, row in zip(rows, part):
-                out[i], cached[i] = row, read
-    return out, Prefill(since_ms(t0), computed, cached)
+                out[i] = row
+    return out, Prefill(since_ms(t0), [len(s) for s in seqs], computed)
 
 
 def _stamp(device, sync: bool) -> float:

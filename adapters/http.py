@@ -223,22 +223,25 @@ class ForwardFigures:
 
 
 def forward_figures(results: list) -> ForwardFigures | None:
-    """One Batcher run's figures (None: no live forward). A packed forward of k requests gives each of them a Forward
-    holding the forward's own computed tokens and model time, so each Forward counts 1/k of those and k of them make
-    one forward."""
+    """One Batcher run's figures (None: no live forward). Each Forward holds the tokens computed on its request's
+    account (a prefix shared in the run counted once, on the first request that read it), so the run's computed
+    tokens are their sum; a packed forward of k requests gives each of them the forward's model time, so each counts
+    1/k of it and k of them make one forward. Answers from the answer cache computed nothing: their tokens count as
+    cached, and they join no forward."""
     live = [r for r in results if isinstance(r, blink.Forward) and r.source == blink.LIVE]
     if not live:
         return None
+    ran = [f for f in live if not f.recalled]
     packs = [
         size
-        for size, count in collections.Counter(f.batched_requests or 1 for f in live).items()
+        for size, count in collections.Counter(f.batched_requests or 1 for f in ran).items()
         for _ in range(-(-count // size))
     ]
     return ForwardFigures(
         packs=packs,
-        computed=round(sum((f.prefill_tokens or 0) / (f.batched_requests or 1) for f in live)),
+        computed=sum(f.prefill_tokens or 0 for f in live),
         cached=sum(f.cached_tokens or 0 for f in live),
-        model_seconds=sum((f.model_ms or 0) / (f.batched_requests or 1) for f in live) / 1000,
+        model_seconds=sum((f.model_ms or 0) / (f.batched_requests or 1) for f in ran) / 1000,
     )
 
 

@@ -741,12 +741,22 @@ def decision_answer(question: blink.Question, answer: dict, sent: dict) -> dict:
     }
 
 
+def cached_tokens(meta: dict) -> int:
+    """Prompt tokens not computed for this request (the protocols' cached_tokens): read from a prefix kept by an
+    earlier request, or computed in the same run on the account of a sibling question or another request; all of
+    them where the model did not run for it (a recording's answer, the mock's)."""
+    tokens = int(meta["input_tokens"])
+    if "prefill_tokens" not in meta:
+        return tokens
+    return tokens - int(meta["prefill_tokens"] or 0)
+
+
 def decisions_response(call: WireCall, result: dict) -> dict:
     """The Decisions response of an answered request, answers in question order; blink's additions in x_meta."""
     answers = [decision_answer(q, result["answers"][q.key], sent) for q, sent in zip(call.request.questions, call.sent)]
     meta = result["meta"]
     tokens = int(meta["input_tokens"])
-    cached = int(meta.get("cached_tokens") or 0)  # read from prefixes kept by earlier requests
+    cached = cached_tokens(meta)
     usage = {
         "input_tokens": tokens,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},

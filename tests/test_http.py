@@ -371,8 +371,10 @@ def test_metrics_count_what_the_requests_did(keyed, gates):
     assert delta(before, after, "blink_forward_requests_sum", **model) == 4
     assert delta(before, after, "blink_forward_requests_bucket", **model, le="1.0") == 1
     assert delta(before, after, "blink_forward_requests_bucket", **model, le="4.0") == 2
-    computed = sum(m["prefill_tokens"] / m["batched_requests"] for m in metas)  # the packed three share one count
-    assert delta(before, after, "blink_prompt_tokens_total", **model, source="computed") == round(computed)
+    # each request is billed what was computed on its account: over the four, input - cached is the computed count
+    computed = sum(m["input_tokens"] - m["cached_tokens"] for m in metas)
+    assert computed == sum(m["prefill_tokens"] for m in metas)
+    assert delta(before, after, "blink_prompt_tokens_total", **model, source="computed") == computed
     assert after[("blink_requests_waiting", tuple(sorted(waiting.items())))] == 0
 
     # Gradio's routes are counted as well, by their route, refusals included

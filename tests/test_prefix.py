@@ -149,12 +149,6 @@ def count_rows(eng: blink.TorchEngine, seen: dict):
 ALWAYS_CONTINUE = blink.PrefillCost(token_flops=1.0, pair_flops=0.0)
 
 
-def cold_encoded(eng: blink.TorchEngine, header: int, evidence: int) -> int:
-    """Tokens encoded for a header and evidence seen for the first time: the header, then the evidence continuing
-    it, or from nothing where that costs fewer FLOPs."""
-    return header + (evidence - header if eng.prefill_cost.continuing_pays(header, evidence - header) else evidence)
-
-
 def test_cut_points_end_the_shared_parts_whatever_follows(eng):
     # The header ends every prompt alike, whatever the evidence; the evidence cut ends every prompt over one piece of
     # evidence alike, whatever the question (even one that opens with punctuation, which some pre-tokenizers join
@@ -176,11 +170,12 @@ def test_prefix_logits_equal_plain_and_prefill_is_counted(eng, spy):
     header, evidence = prompts[0].cuts
     assert evidence >= MIN_TOKENS  # the document is long enough to be kept
     result = prefix_on(eng).forward(req(DOC, QUESTIONS))
-    encoded = cold_encoded(eng, header, evidence)  # the header, then the evidence after it or from nothing
+    encoded = evidence  # the header, then the evidence after it, or the evidence from nothing: no token twice
     assert spy["prefix"] == [(evidence, 0, encoded)]
     assert gap(result.readouts, plain_readouts(eng)) < 1e-4
     assert result.prefill_tokens == encoded + sum(len(p.ids) - evidence for p in prompts)
-    assert result.cached_tokens == 0
+    # the first question computed the evidence; its siblings read it: cached for them
+    assert result.cached_tokens == (len(prompts) - 1) * evidence == result.input_tokens - result.prefill_tokens
 
 
 def test_evidence_seen_before_runs_only_the_new_questions_tails(eng, spy, served):
@@ -196,7 +191,7 @@ def test_evidence_seen_before_runs_only_the_new_questions_tails(eng, spy, served
     assert meta["cached_tokens"] == len(prompts) * evidence
     assert meta["prefill_tokens"] == sum(len(p.ids) - evidence for p in prompts)
     assert meta["input_tokens"] == sum(len(p.ids) for p in prompts)
-    assert first["cached_tokens"] == 0
+    assert first["cached_tokens"] == (len(QUESTIONS) - 1) * evidence  # read by the first request's other questions
     cold = served(plain_engine(eng)).decide(DOC, NEW_QUESTIONS)["answers"]
     assert again["answers"].keys() == cold.keys()
     for key, answer in again["answers"].items():
@@ -219,6 +214,7 @@ def test_the_header_is_encoded_once_per_engine(tiny_qwen, spy):
 
 def test_kept_prefixes_stay_within_the_memory_budget(tiny_qwen, monkeypatch):
     on = prefix_on(tiny_qwen)
+    monkeypatch.setattr(on, "prefill_cost", ALWAYS_CONTINUE)  # the evidence continues the header: both kept
     on.forward(req(DOC, QUESTIONS))
     header_and_doc = on.prefixes.held_bytes()
     assert len(on.prefixes) == 2 and header_and_doc > 0
@@ -230,7 +226,8 @@ def test_kept_prefixes_stay_within_the_memory_budget(tiny_qwen, monkeypatch):
     small.forward(req(OTHER_DOC, QUESTIONS))
     assert small.prefixes.held_bytes() <= small.prefixes.budget and len(small.prefixes) == 2
     third = small.forward(req(DOC, QUESTIONS))  # DOC was dropped: encoded again from the kept header
-    assert third.cached_tokens == len(QUESTIONS) * render(tiny_qwen, DOC, QUESTIONS)[0].cuts[0]
+    header, evidence = render(tiny_qwen, DOC, QUESTIONS)[0].cuts
+    assert third.cached_tokens == header + (len(QUESTIONS) - 1) * evidence
     assert gap(third.readouts, plain_readouts(tiny_qwen)) < 1e-4
     small.prefixes.budget = 1  # a snapshot larger than the whole budget is never kept
     small.prefixes.clear()
@@ -246,7 +243,8 @@ def test_without_a_store_only_prompts_of_one_request_share(tiny_qwen, spy):
     assert spy["prefix"] == [] and lone.prefill_tokens == lone.input_tokens
     shared = off.forward(req(DOC, QUESTIONS))
     evidence = render(tiny_qwen, DOC, QUESTIONS)[0].cuts[1]
-    assert spy["prefix"] == [(evidence, 0, evidence)] and len(off.prefixes) == 0 and shared.cached_tokens == 0
+    assert spy["prefix"] == [(evidence, 0, evidence)] and len(off.prefixes) == 0
+    assert shared.cached_tokens == (len(QUESTIONS) - 1) * evidence  # the first question computed it for the others
     assert gap(shared.readouts, plain_readouts(tiny_qwen)) < 1e-4
 
 
@@ -300,8 +298,10 @@ def test_kv_token_cap_bounds_the_copies_held_at_once(tiny_qwen, spy, monkeypatch
         result = eng.forward(req(DOC, QUESTIONS))
     finally:
         handle.remove()
-    # the header, the evidence, then the three tails: two at a time where each holds a copy, else all at once
-    assert spy["rows"] == ([1, 1, 3] if in_place else [1, 1, 2, 1])
+    # the evidence (from nothing: cheaper than after the header on this model), then the three tails: two at a time
+    # where each holds a copy, else all at once
+    assert not tiny_qwen.prefill_cost.continuing_pays(prompts[0].cuts[0], evidence - prompts[0].cuts[0])
+    assert spy["rows"] == ([1, 3] if in_place else [1, 2, 1])
     assert gap(result.readouts, plain_readouts(tiny_qwen)) < 1e-4
 
 
@@ -313,7 +313,7 @@ def test_evidence_shorter_than_min_tokens_runs_from_the_header(tiny_qwen, spy):
     assert result.prefill_tokens == sum(len(p.ids) for p in prompts) - (len(prompts) - 1) * header
     # exactly at the threshold: the evidence is encoded once and kept
     prefix_on(tiny_qwen, prefix_min_tokens=evidence).forward(req(DOC, QUESTIONS))
-    assert spy["prefix"][-1] == (evidence, 0, cold_encoded(tiny_qwen, header, evidence))
+    assert spy["prefix"][-1] == (evidence, 0, evidence)
 
 
 def test_short_evidence_runs_from_the_header_every_time_it_is_asked(eng, spy):
@@ -339,7 +339,8 @@ def test_a_kept_prefix_is_continued_only_where_that_costs_fewer_flops(standin):
     # a 40-token header before 2,053 tokens of evidence: the masked rectangle costs more than the 40 tokens saved
     assert not cost.continuing_pays(40, 2053) and cost.continuing_pays(40, 200)
     assert all(cost.continuing_pays(n, n) for n in (1, 100, 10_000))  # a past as long as what follows always pays
-    assert blink.encode_plan(cost, 0, [40, 2093]) == [(0, 40), (0, 2093)]
+    assert blink.encode_plan(cost, 0, [40, 2093]) == [(0, 2093)]  # the header alone is not encoded first
+    assert blink.encode_plan(cost, 0, [40, 240]) == [(0, 40), (40, 240)]
     assert blink.encode_plan(cost, 40, [2093]) == [(0, 2093)]
     assert blink.encode_plan(cost, 40, [240, 300]) == [(40, 240), (240, 300)]
     assert blink.encode_plan(ALWAYS_CONTINUE, 40, [2093]) == [(40, 2093)]
@@ -353,7 +354,7 @@ def test_evidence_after_a_kept_header_is_encoded_from_nothing_where_cheaper(tiny
     on.forward(req("Ticket 1: a router.", {"team": QUESTIONS["team"]}))  # another request keeps the header
     assert on.prefixes.get(tuple(prompt.ids[:header])) is not None
     result = on.forward(req(DOC, QUESTIONS))
-    assert spy["prefix"][-1] == (evidence, 0, evidence) and result.cached_tokens == 0
+    assert spy["prefix"][-1] == (evidence, 0, evidence) and result.cached_tokens == (len(QUESTIONS) - 1) * evidence
     assert gap(result.readouts, plain_readouts(tiny_qwen)) < 1e-4
     assert on.prefixes.get(tuple(prompt.ids[:evidence])) is not None  # kept for the next request all the same
 
@@ -371,8 +372,10 @@ def test_packed_requests_each_keep_their_own_prefix(tiny_qwen, spy, monkeypatch)
     header = first[0].cuts[0]
     assert sorted(spy["prefix"]) == sorted([(own[0], 0, own[0]), (own[1], header, own[1] - header)])
     computed = sum(len(p.ids) for p in first + second) - sum((len(QUESTIONS) - 1) * n for n in own) - header
-    assert [(r.prefill_tokens, r.batched_requests) for r in packed] == [(computed, 2), (computed, 2)]
-    assert sorted(r.cached_tokens for r in packed) == [0, len(QUESTIONS) * header]
+    assert sum(r.prefill_tokens for r in packed) == computed and [r.batched_requests for r in packed] == [2, 2]
+    # each request's first question computed its evidence (the second's after the header the first computed)
+    assert [r.cached_tokens for r in packed] == [(len(QUESTIONS) - 1) * own[0], header + (len(QUESTIONS) - 1) * own[1]]
+    assert all(r.input_tokens - r.cached_tokens == r.prefill_tokens for r in packed)
     assert gap(packed[0].readouts, plain_readouts(tiny_qwen)) < 1e-4
     assert gap(packed[1].readouts, plain_readouts(tiny_qwen, OTHER_DOC)) < 1e-4
 
@@ -394,7 +397,7 @@ def test_one_token_tails(eng, spy):
     # Tails of a single token take the models' one-step paths (Qwen3.5 updates its conv state in place).
     seqs, cands, cuts = one_token_tails(eng)
     shared_rows = forward_rows(eng, seqs, cands, cuts, prefix=True)
-    assert spy["prefix"] == [(len(seqs[0]) - 1, 0, cold_encoded(eng, cuts[0][0], len(seqs[0]) - 1))]
+    assert spy["prefix"] == [(len(seqs[0]) - 1, 0, len(seqs[0]) - 1)]
     assert rows_gap(shared_rows, forward_rows(eng, seqs, cands, cuts, prefix=False)) < 1e-4
 
 
