@@ -101,6 +101,27 @@ async def list_and_decide(session):
     return tools, await session.call_tool("decide", {"state": DOCS[0], "questions": QS})
 
 
+# A document long enough that its evidence is kept as a prefix (BLINK_PREFIX_MIN_TOKENS, 256 by default)
+LEDGER = " ".join(
+    f"On day {d} the warehouse shipped {d * 7} parcels and {d % 5} came back damaged." for d in range(1, 25)
+)
+AUDIT = " ".join(f"Invoice {n} for {n * 13} euros was paid {n % 4} days late by client {n % 9}." for n in range(1, 25))
+PREDICATES = ["Were any parcels damaged?", "Is the tone neutral?", "Is money mentioned?", "Is a date mentioned?"]
+
+
+def decisions(url: str, model: str, document: str, first: int) -> httpx.Response:
+    """A Decisions request over `document`: four yes/no questions, rotated to start at PREDICATES[first]."""
+    asked = PREDICATES[first:] + PREDICATES[:first]
+    body = {"model": model, "input": document, "questions": [{"type": "predicate", "instructions": q} for q in asked]}
+    return httpx.post(url + "v1/decisions", json=body, headers=AUTH, timeout=300)
+
+
+def billed(reply: dict) -> int:
+    """Prompt tokens a Decisions reply says were computed for it: input_tokens - cached_tokens."""
+    usage = reply["usage"]
+    return usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The key: every programmatic surface needs it; the page does not
 # ------------------------------------------------------------------------------------------------------------------
@@ -388,6 +409,48 @@ def test_metrics_count_what_the_requests_did(keyed, gates):
     join = {"route": "/gradio_api/queue/join"}
     assert [delta(before, after, "blink_http_requests_total", **join, status=s) for s in ("200", "401")] == [1, 1]
     assert delta(before, after, "blink_forward_requests_count", **model) == 1  # the API shares the Batcher
+
+
+def test_usage_adds_up_to_the_prompt_tokens_the_model_computed(keyed, gates):
+    # Four concurrent requests over one new document and two over another, packed into one Batcher run, then a
+    # repeat of one: each document's evidence is computed once, billed to the first request that reads it and cached for
+    # every other question and request, so the bills add up to /metrics' computed count exactly.
+    url, _, _ = keyed
+    model = systemone(url, DOCS[6]).json()["x_meta"]["model"]
+    before = scrape(url)
+    replies: dict = {}
+
+    def ask(name: str, document: str, first: int) -> None:
+        replies[name] = decisions(url, model, document, first)
+
+    blocker = threading.Thread(target=ask, args=("blocker", DOCS[5], 0))
+    mates = [threading.Thread(target=ask, args=(f"ledger{i}", LEDGER, i)) for i in range(4)]
+    mates += [threading.Thread(target=ask, args=(f"audit{i}", AUDIT, i)) for i in range(2)]
+    with gates.closed("forward"):
+        blocker.start()
+        assert wait_until(lambda: gates.arrived("forward") == 1, 300)
+        for t in mates:
+            t.start()
+        waiting = (("model", model), ("stage", "batcher"))
+        assert wait_until(lambda: scrape(url).get(("blink_requests_waiting", waiting)) == 6, 300)
+    for t in [blocker, *mates]:
+        t.join(300)
+    replies["repeat"] = decisions(url, model, LEDGER, 0)  # the ledger's evidence read from the prefix store
+    after = scrape(url)
+    assert all(r.status_code == 200 for r in replies.values()), {k: r.text for k, r in replies.items()}
+    got = {name: r.json() for name, r in replies.items()}
+    assert [got[f"ledger{i}"]["x_meta"]["batched_requests"] for i in range(4)] == [6] * 4
+    computed = delta(before, after, "blink_prompt_tokens_total", model=model, source="computed")
+    assert sum(billed(r) for r in got.values()) == computed > 0
+    cached = delta(before, after, "blink_prompt_tokens_total", model=model, source="cached")
+    assert sum(r["usage"]["input_tokens_details"]["cached_tokens"] for r in got.values()) == cached
+    for name, mates_ in (("ledger", 4), ("audit", 2)):
+        # the same four questions in each request: one paid for the document and its tails, its run-mates for the
+        # same tails alone
+        bills = sorted(billed(got[f"{name}{i}"]) for i in range(mates_))
+        assert len(set(bills[:-1])) == 1 and bills[-1] - bills[0] >= 256  # the evidence, over the kept minimum
+        if name == "ledger":  # the repeat computed only its tails (the tests' apps keep no answers)
+            assert billed(got["repeat"]) == bills[0] and got["repeat"]["x_meta"]["answer_cache"] is False
 
 
 def test_the_layer_serves_any_asgi_app():
