@@ -28,7 +28,7 @@ import time
 from dataclasses import fields, replace
 
 import blink
-from bench import answers, harness, workloads
+from bench.lib import answers, harness, report, workloads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
@@ -142,6 +142,29 @@ def main(argv: list[str] | None = None) -> int:
     stem = "engine_ab" if args.dtype is None else f"engine_ab-{args.dtype}"
     run.write({"base": args.base, "dtype": dtype, "model": blink.STANDIN_MODEL, "rows": rows}, stem)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Its tables
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def engine_ab_table(res: dict) -> list[str]:
+    """CPU ms per request of blink.py at a base revision against the working tree's, the per-pair ratio, and both
+    sides' answers against the float32 path."""
+    base = res["base"]
+    head = ["case", f"{base} (ms)", "working tree (ms)", f"{base} / working tree (quartiles)", "pairs"]
+    rows = [
+        [case, row["cpu_ms"][base], row["cpu_ms"]["working tree"]]
+        + [f"{row['ratio_median']} ({row['ratio_quartiles'][0]}-{row['ratio_quartiles'][1]})", row["pairs"]]
+        + ["; ".join(f"{n} {c['max_prob_diff']:.4f}, {len(c['picks_differ'])}" for n, c in row["vs_float32"].items())]
+        for case, row in res["rows"].items()
+    ]
+    return report.table([*head, "vs float32: largest gap, picks changed"], rows)
+
+
+# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
+REPORT = (engine_ab_table, ("rows", "base", "dtype", "model"))
 
 
 if __name__ == "__main__":

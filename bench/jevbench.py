@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from bench import fieldharness, harness
+from bench.lib import fieldharness, harness, report
 
 SUITES = {"full": ["examples", "jevbench-mini"], "quick": ["examples"]}
 PILLARS = ("REP", "BAT", "MEA", "LOG", "CHO")
@@ -147,6 +147,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jevbench: {met}; wrote {path}")
     failed = [a for a, got in arms.items() if got["check"]["returncode"] != 0]
     return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Its tables
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def jevbench_report(res: dict) -> list[str]:
+    """Its pillar and overall scores (x100, as its table prints them) per arm and suite, the leaderboard's published
+    rows beside them, the targets."""
+    pillars = ["REP", "BAT", "MEA", "LOG", "CHO", "overall"]
+    rows = []
+    for arm, got in res["arms"].items():
+        for suite, one in got["suites"].items():
+            s, printed = one["scores"], one["report"] or {}
+            requests = (printed.get("result") or {}).get("requests", "-")
+            rows.append(
+                [f"blink {arm} ({got['dtype']})", suite]
+                + [f"{100 * s[p]:.1f}" if s.get(p) is not None else "-" for p in pillars]
+                + [requests, one["run"]["returncode"], one["run"]["seconds"]]
+            )
+    for name, row in res["published"].items():
+        cells = [f"{row[p]:.1f}" if p in row else "-" for p in pillars]
+        rows.append([f"{name} (published)", "jevbench-mini", *cells, "-", "-", "-"])
+    return [
+        f"jevbench {res['jevbench']}, model field {res['model_field']!r}; the model is the stand-in (REP, MEA, LOG,"
+        " CHO and overall are its own; BAT is the engine's).",
+        "",
+        *report.table(["system", "suite", *pillars, "requests", "exit", "seconds"], rows),
+        "",
+        *report.field_targets(res),
+    ]
+
+
+# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
+REPORT = (jevbench_report, ("jevbench", "model_field", "arms", "published", "targets", "suites"))
 
 
 if __name__ == "__main__":

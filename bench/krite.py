@@ -39,7 +39,7 @@ import sys
 
 import numpy as np
 
-from bench import fieldharness, harness
+from bench.lib import fieldharness, harness, report
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "clearcut.jsonl")
 DATASET = "blink-clearcut"
@@ -322,6 +322,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"krite: {met}; wrote {path}")
     failed = [f"{a} {n}" for a, got in arms.items() for n, r in got["runs"].items() if r["returncode"] != 0]
     return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Its tables
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def krite_report(res: dict) -> list[str]:
+    """Per arm its flip rates, interference and quality (accuracy, raw ECE) rows, krite's published rows, the
+    targets."""
+    rows = []
+    for arm, got in res["arms"].items():
+        name, f = f"blink {arm} ({got['dtype']})", got["figures"]
+        rows += [[name, "flip rate", sid, report.cell(v)] for sid, v in f["flip_rate"].items()]
+        rows += [[name, "interference max dp", k, report.cell(v)] for k, v in f["interference_max_prob_dev"].items()]
+        for sid, q in f["quality"].items():
+            rows += [[name, "accuracy", sid, report.cell(q["accuracy"])], [name, "ECE", sid, report.cell(q["ece"])]]
+        rows += [[name, "error rate", k, report.cell(v)] for k, v in f["error_rates"].items()]
+    for measure, published in res["published"].items():
+        rows += [[f"{who} (published)", measure, "krite's", v] for who, v in published.items()]
+    suites = ", ".join(f"{k} ({v['cases']})" for k, v in res["suites"].items())
+    return [
+        f"krite-bench {res['krite_bench']}; suites {suites}; cases per run {res['cases']}. The model is the"
+        " stand-in: accuracy and ECE are its own.",
+        "",
+        *report.table(["system", "measure", "suite", "value"], rows),
+        "",
+        *report.field_targets(res),
+    ]
+
+
+# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
+REPORT = (krite_report, ("krite_bench", "suites", "cases", "arms", "published", "targets"))
 
 
 if __name__ == "__main__":

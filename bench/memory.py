@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 import blink
-from bench import arms, harness, report, servers, workloads
+from bench.lib import arms, harness, report, servers, workloads
 
 CONFIGS = {
     "full": {
@@ -246,5 +246,45 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     path = run.write(res)
-    print(report.memory_summary(run.written, path))
+    print(memory_summary(run.written, path))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Its tables
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def memory_table(res: dict) -> list[str]:
+    """Each run's resident-memory growth over its start along the stream, against the target."""
+    docs = res["config"]["docs"]
+    marks = sorted({1, docs // 2, docs})
+    head = ["run", "dtype", "freed memory released", "start MB"]
+    head += [f"growth after document {'/'.join(map(str, marks))} (MB)", "largest peak growth (MB)"]
+    head += [f"within bound + {res['target_mb'] - res['config']['bound_mb']} MB"]
+    rows = [
+        [r["arm"], r["dtype"], "yes" if r["release_memory"] else "no", r["start_mb"]]
+        + ["/".join(f"+{r['points'][m - 1]['growth_mb']}" for m in marks), f"+{r['max_peak_growth_mb']}"]
+        + ["yes" if r["within_target"] else "no"]
+        for r in res["runs"]
+    ]
+    return report.table(head, rows)
+
+
+def memory_summary(res: dict, path: str) -> str:
+    """memory's last line: each run's largest growth and peak against the target."""
+    parts = [
+        f"{r['arm']} {r['dtype']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
+        f" (peak +{r['max_peak_growth_mb']})"
+        for r in res["runs"]
+    ]
+    mode = "quick" if res["quick"] else "full"
+    return (
+        f"blink memory ({mode}, {res['config']['docs']} documents of ~{res['config']['doc_tokens']} "
+        f"tokens, bound {res['config']['bound_mb']} MB, target +{res['target_mb']} MB): {'; '.join(parts)}; "
+        f"results {os.path.relpath(path)}"
+    )
+
+
+# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
+REPORT = (memory_table, ("runs", "config", "target_mb"))

@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Iterator
 
 import blink
-from bench import harness, servers
+from bench.lib import harness, servers
 
 MODEL = "jev-latest"  # the "model" field every harness request carries (the SDK's default model name)
 # Each arm is `python app.py` as a user starts it, with only these variables set: its defaults, then float32

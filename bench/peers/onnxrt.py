@@ -17,24 +17,27 @@ import subprocess
 from typing import TYPE_CHECKING
 
 import blink
-from bench import isolated, llamacpp, servers
+from bench.lib import servers
+from bench.peers import llamacpp
+from bench.workers import isolated
 
 if TYPE_CHECKING:
-    from bench.arms import Arm
-    from bench.peers import PeerContext
+    from bench.lib.arms import Arm
+    from bench.peers.decision import PeerContext
 
 ONNX_PYTHON = os.path.join(servers.ROOT, ".venv-onnx", "bin", "python")
 SKIP_NO_ENV = f"no ONNX Runtime environment at {ONNX_PYTHON} (bash tools/setup.sh --onnx builds it)"
 
 
 class Worker:
-    """bench/onnx_worker.py in .venv-onnx, its reader built from `args`; `call(method, *args)` as isolated.Child's."""
+    """bench/workers/onnx_worker.py in .venv-onnx, its reader built from `args`; `call(method, *args)` as
+    isolated.Child's."""
 
     library = "onnxruntime"
 
     def __init__(self, *args, python: str = ONNX_PYTHON):
         self.process = subprocess.Popen(
-            [python, "-m", "bench.onnx_worker"],
+            [python, "-m", "bench.workers.onnx_worker"],
             cwd=servers.ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 import blink
-from bench import answers, arms, grid, harness, servers, throughput, workloads
+from bench.lib import answers, arms, grid, harness, servers, workloads
+from bench.peers import throughput
 
 
 @dataclass
