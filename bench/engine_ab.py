@@ -3,9 +3,9 @@
 Each serves the stand-in at the dtype blink answers in, in one process; --profile shows where a short question's time
 goes.
 
-    python -m bench engine_ab --base 8e926fc            # the three decision cases, one thread
-    python -m bench engine_ab --base 8e926fc --profile  # and the short question's time by operator, both sides
-    python -m bench engine_ab --base 8e926fc --dtype bfloat16  # both at bfloat16 (engine_ab-bfloat16.json)
+    python -m bench engine_ab --base 1f50df1            # the three decision cases, one thread (engine_ab-1f50df1.json)
+    python -m bench engine_ab --base 1f50df1 --profile  # and the short question's time by operator, both sides
+    python -m bench engine_ab --base 1f50df1 --dtype float32  # both in float32 (engine_ab-1f50df1-float32.json)
 
 Each case alternates the two engines request by request (the order flipped every pair) and times each call in this
 process's CPU seconds, so load from other processes inflates both sides of a pair alike; it records each side's
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:  # where the short question's time goes, before the change and after
         for side, dep in deps.items():
             print(f"short question, {side}:\n{profile_short(dep, requests['short'][:10])}", flush=True)
-    stem = "engine_ab" if args.dtype is None else f"engine_ab-{args.dtype}"
+    stem = f"engine_ab-{args.base}" + ("" if args.dtype is None else f"-{args.dtype}")  # one file per base revision
     run.write({"base": args.base, "dtype": dtype, "model": blink.STANDIN_MODEL, "rows": rows}, stem)
     return 0
 

@@ -910,17 +910,21 @@ def utilisation_table(res: dict) -> list[str]:
 
 
 def http_table(res: dict) -> list[str]:
-    """Requests per second and latency over HTTP, per server, workload and concurrency; skipped servers with the
-    reason."""
-    rows = []
-    for r in res.get("http", []):
-        if "requests_per_s" in r:
-            rows.append([r["target"], r.get("workload", ""), r["clients"], r["completed"]])
-            rows[-1] += [f"{r['requests_per_s']:.2f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}"]
-        elif "skipped" in r:
-            rows.append([r["target"], r.get("workload", ""), f"skipped: {r['skipped']}", *[""] * 4])
-    head = ["server", "workload", "clients", "requests", "requests/s", "p50 (ms)", "p99 (ms)"]
-    return report.table(head, rows)
+    """Requests per second and latency over HTTP, per server and concurrency (and workload, where a row names one);
+    skipped servers with the reason."""
+    rows = res.get("http", [])
+    named = any("workload" in r for r in rows)  # rows of servers that were skipped name none
+    workload = lambda r: [r.get("workload", "")] if named else []  # noqa: E731
+    cells = [
+        [r["target"], *workload(r), r["clients"], r["completed"], f"{r['requests_per_s']:.2f}"]
+        + [f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}"]
+        if "requests_per_s" in r
+        else [r["target"], *workload(r), f"skipped: {r['skipped']}", *[""] * 4]
+        for r in rows
+        if "requests_per_s" in r or "skipped" in r
+    ]
+    head = ["server", *(["workload"] if named else []), "clients", "requests", "requests/s", "p50 (ms)", "p99 (ms)"]
+    return report.table(head, cells)
 
 
 def targets_list(res: dict) -> list[str]:

@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import blink  # noqa: E402
-from bench import servers  # noqa: E402
+from bench.lib import servers  # noqa: E402
 
 DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
 

@@ -121,7 +121,6 @@ HEADER = (
     "matmul_change",
     "unsteady_threshold",
     "unsteady",
-    "cpu_matmul_verdicts",
 )
 
 
