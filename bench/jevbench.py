@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from bench.lib import fieldharness, harness, report
+from bench.lib import fieldharness, report
 
 SUITES = {"full": ["examples", "jevbench-mini"], "quick": ["examples"]}
 PILLARS = ("REP", "BAT", "MEA", "LOG", "CHO")
@@ -118,10 +118,8 @@ def flags(ap) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run jevbench's check and suites against each arm's app, write the results file, print the scores."""
-    run = harness.Run("jevbench", argv, __doc__, flags, threads="0")
-    why = fieldharness.missing("jevbench")
-    if why:
-        print(f"skipped: {why}; nothing was measured")
+    run = fieldharness.begin("jevbench", argv, __doc__, flags)
+    if run is None:
         return 0
     suites = SUITES["quick" if run.quick else "full"]
     files = run.files()
@@ -171,14 +169,11 @@ def jevbench_report(res: dict) -> list[str]:
     for name, row in res["published"].items():
         cells = [f"{row[p]:.1f}" if p in row else "-" for p in pillars]
         rows.append([f"{name} (published)", "jevbench-mini", *cells, "-", "-", "-"])
-    return [
+    intro = (
         f"jevbench {res['jevbench']}, model field {res['model_field']!r}; the model is the stand-in (REP, MEA, LOG,"
-        " CHO and overall are its own; BAT is the engine's).",
-        "",
-        *report.table(["system", "suite", *pillars, "requests", "exit", "seconds"], rows),
-        "",
-        *report.field_targets(res),
-    ]
+        " CHO and overall are its own; BAT is the engine's)."
+    )
+    return report.field_report(intro, ["system", "suite", *pillars, "requests", "exit", "seconds"], rows, res)
 
 
 # What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.

@@ -39,7 +39,7 @@ import sys
 
 import numpy as np
 
-from bench.lib import fieldharness, harness, report
+from bench.lib import fieldharness, report
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "clearcut.jsonl")
 DATASET = "blink-clearcut"
@@ -288,10 +288,8 @@ def flags(ap) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the suites and a KRITE_ROOT, run krite's runners against each arm's app, write the results file."""
-    run = harness.Run("krite", argv, __doc__, flags, threads="0")
-    why = fieldharness.missing("krite")
-    if why:
-        print(f"skipped: {why}; nothing was measured")
+    run = fieldharness.begin("krite", argv, __doc__, flags)
+    if run is None:
         return 0
     cases = dict(CASES["quick" if run.quick else "full"])
     cases["invariance"] = run.args.invariance_cases or cases["invariance"]
@@ -343,14 +341,11 @@ def krite_report(res: dict) -> list[str]:
     for measure, published in res["published"].items():
         rows += [[f"{who} (published)", measure, "krite's", v] for who, v in published.items()]
     suites = ", ".join(f"{k} ({v['cases']})" for k, v in res["suites"].items())
-    return [
+    intro = (
         f"krite-bench {res['krite_bench']}; suites {suites}; cases per run {res['cases']}. The model is the"
-        " stand-in: accuracy and ECE are its own.",
-        "",
-        *report.table(["system", "measure", "suite", "value"], rows),
-        "",
-        *report.field_targets(res),
-    ]
+        " stand-in: accuracy and ECE are its own."
+    )
+    return report.field_report(intro, ["system", "measure", "suite", "value"], rows, res)
 
 
 # What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.

@@ -408,21 +408,24 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+# The columns of its three tables, "|"-separated.
+IDENTITY_HEAD = (
+    "model|GGUF name|fine-tune|own chat template|licence|loads as|parameters|installed|fp32 folder|load (CPU)"
+)
+QUALITY_HEAD = (
+    "model|accuracy|chance|choice|yes/no|score|mean label mass|picks 1st option|1st option correct|"
+    "acc., correct shown last|acc., mean over orders|picks 1st, all orders|answers yes|document"
+)
+SPEED_HEAD = (
+    "model|1 short question: ms (CPU ms)|questions over the document: ms per question (CPU)|"
+    "prompt tokens (short / document)"
+)
+
+
 def identity_table(models: dict) -> list[str]:
     """models: what each model is (as its GGUF file says), its size and load time."""
     return report.table(
-        [
-            "model",
-            "GGUF name",
-            "fine-tune",
-            "own chat template",
-            "licence",
-            "loads as",
-            "parameters",
-            "installed",
-            "fp32 folder",
-            "load (CPU)",
-        ],
+        IDENTITY_HEAD.split("|"),
         [
             [
                 n,
@@ -465,22 +468,7 @@ def quality_table(models: dict) -> list[str]:
             ]
         )
     return report.table(
-        [
-            "model",
-            "accuracy",
-            "chance",
-            "choice",
-            "yes/no",
-            "score",
-            "mean label mass",
-            "picks 1st option",
-            "1st option correct",
-            "acc., correct shown last",
-            "acc., mean over orders",
-            "picks 1st, all orders",
-            "answers yes",
-            "document",
-        ],
+        QUALITY_HEAD.split("|"),
         rows,
     )
 
@@ -488,12 +476,7 @@ def quality_table(models: dict) -> list[str]:
 def speed_table(models: dict) -> list[str]:
     """models: wall and CPU ms per question, for one short question and for each of the document's questions."""
     return report.table(
-        [
-            "model",
-            "1 short question: ms (CPU ms)",
-            "questions over the document: ms per question (CPU)",
-            "prompt tokens (short / document)",
-        ],
+        SPEED_HEAD.split("|"),
         [
             [
                 name,

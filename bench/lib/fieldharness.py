@@ -30,6 +30,17 @@ def missing(name: str) -> str | None:
     return None
 
 
+def begin(name: str, argv: list[str] | None, description: str, flags) -> harness.Run | None:
+    """The run of the harness `name` (its own flags; every core unless told), or None, having said why, where its
+    environment is missing."""
+    run = harness.Run(name, argv, description, flags, threads="0")
+    why = missing(name)
+    if why:
+        print(f"skipped: {why}; nothing was measured")
+        return None
+    return run
+
+
 def version(name: str, package: str) -> str:
     """The version of `package` installed in the harness environment `name`."""
     python = os.path.join(environment(name), "bin", "python")

@@ -79,13 +79,14 @@ def generic_report(res) -> list[str]:
     return [*fields, *tables]
 
 
-def field_targets(res: dict) -> list[str]:
-    """A field harness's targets (jevbench, krite) with the measured values."""
+def field_report(intro: str, head: list[str], rows: list[list], res: dict) -> list[str]:
+    """A field harness's report (jevbench, krite): what ran, its table, then its targets with the measured values."""
     verdict = {True: "met", False: "**missed**"}
-    return [
+    targets = [
         f"- {t['target']}: {cell(t['value'])} — {'not measured' if t['value'] is None else verdict[bool(t['met'])]}"
         for t in res["targets"]
     ]
+    return [intro, "", *table(head, rows), "", *targets]
 
 
 def steadiness_line(res: dict) -> str:
