@@ -7,7 +7,7 @@ On one model, in one run; the loop is the one a user writes by hand (decide() on
     python -m bench batch --rows 256 --workers 4  # more rows, more Ray workers
     python -m bench batch --pipeline-rows 0       # skip the no-model runs
 
-Every arm (the registry's "batch" arms, bench/arms.py) is a fresh process, as a user runs it, over the same rows (a
+Every arm (the registry's "batch" arms, bench/lib/arms.py) is a fresh process, as a user runs it, over the same rows (a
 support ticket and one four-way choice each):
 
 - loop: `deployment.decide(state, questions)` per row, appending each answer to OUT (no packing across rows); it

@@ -6,13 +6,13 @@
 
 jevbench 0.1.0 (pinned in tools/requirements-jevbench.txt, installed into .venv-jevbench by `bash tools/setup.sh
 --harnesses`; without it this prints why and exits 0: skipped, nothing measured) ships its suites, frozen plans and
-rewrite banks in its wheel and talks to a server over HTTP only. For each arm (bench/fieldharness.py: `python app.py`
-as a user starts it, then with BLINK_DTYPE=float32) its own commands run as they are documented: `jevbench check --url
-URL --model jev-latest`, then `jevbench eval --suite SUITE --url URL --model jev-latest --concurrency 1 --cache-dir DIR
---out REPORT` for each suite, each arm with a request cache of its own. The results file keeps every command, its exit
-status, how long it took and the end of what it printed, and the report JSON jevbench wrote, whole, beside the
-harness header. Its scores (REP, BAT, MEA, LOG, CHO, overall; jevbench's own 0-1 scale, its table prints them x100)
-are the model's except BAT, which the engine decides: an answer stays the same when the request's other questions
+rewrite banks in its wheel and talks to a server over HTTP only. For each arm (bench/lib/fieldharness.py: `python
+app.py` as a user starts it, then with BLINK_DTYPE=float32) its own commands run as they are documented: `jevbench check
+--url URL --model jev-latest`, then `jevbench eval --suite SUITE --url URL --model jev-latest --concurrency 1
+--cache-dir DIR --out REPORT` for each suite, each arm with a request cache of its own. The results file keeps every
+command, its exit status, how long it took and the end of what it printed, and the report JSON jevbench wrote, whole,
+beside the harness header. Its scores (REP, BAT, MEA, LOG, CHO, overall; jevbench's own 0-1 scale, its table prints them
+x100) are the model's except BAT, which the engine decides: an answer stays the same when the request's other questions
 change (the target: BAT 100 at the defaults).
 """
 

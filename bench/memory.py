@@ -3,7 +3,7 @@
     python -m bench memory            # 24 documents of ~3,800 tokens, 4 questions each, bound 1,024 MB (the default)
     python -m bench memory --quick    # 8 documents of ~1,000 tokens, bound 64 MB, a few minutes
 
-Each run is a process of its own, started fresh (its arm is one of the registry's "memory" arms, bench/arms.py):
+Each run is a process of its own, started fresh (its arm is one of the registry's "memory" arms, bench/lib/arms.py):
 `decide` calls blink.decide() in a loop; `app` is `python app.py`,
 sent System One requests over HTTP (`/v1/systemone`); each in float32 (the exact path, the most memory) or at the
 machine's default dtype, with freed memory handed back to the OS after every forward (BLINK_RELEASE_MEMORY on, the

@@ -13,7 +13,7 @@ options), the share of yes/no questions it answers "yes"; on bench/data/incident
 ~1,000-token incident report) its accuracy; and its speed, one short question and the 8 document questions, wall
 and process CPU time, the models' runs alternated so that other load on the machine hits each alike. A candidate
 whose package is not installed is listed as skipped with its install command. Writes bench/results/models.json;
-report.py prints its tables.
+`python -m bench report` prints its tables.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
     python -m bench overhead --quick  # 5 repetitions
 
 Each step of one short question (the forward, and within it the model; answer assembly and meta) under each of the
-registry's "overhead" arms (bench/arms.py): blink's defaults, shared prefixes off (the earlier default) and the
+registry's "overhead" arms (bench/lib/arms.py): blink's defaults, shared prefixes off (the earlier default) and the
 linear layers by torch's own kernels (BLINK_CPU_MATMUL=torch) where the defaults chose oneDNN. CPU time per step, the
 best repetition (this process's CPU time, which waiting for a core does not inflate). Then the forward at the
 defaults under torch's profiler: the share of its CPU time in matrix products and their FLOP/s, against one large

@@ -7,7 +7,7 @@
     python -m bench run             # all of it, plus the grid of prompting methods (about 30 min on 2 CPU cores)
     python -m bench run --model <id or folder>
 
-Decision peers (the registry's "decision" arms, bench/arms.py), blink with no BLINK_* variable set:
+Decision peers (the registry's "decision" arms, bench/lib/arms.py), blink with no BLINK_* variable set:
 pipeline("decision") with its own prompt, with blink's exported DecisionConfig, and with its own prompt as a user
 runs it in blink's dtype (`pipeline_bfloat16`: its own model, loaded at bfloat16); llama.cpp with and without prefix
 reuse; blink on vLLM (where .venv-vllm exists; not in --quick without --decision). Each case also records each arm's
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     only = args.peers.split(",") if args.peers else None
     unknown = [n for n in only or [] if n not in arms.of("decision")]
     if unknown:
-        raise SystemExit(f"--peers: no decision arm {', '.join(unknown)} (bench/arms.py names them)")
+        raise SystemExit(f"--peers: no decision arm {', '.join(unknown)} (bench/lib/arms.py names them)")
     decision, http, peers_skipped = decision_part(engine, run, servers=args.decision or not run.quick, only=only)
     cells = []
     if mode != "decision":

