@@ -253,11 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def batch_table(res: dict) -> list[str]:
     """rows/s of each arm, when its first rows landed, and how far its answers are from the loop's."""
     head = ["arm", "rows", "wall s", "answer s", "rows/s", "first rows after s", "steady rows/s", "max gap to loop"]
@@ -287,7 +282,6 @@ def batch_report(res: dict) -> list[str]:
     ]
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (
     batch_report,
     ("model", "rows", "loop_rows", "rows_per_call", "threads_per_engine", "repeats", "workers", "arms", "pipeline"),

@@ -120,11 +120,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def budget_table(res: dict) -> list[str]:
     """CPU and wall time of each workload at each value of the setting it varies."""
     rows = [
@@ -135,5 +130,4 @@ def budget_table(res: dict) -> list[str]:
     return report.table(["workload", "setting", "value", "CPU s (sum of runs)", "wall s per run"], rows)
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (budget_table, ("rows",))

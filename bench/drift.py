@@ -272,11 +272,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 DRIFT_MODELS = {"stand-in": "stand-in", "qwen3.5-tiny": "tiny Qwen3.5 (linear + full attention)"}
 
 
@@ -335,5 +330,4 @@ def drift_report(res: dict) -> list[str]:
     return schemes_table(res) if "bound" in res else drift_table(res)
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (drift_report, ("rows",))

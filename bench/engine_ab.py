@@ -144,11 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def engine_ab_table(res: dict) -> list[str]:
     """CPU ms per request of blink.py at a base revision against the working tree's, the per-pair ratio, and both
     sides' answers against the float32 path."""
@@ -163,7 +158,6 @@ def engine_ab_table(res: dict) -> list[str]:
     return report.table([*head, "vs float32: largest gap, picks changed"], rows)
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (engine_ab_table, ("rows", "base", "dtype", "model"))
 
 

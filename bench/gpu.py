@@ -141,11 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def gpu_table(res: dict) -> list[str]:
     """Each arm's median time and one deployment's peak GPU memory per log, and the shared prefixes' speedup over the
     plain path."""
@@ -159,5 +154,4 @@ def gpu_table(res: dict) -> list[str]:
     return report.table(head, rows)
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (gpu_table, ("rows",))

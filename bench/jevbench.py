@@ -147,11 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def jevbench_report(res: dict) -> list[str]:
     """Its pillar and overall scores (x100, as its table prints them) per arm and suite, the leaderboard's published
     rows beside them, the targets."""
@@ -176,7 +171,6 @@ def jevbench_report(res: dict) -> list[str]:
     return report.field_report(intro, ["system", "suite", *pillars, "requests", "exit", "seconds"], rows, res)
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (jevbench_report, ("jevbench", "model_field", "arms", "published", "targets", "suites"))
 
 

@@ -322,11 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def krite_report(res: dict) -> list[str]:
     """Per arm its flip rates, interference and quality (accuracy, raw ECE) rows, krite's published rows, the
     targets."""
@@ -348,7 +343,6 @@ def krite_report(res: dict) -> list[str]:
     return report.field_report(intro, ["system", "measure", "suite", "value"], rows, res)
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (krite_report, ("krite_bench", "suites", "cases", "arms", "published", "targets"))
 
 

@@ -250,11 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def memory_table(res: dict) -> list[str]:
     """Each run's resident-memory growth over its start along the stream, against the target."""
     docs = res["config"]["docs"]
@@ -286,5 +281,4 @@ def memory_summary(res: dict, path: str) -> str:
     )
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (memory_table, ("runs", "config", "target_mb"))

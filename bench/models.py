@@ -403,11 +403,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 # The columns of its three tables, "|"-separated.
 IDENTITY_HEAD = (
     "model|GGUF name|fine-tune|own chat template|licence|loads as|parameters|installed|fp32 folder|load (CPU)"
@@ -496,5 +491,4 @@ def models_report(res: dict) -> list[str]:
     return tables + [f"Skipped {name}: not installed ({cmd})." for name, cmd in res["skipped"].items()]
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (models_report, ("models", "skipped"))

@@ -164,11 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 OVERHEAD_STEPS = {
     "parse_ms": "parse",
     "render_tokenize_ms": "render + tokenize",
@@ -189,5 +184,4 @@ def overhead_table(res: dict) -> list[str]:
     return report.table([*head, "prompt tokens", "computed", "from the cache"], rows)
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (overhead_table, ("rows",))

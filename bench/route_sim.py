@@ -678,11 +678,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def route_sim_report(res: dict) -> list[str]:
     """The cost model, the check against serve.json, each size's grid, then the targets."""
     costs = [[name, p["value"], p["from"], f"`{p['command']}`"] for name, p in res["cost_model"].items()]
@@ -730,5 +725,4 @@ def route_sim_report(res: dict) -> list[str]:
     return lines
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (route_sim_report, ("cost_model", "check", "predicted", "rows", "targets", "asks_per_replica"))

@@ -748,11 +748,6 @@ NOTES = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def _s(row: dict) -> str:
     """Seconds of one arm, starred when scaled from a subsample."""
     return f"{row['wall_s']:.2f}{'*' if row['extrapolated'] else ''}"
@@ -1065,7 +1060,6 @@ def run_summary(res: dict, path: str) -> str:
     return "; ".join(parts)
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (
     run_report,
     ("mode", "model", "parameters", "dtype", "device", "decision", "http", "peers_skipped", "cells", "throughput")

@@ -396,11 +396,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def serve_arm(r: dict) -> str:
     """A serve row's arm as tables name it (rule lead with its lead)."""
     return arms.title("serve", r["arm"]).format(lead=r.get("lead"))
@@ -516,7 +511,6 @@ def serve_summary(res: dict, path: str) -> str:
     )
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (
     serve_report,
     ("model", "dtype", "cluster", "config", "default_lead", "rows", "targets", "draws", "spread", "met_at_once"),

@@ -127,11 +127,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def shape4b_table(res: dict) -> list[str]:
     """bench/shape4b.py: each arm's seconds per case and its resident memory (GB of 2^30 bytes, VmRSS and VmHWM)."""
     cases = next(iter(res["arms"].values()))["cases"]
@@ -147,5 +142,4 @@ def shape4b_table(res: dict) -> list[str]:
     return report.table(head, rows) + ["", f"int8 over bfloat16, median time: {ratios}"]
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (shape4b_table, ("arms", "int8_time_ratio", "model"))

@@ -275,11 +275,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if result["not_up"] else 0
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Its tables
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def vllm_report(res: dict) -> list[str]:
     """vllm_check: each blink arm's answers against the reference's, then /v1/systemone throughput (per workload where
     the file has two: vllm_serving; else per arm and concurrency with the ratio to the reference), then what vLLM's
@@ -417,5 +412,4 @@ def vllm_summary(res: dict, path: str) -> str:
     )
 
 
-# What `python -m bench report` prints of this benchmark's results file: its tables, and the fields they show.
 REPORT = (vllm_report, ("answers", "http", "not_up", "vllm_own_route", "targets"))

@@ -137,7 +137,7 @@ def header_line(res: dict) -> str:
 def kind(res) -> str:
     """Which benchmark wrote a results file, from the command its header records (`python -m bench NAME ...`);
     'generic' for a file without that header."""
-    command = res.get("command") or "" if isinstance(res, dict) else ""
+    command = (res.get("command") or "") if isinstance(res, dict) else ""
     if not command.startswith("python -m bench "):
         return "generic"
     name = command.split()[3]
