@@ -7,7 +7,7 @@ On one model, in one run; the loop is the one a user writes by hand (decide() on
     python -m bench batch --rows 256 --workers 4  # more rows, more Ray workers
     python -m bench batch --pipeline-rows 0       # skip the no-model runs
 
-Every arm (the registry's "batch" arms, bench/arms.py) is a fresh process, as a user runs it, over the same rows (a
+Every arm (the registry's "batch" arms, bench/lib/arms.py) is a fresh process, as a user runs it, over the same rows (a
 support ticket and one four-way choice each):
 
 - loop: `deployment.decide(state, questions)` per row, appending each answer to OUT (no packing across rows); it
@@ -36,7 +36,7 @@ import subprocess
 import sys
 
 import blink
-from bench import arms, harness, report, servers
+from bench.lib import arms, harness, report, servers
 
 SUMMARY = re.compile(
     r"batch: (\d+) rows, (\d+) errors in ([\d.]+) s \(([\d.]+) rows/s\)"
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "speedup_ray_over_batch_steady": ratio(by["ray"]["steady_rows_per_s"], by["batch"]["steady_rows_per_s"]),
     }
     path = run.write(result)
-    print("\n".join(report.batch_report(run.written)))
+    print("\n".join(batch_report(run.written)))
     times = {
         k: "—" if result[k] is None else f"{result[k]}x"
         for k in ("speedup_batch_over_loop", "speedup_ray_over_batch", "speedup_ray_over_batch_steady")
@@ -251,3 +251,38 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {path}"
     )
     return 0
+
+
+def batch_table(res: dict) -> list[str]:
+    """rows/s of each arm, when its first rows landed, and how far its answers are from the loop's."""
+    head = ["arm", "rows", "wall s", "answer s", "rows/s", "first rows after s", "steady rows/s", "max gap to loop"]
+    rows = []
+    for a in [*res["arms"], *res["pipeline"]]:
+        rate = f"{a['rows_per_s']:,.0f}" if a["rows_per_s"] >= 1000 else f"{a['rows_per_s']:.2f}"
+        steady = a["steady_rows_per_s"]
+        steady = "—" if not steady else f"{steady:,.0f}" if steady >= 1000 else f"{steady:.2f}"
+        first = "—" if a["first_rows_s"] is None else f"{a['first_rows_s']:.1f}"
+        gap = "—" if "max_gap_to_loop" not in a else "0" if a["max_gap_to_loop"] == 0 else f"{a['max_gap_to_loop']:.1e}"
+        rows.append(
+            [arms.title("batch", a["arm"]).format(workers=res["workers"]), f"{a['rows']:,}", f"{a['wall_s']:.1f}"]
+            + [f"{a['answer_s']:.1f}", rate, first, steady, gap]
+            + [f"{a['load_avg_1min'][0]:.1f}-{a['load_avg_1min'][1]:.1f}"]
+        )
+    return report.table([*head, "1-min load"], rows)
+
+
+def batch_report(res: dict) -> list[str]:
+    """batch: what ran, then the per-arm table."""
+    return [
+        f"{res['model']}, {res['rows']} rows ({res['loop_rows']} for the loop), {res['rows_per_call']} rows per "
+        f"decide_many call, {res['threads_per_engine']} thread(s) per engine, each model arm's fastest of "
+        f"{res['repeats']} runs.",
+        "",
+        *batch_table(res),
+    ]
+
+
+REPORT = (
+    batch_report,
+    ("model", "rows", "loop_rows", "rows_per_call", "threads_per_engine", "repeats", "workers", "arms", "pipeline"),
+)

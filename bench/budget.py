@@ -19,7 +19,7 @@ import os
 from dataclasses import replace
 
 import blink
-from bench import harness, workloads
+from bench.lib import harness, report, workloads
 
 CONFIGS = {
     "full": {"doc": 300, "questions": 16, "short_requests": 64, "kept_doc": 1000, "reps": 3},
@@ -118,3 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         + f"; results {os.path.relpath(path)}"
     )
     return 0
+
+
+def budget_table(res: dict) -> list[str]:
+    """CPU and wall time of each workload at each value of the setting it varies."""
+    rows = [
+        [r["workload"], f"`{r['setting']}`", f"{r['value']:,}", f"{r['total_cpu_s']:.2f}"]
+        + [", ".join(f"{w:.1f}" for w in r["wall_s"])]
+        for r in res["rows"]
+    ]
+    return report.table(["workload", "setting", "value", "CPU s (sum of runs)", "wall s per run"], rows)
+
+
+REPORT = (budget_table, ("rows",))

@@ -2,8 +2,9 @@
 
     python -m bench drift            # the stand-in (100, 1,000, 3,800 and 7,000-token logs), a tiny Qwen3.5 (to 18,000)
     python -m bench drift --quick    # shorter logs, one repetition, a few minutes
+    python -m bench drift --schemes --threads 2   # which 8 bits: blink's int8 and bfloat16 and simulated schemes
 
-Arms (the registry's "drift" arms, bench/arms.py), each a torch engine at blink's defaults but for what it names:
+Arms (the registry's "drift" arms, bench/lib/arms.py), each a torch engine at blink's defaults but for what it names:
   float32          float32 on torch's own kernels (BLINK_DTYPE=float32 BLINK_CPU_MATMUL=torch): the exact path, and
                    the reference every other arm is compared with
   float32_onednn   float32 with the linear layers by oneDNN (BLINK_CPU_MATMUL=onednn)
@@ -17,19 +18,37 @@ the largest label-logit and probability difference from float32 and the question
 float32's margin between its top two labels there (from a first, untimed run that warms every arm), and its time
 against float32's (bfloat16_plain untimed): the request runs cold (only the template header kept, as after any
 other request), the arms interleaved and each repetition's order rotated, the least wall and CPU time of the
-repetitions kept. Answers are compared as every benchmark compares them (bench/answers.py). Writes
+repetitions kept. Answers are compared as every benchmark compares them (bench/lib/answers.py). Writes
 bench/results/drift.json (drift-quick.json with --quick); the last line is a summary.
+
+--schemes: how far 8-bit schemes move the stand-in's answers from float32's. Each arm answers the same 8 questions
+over the stand-in's logs and is compared with float32 on torch's own kernels as above: the largest probability
+difference and the picks that differ. Two arms are blink's own engines, loaded by its loading code:
+  bfloat16           blink's CPU default (BLINK_DTYPE=bfloat16)
+  int8               BLINK_QUANTIZE=int8 in bfloat16 (weights int8 per output channel, activations bfloat16)
+The others are simulated: the float32 engine with every linear layer's input and weight rounded ("fake
+quantization": each value replaced by its nearest representable one, the product then taken in float32), to say
+where the error comes from and what a finer 8-bit scheme would reach:
+  act_bfloat16       the layers' inputs rounded to bfloat16, the weights exact (bfloat16's activations alone)
+  w8_channel         the weights int8 per output channel (int8's weights alone), the inputs exact
+  w8_group32         the weights int8 per 32 input values, the inputs exact (the finest weights at 8 bits here)
+  w8a8_token         the weights per output channel and the inputs per token (dynamic int8, as torch._int_mm
+                     or ONNX Runtime's per-call quantization would run it, at a finer scale than per tensor)
+  q8_0               weights and inputs int8 per 32 values (llama.cpp's Q8_0 blocks, both operands)
+Symmetric rounding, scale = the group's largest magnitude / 127. Every arm's kept prefixes are dropped before each
+request. Writes bench/results/quantfloor.json (quantfloor-quick.json with --quick; the committed one was written by
+`python -m bench quantfloor`, as this was called before it joined drift); the last line is a summary.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+import types
+from dataclasses import replace
 
 import blink
-from bench import answers, arms, grid, harness, report, workloads
-from tests import tiny_models
+from bench.lib import answers, arms, checkpoints, cold, harness, report, workloads
 
 CONFIGS = {
     "full": {"standin": [100, 1000, 3800, 7000], "tiny": [100, 1000, 18000], "reps": 3},
@@ -37,109 +56,28 @@ CONFIGS = {
 }
 REFERENCE = "float32"
 UNTIMED = ("bfloat16_plain",)  # run for its drift only: the plain path over long logs is slow and not a default
-WARM = ("The parcel arrived on time.", {"q": {"type": "noul", "instructions": "Did the parcel arrive?"}})
-
-
-def tiny_qwen(folder: str, context: int) -> str:
-    """A tiny random-weight Qwen3.5 (linear and full attention layers) with room for `context` tokens."""
-    model_folder(folder, {"max_position_embeddings": context})
-    return folder
-
-
-def model_folder(
-    folder: str, shape: dict, dtype=None, device: str = "cpu", mrope_section: list[int] | None = None
-) -> int:
-    """A random-weight Qwen3.5 text model (the test tokenizer, tests/tiny_models.py) with the config fields in
-    `shape` over the tiny test model's (and its rotary sections), built on `device` in `dtype` (float32 unless told)
-    and saved to `folder`; its parameter count."""
-    import torch
-    from transformers import Qwen3_5ForCausalLM
-
-    tok = tiny_models.build_tokenizer()
-    config = tiny_models.text_config(tok)
-    for key, value in shape.items():
-        setattr(config, key, value)
-    if mrope_section:
-        config.rope_parameters = {**config.rope_parameters, "mrope_section": mrope_section}
-    tok.model_max_length = config.max_position_embeddings
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3_5ForCausalLM(config).to(dtype or torch.float32).eval()
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
-
-
-def questions(n_tickets: int) -> dict:
-    """Eight questions about a ticket log, every type: six choices of four teams, a yes/no and a 5-level score."""
-    qs = workloads.questions(6, 4, n_tickets)
-    last = max(1, n_tickets)
-    qs["refund"] = {"type": "noul", "instructions": f"Did the customer in ticket #{last} ask for a refund?"}
-    qs["upset"] = {
-        "type": "score",
-        "instructions": f"How upset is the customer in ticket #{last}?",
-        "criteria": ["calm", "mildly annoyed", "frustrated", "angry", "furious"],
-    }
-    return qs
-
-
-def evidence_tokens(prompt: blink.Prompt) -> int:
-    """How many of a rendered prompt's tokens are the evidence (between its first and last cut; all of it when the
-    prompt has no cuts)."""
-    return prompt.cuts[-1] - prompt.cuts[0] if prompt.cuts else len(prompt.ids)
-
-
-@dataclass
-class Cold:
-    """One request over a log the engine had not seen: its wall and CPU seconds, its answers at temperature 1, and on
-    a GPU the memory it took beyond what was held before it (torch's allocator)."""
-
-    wall_s: float
-    cpu_s: float
-    answers: dict
-    working_mb: float | None = None
-
-
-def cold_run(engine: blink.TorchEngine, request: blink.Request, warm: blink.Request) -> Cold:
-    """The request over a log the engine has not seen: its kept prefixes dropped, then the template header kept by
-    a short request, as after any other request. On a GPU the wall time waits for the device."""
-    engine.prefixes.clear()
-    engine.forward(warm)
-    device = engine.model.lm_head.weight.device
-
-    def forward() -> blink.Forward:
-        result = engine.forward(request)
-        harness.sync(device)
-        return result
-
-    if device.type != "cuda":
-        wall, cpu, result = harness.timed(forward)
-        return Cold(wall, cpu, answers.of(request, result.readouts))
-    with grid.PeakMemory(device) as memory:
-        wall, cpu, result = harness.timed(forward)
-    return Cold(wall, cpu, answers.of(request, result.readouts), memory.peak_mb)
 
 
 def measure(name: str, model: str, targets: list[int], reps: int) -> list[dict]:
     """Every arm on each document length of one model: drift from float32 and time against it."""
     engines = arms.engines("drift", model, blink.Settings(prefix_min_tokens=256))
     ref = engines[REFERENCE]
-    warm = blink.parse_request(*WARM, settings=ref.settings)
+    warm = blink.parse_request(*cold.WARM, settings=ref.settings)
     rows = []
     for target in targets:
         doc = workloads.document(ref.tok, target, seed=7)
-        request = blink.parse_request(doc, questions(workloads.ticket_count(doc)), settings=ref.settings)
+        request = blink.parse_request(doc, cold.questions(workloads.ticket_count(doc)), settings=ref.settings)
         prompt = ref.render(request)[0]
-        first = {arm: cold_run(engine, request, warm).answers for arm, engine in engines.items()}  # warms each arm
+        first = {arm: cold.cold_run(engine, request, warm).answers for arm, engine in engines.items()}  # warms each arm
         timed = [arm for arm in engines if arm not in UNTIMED]
         best: dict[str, list[float]] = {arm: [float("inf"), float("inf")] for arm in timed}
         for rep in range(reps):
             for arm in timed[rep % len(timed) :] + timed[: rep % len(timed)]:
-                got = cold_run(engines[arm], request, warm)
+                got = cold.cold_run(engines[arm], request, warm)
                 best[arm] = [min(best[arm][0], got.wall_s), min(best[arm][1], got.cpu_s)]
         row = {
             "model": name,
-            "doc_tokens": evidence_tokens(prompt),
+            "doc_tokens": cold.evidence_tokens(prompt),
             "questions": len(request.questions),
             "prompt_tokens": sum(len(p.ids) for p in ref.render(request)),
             "arms": {},
@@ -192,16 +130,124 @@ def worst(rows: list[dict], arm: str, model: str | None = None) -> dict:
     }
 
 
+# Simulated schemes: (weight grouping, input grouping); a grouping is "channel" (the weight's output rows),
+# "token" (the input's rows), a group size along the reduced dimension, "bfloat16", or None (exact).
+SIMULATED = {
+    "act_bfloat16": (None, "bfloat16"),
+    "w8_channel": ("channel", None),
+    "w8_group32": (32, None),
+    "w8a8_token": ("channel", "token"),
+    "q8_0": (32, 32),
+}
+SCHEME_LOGS = {"full": [100, 1000, 3800, 7000], "quick": [100, 1000]}
+BOUND = 0.03  # the drift bound the bfloat16 default is held to (docs/configuration.md)
+
+
+def rounded(t, grouping):
+    """t with each value replaced by its nearest one in the scheme: int8 over groups (symmetric, max/127), or
+    bfloat16; t itself where grouping is None."""
+    import torch
+
+    if grouping is None:
+        return t
+    if grouping == "bfloat16":
+        return t.to(torch.bfloat16).float()
+    rows = t.unsqueeze(-2) if grouping in ("channel", "token") else t.reshape(*t.shape[:-1], -1, grouping)
+    scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    return (torch.round(rows / scale).clamp(-127, 127) * scale).reshape(t.shape)
+
+
+def simulate(model, exact: dict, weights, inputs) -> None:
+    """Every linear layer of `model` but lm_head made to run the scheme: its weight rounded from `exact` (name ->
+    float32 weight), its input rounded at each call."""
+    import torch
+
+    def forward(self, x):
+        return torch.nn.functional.linear(rounded(x.float(), inputs), self.weight, self.bias)
+
+    for name, layer in linear_layers(model):
+        layer.weight.data = rounded(exact[name], weights)
+        layer.forward = types.MethodType(forward, layer)
+
+
+def linear_layers(model) -> list:
+    """(name, layer) for every nn.Linear of the model but lm_head."""
+    import torch
+
+    head = model.get_output_embeddings()
+    return [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear and m is not head]
+
+
+def answered(engine: blink.TorchEngine, request: blink.Request) -> dict:
+    """The engine's answers to the request with nothing kept from an earlier one (its prefixes dropped)."""
+    engine.prefixes.clear()
+    return answers.of(request, engine.forward(request).readouts)
+
+
+def schemes(run: harness.Run) -> int:
+    """--schemes: every scheme against float32 on each log; write quantfloor.json, print one summary line last."""
+    targets = SCHEME_LOGS["quick" if run.quick else "full"]
+    base = blink.Settings(prefix_min_tokens=256)
+    reference = blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, dtype="float32", cpu_matmul="torch"))
+    shipped = {
+        "bfloat16": blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, dtype="bfloat16")),
+        "int8": blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, quantize="int8", dtype="bfloat16")),
+    }
+    sim = blink.TorchEngine(blink.STANDIN_MODEL, settings=reference.settings)
+    exact = {name: layer.weight.detach().clone() for name, layer in linear_layers(sim.model)}
+    rows = []
+    for target in targets:
+        doc = workloads.document(reference.tok, target, seed=7)
+        request = blink.parse_request(doc, cold.questions(workloads.ticket_count(doc)), settings=base)
+        ref = answered(reference, request)
+        row = {"doc_tokens": cold.evidence_tokens(reference.render(request)[0]), "arms": {}}
+        for arm, engine in shipped.items():
+            row["arms"][arm] = answers.compare(ref, answered(engine, request))
+        for arm, (weights, inputs) in SIMULATED.items():
+            simulate(sim.model, exact, weights, inputs)
+            row["arms"][arm] = answers.compare(ref, answered(sim, request))
+        rows.append(row)
+        print(
+            f"{row['doc_tokens']:>6} tok: "
+            + "; ".join(f"{a} {v['max_prob_diff']:.4f}" for a, v in row["arms"].items()),
+            flush=True,
+        )
+    worst = {arm: max(r["arms"][arm]["max_prob_diff"] for r in rows) for arm in rows[0]["arms"]}
+    res = {
+        "model": "stand-in",
+        "reference": "float32 on torch's own kernels",
+        "bound": BOUND,
+        "simulated": {arm: {"weights": w, "inputs": i} for arm, (w, i) in SIMULATED.items()},
+        "rows": rows,
+        "worst": worst,
+    }
+    path = run.write(res, stem="quantfloor")
+    print(
+        f"largest probability difference from float32 over {len(rows)} logs on {blink.hardware()} (bound {BOUND}): "
+        + ", ".join(f"{arm} {v:.4f}" for arm, v in worst.items())
+        + f"; results {os.path.relpath(path)}"
+    )
+    return 0
+
+
+def flags(parser) -> None:
+    """drift's own flags."""
+    parser.add_argument("--reps", type=int, help="default 3, quick 1")
+    parser.add_argument("--schemes", action="store_true", help="8-bit schemes against float32 (quantfloor.json)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure, write JSON, print one summary line last."""
-    run = harness.Run("drift", argv, __doc__, lambda ap: ap.add_argument("--reps", type=int, help="default 3, quick 1"))
+    run = harness.Run("drift", argv, __doc__, flags)
+    if run.args.schemes:
+        return schemes(run)
     cfg = CONFIGS["quick" if run.quick else "full"]
     reps = run.args.reps or cfg["reps"]
     run.probe()
     rows = measure("stand-in", blink.STANDIN_MODEL, cfg["standin"], reps)
     with tempfile.TemporaryDirectory() as tmp:
         rows += measure(
-            "qwen3.5-tiny", tiny_qwen(os.path.join(tmp, "tiny"), max(cfg["tiny"]) + 2048), cfg["tiny"], reps
+            "qwen3.5-tiny", checkpoints.tiny_qwen(os.path.join(tmp, "tiny"), max(cfg["tiny"]) + 2048), cfg["tiny"], reps
         )
     res = {
         "cpu_bf16": blink.native_bf16(),
@@ -222,5 +268,66 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     path = run.write(res)
-    print(report.drift_summary(run.written, path))
+    print(drift_summary(run.written, path))
     return 0
+
+
+DRIFT_MODELS = {"stand-in": "stand-in", "qwen3.5-tiny": "tiny Qwen3.5 (linear + full attention)"}
+
+
+def drift_table(res: dict) -> list[str]:
+    """Each arm against float32 on torch's kernels, per model and document: the largest probability difference, the
+    picks that differ, and its speed (CPU time) against float32's."""
+    names = [a for a in res["rows"][0]["arms"] if a != "float32"]
+    head = ["model", "evidence tokens", "float32 CPU s"]
+    head += [f"{a}: × float32 / largest probability difference / picks that differ" for a in names]
+    rows = []
+    for r in res["rows"]:
+        cells = [DRIFT_MODELS.get(r["model"], r["model"]), r["doc_tokens"], f"{r['arms']['float32']['cpu_s']:.2f}"]
+        for a in names:
+            v = r["arms"][a]
+            speed = f"{v['speedup_cpu']:.2f}×" if "speedup_cpu" in v else "untimed"
+            cells.append(f"{speed} / {v['max_prob_diff']:.4f} / {len(v['picks_differ'])} of {r['questions']}")
+        rows.append(cells)
+    return report.table(head, rows)
+
+
+def drift_summary(res: dict, path: str) -> str:
+    """drift's last line: bfloat16's and int8's speed on the stand-in and their largest drift."""
+    stand = [r for r in res["rows"] if r["model"] == "stand-in"]
+    mode = "quick" if res["quick"] else "full"
+    parts = []
+    for arm in ("bfloat16", "int8"):
+        w = res["worst"][arm]
+        speed = "/".join(f"{r['arms'][arm]['speedup_cpu']:.2f}" for r in stand)
+        parts.append(
+            f"{arm}: stand-in {speed}x float32's speed (CPU time; logs of "
+            f"{'/'.join(str(r['doc_tokens']) for r in stand)} tokens), largest probability difference "
+            f"{w['max_prob_diff']:.4f}, picks differ {w['picks_differ']} of {w['asked']}"
+        )
+    return (
+        f"blink precision ({mode}, {res['hardware']}, {res['threads']} thread, {res['duration_s']:.0f} s): "
+        f"{'; '.join(parts)}; results {os.path.relpath(path)}"
+    )
+
+
+def schemes_table(res: dict) -> list[str]:
+    """--schemes: each arm's largest probability difference from float32 and its picks that differ, per
+    log, and its worst against the bound."""
+    arms = list(res["rows"][0]["arms"])
+    head = ["arm", *(f"{r['doc_tokens']}-token log" for r in res["rows"]), f"largest (bound {res['bound']})"]
+    rows = [
+        [arm]
+        + [f"{r['arms'][arm]['max_prob_diff']:.4f} ({len(r['arms'][arm]['picks_differ'])})" for r in res["rows"]]
+        + [f"{res['worst'][arm]:.4f} {'within' if res['worst'][arm] <= res['bound'] else 'over'}"]
+        for arm in arms
+    ]
+    return report.table(head, rows) + ["", "Each cell: the largest probability difference (the picks that differ)."]
+
+
+def drift_report(res: dict) -> list[str]:
+    """drift's table, or --schemes' (a file with a bound)."""
+    return schemes_table(res) if "bound" in res else drift_table(res)
+
+
+REPORT = (drift_report, ("rows",))

@@ -3,9 +3,9 @@
 Each serves the stand-in at the dtype blink answers in, in one process; --profile shows where a short question's time
 goes.
 
-    python -m bench engine_ab --base 8e926fc            # the three decision cases, one thread
-    python -m bench engine_ab --base 8e926fc --profile  # and the short question's time by operator, both sides
-    python -m bench engine_ab --base 8e926fc --dtype bfloat16  # both at bfloat16 (engine_ab-bfloat16.json)
+    python -m bench engine_ab --base 1f50df1            # the three decision cases, one thread (engine_ab-1f50df1.json)
+    python -m bench engine_ab --base 1f50df1 --profile  # and the short question's time by operator, both sides
+    python -m bench engine_ab --base 1f50df1 --dtype float32  # both in float32 (engine_ab-1f50df1-float32.json)
 
 Each case alternates the two engines request by request (the order flipped every pair) and times each call in this
 process's CPU seconds, so load from other processes inflates both sides of a pair alike; it records each side's
@@ -28,7 +28,7 @@ import time
 from dataclasses import fields, replace
 
 import blink
-from bench import answers, harness, workloads
+from bench.lib import answers, harness, report, workloads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
@@ -139,9 +139,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:  # where the short question's time goes, before the change and after
         for side, dep in deps.items():
             print(f"short question, {side}:\n{profile_short(dep, requests['short'][:10])}", flush=True)
-    stem = "engine_ab" if args.dtype is None else f"engine_ab-{args.dtype}"
+    stem = f"engine_ab-{args.base}" + ("" if args.dtype is None else f"-{args.dtype}")  # one file per base revision
     run.write({"base": args.base, "dtype": dtype, "model": blink.STANDIN_MODEL, "rows": rows}, stem)
     return 0
+
+
+def engine_ab_table(res: dict) -> list[str]:
+    """CPU ms per request of blink.py at a base revision against the working tree's, the per-pair ratio, and both
+    sides' answers against the float32 path."""
+    base = res["base"]
+    head = ["case", f"{base} (ms)", "working tree (ms)", f"{base} / working tree (quartiles)", "pairs"]
+    rows = [
+        [case, row["cpu_ms"][base], row["cpu_ms"]["working tree"]]
+        + [f"{row['ratio_median']} ({row['ratio_quartiles'][0]}-{row['ratio_quartiles'][1]})", row["pairs"]]
+        + ["; ".join(f"{n} {c['max_prob_diff']:.4f}, {len(c['picks_differ'])}" for n, c in row["vs_float32"].items())]
+        for case, row in res["rows"].items()
+    ]
+    return report.table([*head, "vs float32: largest gap, picks changed"], rows)
+
+
+REPORT = (engine_ab_table, ("rows", "base", "dtype", "model"))
 
 
 if __name__ == "__main__":

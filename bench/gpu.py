@@ -8,8 +8,8 @@ What the shared prefixes and the prefix copy budget change there, on one model b
 The model is a random-weight Qwen3.5 text model built here at the shape below (4.21 B parameters, Qwen3.5's
 hybrid of linear- and full-attention layers, its 248,320-entry vocabulary), with the tiny test tokenizer: its
 answers mean nothing, its sizes and times are those of a model this large. It is not blink-4b, whose weights and
-exact shape this benchmark does not read. Arms (the registry's "gpu" arms, bench/arms.py), each a torch engine at the
-defaults a GPU machine gets (Settings.from_env: bfloat16, shared prefixes, BLINK_PREFIX_KV_TOKENS 131,072) but for
+exact shape this benchmark does not read. Arms (the registry's "gpu" arms, bench/lib/arms.py), each a torch engine at
+the defaults a GPU machine gets (Settings.from_env: bfloat16, shared prefixes, BLINK_PREFIX_KV_TOKENS 131,072) but for
 what it names:
   default       the GPU defaults
   kv_32768      BLINK_PREFIX_KV_TOKENS=32768 (fewer prefix copies held at once)
@@ -28,38 +28,17 @@ import sys
 import tempfile
 
 import blink
-from bench import answers, arms, drift, harness, workloads
+from bench.lib import answers, arms, checkpoints, cold, harness, report, workloads
 
 CONFIGS = {"full": {"docs": [1000, 4000, 16000], "reps": 3}, "quick": {"docs": [1000, 4000], "reps": 1}}
-SHAPE = {
-    "hidden_size": 2560,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "vocab_size": 248320,
-}
 
 
 def build_model(folder: str) -> tuple[str, int]:
-    """The random-weight Qwen3.5 of SHAPE saved in bfloat16 to `folder`, built on the GPU; (folder, parameter
-    count)."""
+    """The random-weight Qwen3.5 of checkpoints.SHAPE saved in bfloat16 to `folder`, built on the GPU; (folder,
+    parameter count)."""
     import torch
 
-    layers = SHAPE["num_hidden_layers"]
-    shape = {
-        **SHAPE,
-        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-        "max_position_embeddings": 32768,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": True,
-    }
-    params = drift.model_folder(folder, shape, torch.bfloat16, "cuda", [11, 11, 10])  # 64 rotary dims, 32 freqs
+    params = checkpoints.qwen_4b(folder, "cuda")
     torch.cuda.empty_cache()
     return folder, params
 
@@ -73,23 +52,23 @@ def measure(folder: str, targets: list[int], reps: int) -> list[dict]:
     """Every arm on each log length: median wall time, peak GPU memory, and the probability gap to the plain path."""
     engines = arms.engines("gpu", folder, blink.Settings.from_env({}))
     ref = engines["plain"]
-    warm = blink.parse_request(*drift.WARM, settings=ref.settings)
+    warm = blink.parse_request(*cold.WARM, settings=ref.settings)
     rows = []
     for target in targets:
         doc = workloads.document(ref.tok, target, seed=7)
-        request = blink.parse_request(doc, drift.questions(workloads.ticket_count(doc)), settings=ref.settings)
-        first = {arm: drift.cold_run(engine, request, warm) for arm, engine in engines.items()}  # warms each arm
+        request = blink.parse_request(doc, cold.questions(workloads.ticket_count(doc)), settings=ref.settings)
+        first = {arm: cold.cold_run(engine, request, warm) for arm, engine in engines.items()}  # warms each arm
         times: dict[str, list[float]] = {arm: [] for arm in engines}
         peaks = {arm: first[arm].working_mb / 1024 for arm in engines}
         names = list(engines)
         for rep in range(reps):
             for arm in names[rep % len(names) :] + names[: rep % len(names)]:
-                got = drift.cold_run(engines[arm], request, warm)
+                got = cold.cold_run(engines[arm], request, warm)
                 times[arm].append(got.wall_s)
                 peaks[arm] = max(peaks[arm], got.working_mb / 1024)
         prompts = ref.render(request)
         row = {
-            "doc_tokens": drift.evidence_tokens(prompts[0]),
+            "doc_tokens": cold.evidence_tokens(prompts[0]),
             "questions": len(request.questions),
             "prompt_tokens": sum(len(p.ids) for p in prompts),
             "arms": {},
@@ -133,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         saved_gib = round(sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)) / 2**30, 2)
         rows = measure(folder, cfg["docs"], cfg["reps"])
     res = {
-        "model": {"kind": "random-weight Qwen3.5 text model", "parameters": params, "saved_gib": saved_gib, **SHAPE},
+        "model": {
+            "kind": "random-weight Qwen3.5 text model",
+            "parameters": params,
+            "saved_gib": saved_gib,
+            **checkpoints.SHAPE,
+        },
         "defaults": {
             k: getattr(blink.Settings.from_env({}), k)
             for k in ("compute_dtype", "token_budget", "prefix_kv_tokens", "prefix_cache_mb")
@@ -155,3 +139,19 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.path.relpath(path)}"
     )
     return 0
+
+
+def gpu_table(res: dict) -> list[str]:
+    """Each arm's median time and one deployment's peak GPU memory per log, and the shared prefixes' speedup over the
+    plain path."""
+    names = list(res["rows"][0]["arms"])
+    head = ["log tokens", *(f"{arms.title('gpu', a)}: ms / peak GiB" for a in names), "shared prefixes × plain"]
+    rows = [
+        [r["doc_tokens"], *(f"{r['arms'][a]['wall_s'] * 1000:.0f} / {r['arms'][a]['peak_gib']:.2f}" for a in names)]
+        + [f"{r['arms']['default']['speedup_vs_plain']:.2f}×"]
+        for r in res["rows"]
+    ]
+    return report.table(head, rows)
+
+
+REPORT = (gpu_table, ("rows",))

@@ -6,13 +6,13 @@
 
 jevbench 0.1.0 (pinned in tools/requirements-jevbench.txt, installed into .venv-jevbench by `bash tools/setup.sh
 --harnesses`; without it this prints why and exits 0: skipped, nothing measured) ships its suites, frozen plans and
-rewrite banks in its wheel and talks to a server over HTTP only. For each arm (bench/fieldharness.py: `python app.py`
-as a user starts it, then with BLINK_DTYPE=float32) its own commands run as they are documented: `jevbench check --url
-URL --model jev-latest`, then `jevbench eval --suite SUITE --url URL --model jev-latest --concurrency 1 --cache-dir DIR
---out REPORT` for each suite, each arm with a request cache of its own. The results file keeps every command, its exit
-status, how long it took and the end of what it printed, and the report JSON jevbench wrote, whole, beside the
-harness header. Its scores (REP, BAT, MEA, LOG, CHO, overall; jevbench's own 0-1 scale, its table prints them x100)
-are the model's except BAT, which the engine decides: an answer stays the same when the request's other questions
+rewrite banks in its wheel and talks to a server over HTTP only. For each arm (bench/lib/fieldharness.py: `python
+app.py` as a user starts it, then with BLINK_DTYPE=float32) its own commands run as they are documented: `jevbench check
+--url URL --model jev-latest`, then `jevbench eval --suite SUITE --url URL --model jev-latest --concurrency 1
+--cache-dir DIR --out REPORT` for each suite, each arm with a request cache of its own. The results file keeps every
+command, its exit status, how long it took and the end of what it printed, and the report JSON jevbench wrote, whole,
+beside the harness header. Its scores (REP, BAT, MEA, LOG, CHO, overall; jevbench's own 0-1 scale, its table prints them
+x100) are the model's except BAT, which the engine decides: an answer stays the same when the request's other questions
 change (the target: BAT 100 at the defaults).
 """
 
@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from bench import fieldharness, harness
+from bench.lib import fieldharness, report
 
 SUITES = {"full": ["examples", "jevbench-mini"], "quick": ["examples"]}
 PILLARS = ("REP", "BAT", "MEA", "LOG", "CHO")
@@ -118,10 +118,8 @@ def flags(ap) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run jevbench's check and suites against each arm's app, write the results file, print the scores."""
-    run = harness.Run("jevbench", argv, __doc__, flags, threads="0")
-    why = fieldharness.missing("jevbench")
-    if why:
-        print(f"skipped: {why}; nothing was measured")
+    run = fieldharness.begin("jevbench", argv, __doc__, flags)
+    if run is None:
         return 0
     suites = SUITES["quick" if run.quick else "full"]
     files = run.files()
@@ -147,6 +145,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jevbench: {met}; wrote {path}")
     failed = [a for a, got in arms.items() if got["check"]["returncode"] != 0]
     return 1 if failed else 0
+
+
+def jevbench_report(res: dict) -> list[str]:
+    """Its pillar and overall scores (x100, as its table prints them) per arm and suite, the leaderboard's published
+    rows beside them, the targets."""
+    pillars = ["REP", "BAT", "MEA", "LOG", "CHO", "overall"]
+    rows = []
+    for arm, got in res["arms"].items():
+        for suite, one in got["suites"].items():
+            s, printed = one["scores"], one["report"] or {}
+            requests = (printed.get("result") or {}).get("requests", "-")
+            rows.append(
+                [f"blink {arm} ({got['dtype']})", suite]
+                + [f"{100 * s[p]:.1f}" if s.get(p) is not None else "-" for p in pillars]
+                + [requests, one["run"]["returncode"], one["run"]["seconds"]]
+            )
+    for name, row in res["published"].items():
+        cells = [f"{row[p]:.1f}" if p in row else "-" for p in pillars]
+        rows.append([f"{name} (published)", "jevbench-mini", *cells, "-", "-", "-"])
+    intro = (
+        f"jevbench {res['jevbench']}, model field {res['model_field']!r}; the model is the stand-in (REP, MEA, LOG,"
+        " CHO and overall are its own; BAT is the engine's)."
+    )
+    return report.field_report(intro, ["system", "suite", *pillars, "requests", "exit", "seconds"], rows, res)
+
+
+REPORT = (jevbench_report, ("jevbench", "model_field", "arms", "published", "targets", "suites"))
 
 
 if __name__ == "__main__":

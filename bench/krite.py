@@ -39,7 +39,7 @@ import sys
 
 import numpy as np
 
-from bench import fieldharness, harness
+from bench.lib import fieldharness, report
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "clearcut.jsonl")
 DATASET = "blink-clearcut"
@@ -288,10 +288,8 @@ def flags(ap) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the suites and a KRITE_ROOT, run krite's runners against each arm's app, write the results file."""
-    run = harness.Run("krite", argv, __doc__, flags, threads="0")
-    why = fieldharness.missing("krite")
-    if why:
-        print(f"skipped: {why}; nothing was measured")
+    run = fieldharness.begin("krite", argv, __doc__, flags)
+    if run is None:
         return 0
     cases = dict(CASES["quick" if run.quick else "full"])
     cases["invariance"] = run.args.invariance_cases or cases["invariance"]
@@ -322,6 +320,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"krite: {met}; wrote {path}")
     failed = [f"{a} {n}" for a, got in arms.items() for n, r in got["runs"].items() if r["returncode"] != 0]
     return 1 if failed else 0
+
+
+def krite_report(res: dict) -> list[str]:
+    """Per arm its flip rates, interference and quality (accuracy, raw ECE) rows, krite's published rows, the
+    targets."""
+    rows = []
+    for arm, got in res["arms"].items():
+        name, f = f"blink {arm} ({got['dtype']})", got["figures"]
+        rows += [[name, "flip rate", sid, report.cell(v)] for sid, v in f["flip_rate"].items()]
+        rows += [[name, "interference max dp", k, report.cell(v)] for k, v in f["interference_max_prob_dev"].items()]
+        for sid, q in f["quality"].items():
+            rows += [[name, "accuracy", sid, report.cell(q["accuracy"])], [name, "ECE", sid, report.cell(q["ece"])]]
+        rows += [[name, "error rate", k, report.cell(v)] for k, v in f["error_rates"].items()]
+    for measure, published in res["published"].items():
+        rows += [[f"{who} (published)", measure, "krite's", v] for who, v in published.items()]
+    suites = ", ".join(f"{k} ({v['cases']})" for k, v in res["suites"].items())
+    intro = (
+        f"krite-bench {res['krite_bench']}; suites {suites}; cases per run {res['cases']}. The model is the"
+        " stand-in: accuracy and ECE are its own."
+    )
+    return report.field_report(intro, ["system", "measure", "suite", "value"], rows, res)
+
+
+REPORT = (krite_report, ("krite_bench", "suites", "cases", "arms", "published", "targets"))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python -m bench memory            # 24 documents of ~3,800 tokens, 4 questions each, bound 1,024 MB (the default)
     python -m bench memory --quick    # 8 documents of ~1,000 tokens, bound 64 MB, a few minutes
 
-Each run is a process of its own, started fresh (its arm is one of the registry's "memory" arms, bench/arms.py):
+Each run is a process of its own, started fresh (its arm is one of the registry's "memory" arms, bench/lib/arms.py):
 `decide` calls blink.decide() in a loop; `app` is `python app.py`,
 sent System One requests over HTTP (`/v1/systemone`); each in float32 (the exact path, the most memory) or at the
 machine's default dtype, with freed memory handed back to the OS after every forward (BLINK_RELEASE_MEMORY on, the
@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 import blink
-from bench import arms, harness, report, servers, workloads
+from bench.lib import arms, harness, report, servers, workloads
 
 CONFIGS = {
     "full": {
@@ -246,5 +246,39 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     path = run.write(res)
-    print(report.memory_summary(run.written, path))
+    print(memory_summary(run.written, path))
     return 0
+
+
+def memory_table(res: dict) -> list[str]:
+    """Each run's resident-memory growth over its start along the stream, against the target."""
+    docs = res["config"]["docs"]
+    marks = sorted({1, docs // 2, docs})
+    head = ["run", "dtype", "freed memory released", "start MB"]
+    head += [f"growth after document {'/'.join(map(str, marks))} (MB)", "largest peak growth (MB)"]
+    head += [f"within bound + {res['target_mb'] - res['config']['bound_mb']} MB"]
+    rows = [
+        [r["arm"], r["dtype"], "yes" if r["release_memory"] else "no", r["start_mb"]]
+        + ["/".join(f"+{r['points'][m - 1]['growth_mb']}" for m in marks), f"+{r['max_peak_growth_mb']}"]
+        + ["yes" if r["within_target"] else "no"]
+        for r in res["runs"]
+    ]
+    return report.table(head, rows)
+
+
+def memory_summary(res: dict, path: str) -> str:
+    """memory's last line: each run's largest growth and peak against the target."""
+    parts = [
+        f"{r['arm']} {r['dtype']} {'released' if r['release_memory'] else 'kept'} +{r['max_growth_mb']} MB"
+        f" (peak +{r['max_peak_growth_mb']})"
+        for r in res["runs"]
+    ]
+    mode = "quick" if res["quick"] else "full"
+    return (
+        f"blink memory ({mode}, {res['config']['docs']} documents of ~{res['config']['doc_tokens']} "
+        f"tokens, bound {res['config']['bound_mb']} MB, target +{res['target_mb']} MB): {'; '.join(parts)}; "
+        f"results {os.path.relpath(path)}"
+    )
+
+
+REPORT = (memory_table, ("runs", "config", "target_mb"))

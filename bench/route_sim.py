@@ -45,7 +45,7 @@ import os
 import random
 
 from adapters.serve import EvidencePicker, Price, RouteSettings, ranked
-from bench import harness
+from bench.lib import harness, report
 
 PREFIX_CACHE_DOCUMENTS = 13  # BLINK_PREFIX_CACHE_MB 1,024 over one ~3,400-token document's keys and values on the
 # stand-in (30 layers x 2 x 3 KV heads x 64 x 2 bytes x 3,400 tokens = 78 MB)
@@ -674,7 +674,55 @@ def main(argv: list[str] | None = None) -> int:
     path = run.write(result)
     for replicas in sizes:
         plot(rows, replicas, path.removesuffix(".json") + f"-{replicas}.png")
-    from bench import report
-
-    print("\n".join(report.route_sim_report(run.written)))
+    print("\n".join(route_sim_report(run.written)))
     return 0
+
+
+def route_sim_report(res: dict) -> list[str]:
+    """The cost model, the check against serve.json, each size's grid, then the targets."""
+    costs = [[name, p["value"], p["from"], f"`{p['command']}`"] for name, p in res["cost_model"].items()]
+    lines = ["Cost model (seconds):", "", *report.table(["parameter", "value", "from", "measured by"], costs)]
+    checks = [
+        [r["workload"], r["arm"] + (f" lead {r['lead']}" if "lead" in r else ""), r["draws"]]
+        + ["yes" if r["homes_as_run"] else "no", f"{r['sim']['req_per_s']:.3f} / {r['real']['req_per_s']:.3f}"]
+        + [f"{r['req_per_s_ratio']:.2f}", f"{r['sim']['cached_share']:.1%} / {r['real']['cached_share']:.1%}"]
+        + [f"{r['sim']['p99_s']:.1f} / {r['real']['p99_s']:.1f}"]
+        for r in res["check"]
+    ]
+    lines += [
+        "",
+        "Against serve.json's two-node runs (sim / committed; draws: replica-id draws averaged; homes as run: the "
+        "ids drawn so the re-ask documents' rendezvous homes split as in the committed run):",
+        "",
+        *report.table(
+            ["workload", "arm", "draws", "homes as run", "req/s sim / real", "ratio", "cached share sim / real"]
+            + ["p99 s sim / real"],
+            checks,
+        ),
+    ]
+    if res.get("predicted"):
+        lines += ["", "serve.json's workloads under the default (bounded) evidence rule, predicted:", ""]
+        lines += [f"- {t['target']}: {t['value']} ({'met' if t['met'] else 'MISSED'})" for t in res["predicted"]]
+    head = ["zipf s", "load", "arm", "req/s", "p50 s", "p99 s", "cached share / ideal", "packed misses"]
+    head += ["max/mean work", "moved by leave, join"]
+    for replicas in sorted({r["replicas"] for r in res["rows"]}):
+        rows = []
+        for r in (r for r in res["rows"] if r["replicas"] == replicas):
+            moved = r.get("moved")
+            shown = ", ".join(f"{m['documents']} ({m['ratio']:.2f}x share)" for m in moved.values()) if moved else "—"
+            rows.append(
+                [r["zipf_s"], f"{r['load']:.0%}", r["arm"], f"{r['req_per_s']:.2f}", f"{r['p50_s']:.1f}"]
+                + [f"{r['p99_s']:.1f}", f"{r['cached_share']:.1%} / {r['ideal_cached_share']:.1%}"]
+                + [f"{r['packed_misses']:.1%}", f"{r['max_over_mean_work']:.2f}", shown]
+            )
+        lines += [
+            "",
+            f"{replicas} replicas, {10 * replicas} documents, {res['asks_per_replica'] * replicas} requests:",
+            "",
+            *report.table(head, rows),
+        ]
+    lines += ["", *(f"- {t['target']}: {t['value']} ({'met' if t['met'] else 'MISSED'})" for t in res["targets"])]
+    return lines
+
+
+REPORT = (route_sim_report, ("cost_model", "check", "predicted", "rows", "targets", "asks_per_replica"))

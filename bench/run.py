@@ -7,7 +7,7 @@
     python -m bench run             # all of it, plus the grid of prompting methods (about 30 min on 2 CPU cores)
     python -m bench run --model <id or folder>
 
-Decision peers (the registry's "decision" arms, bench/arms.py), blink with no BLINK_* variable set:
+Decision peers (the registry's "decision" arms, bench/lib/arms.py), blink with no BLINK_* variable set:
 pipeline("decision") with its own prompt, with blink's exported DecisionConfig, and with its own prompt as a user
 runs it in blink's dtype (`pipeline_bfloat16`: its own model, loaded at bfloat16); llama.cpp with and without prefix
 reuse; blink on vLLM (where .venv-vllm exists; not in --quick without --decision). Each case also records each arm's
@@ -28,7 +28,13 @@ import tempfile
 from dataclasses import replace
 
 import blink
-from bench import arms, grid, harness, llamacpp, peers, report, throughput, workloads
+from bench.lib import arms, harness, report, workloads
+
+# torch-bound: loaded when the run starts, not when `python -m bench report` reads this module's tables
+grid = harness.lazy("bench.lib.grid")
+peers = harness.lazy("bench.peers.decision")
+llamacpp = harness.lazy("bench.peers.llamacpp")
+throughput = harness.lazy("bench.peers.throughput")
 
 # Each slow arm runs at most `budget` prompt tokens per cell (always at least one question); its time for the whole
 # request is then scaled from the questions it ran, and the cell says so. blink with the shared prefix always runs
@@ -612,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     only = args.peers.split(",") if args.peers else None
     unknown = [n for n in only or [] if n not in arms.of("decision")]
     if unknown:
-        raise SystemExit(f"--peers: no decision arm {', '.join(unknown)} (bench/arms.py names them)")
+        raise SystemExit(f"--peers: no decision arm {', '.join(unknown)} (bench/lib/arms.py names them)")
     decision, http, peers_skipped = decision_part(engine, run, servers=args.decision or not run.quick, only=only)
     cells = []
     if mode != "decision":
@@ -680,12 +686,12 @@ def main(argv: list[str] | None = None) -> int:
     res = run.written
     if cells:
         try:
-            from bench import plot
+            from bench.lib import plot
 
             plot.plot(res, path.removesuffix(".json") + ".png")
         except ImportError as exc:
             print(f"no plot: {exc}")
-    print(report.run_summary(res, path))
+    print(run_summary(res, path))
     return 0
 
 
@@ -740,3 +746,322 @@ NOTES = [
     "cpu_s: this process's CPU time (a peer in processes of its own: theirs); speedup_cpu_time repeats the ratios on "
     "it, which waiting for a core does not inflate.",
 ]
+
+
+def _s(row: dict) -> str:
+    """Seconds of one arm, starred when scaled from a subsample."""
+    return f"{row['wall_s']:.2f}{'*' if row['extrapolated'] else ''}"
+
+
+def _ratio(cell: dict, arm: str, peer: str, digits: int) -> str:
+    """How many times faster blink arm `arm` answered than `peer` in one cell, starred when either side was scaled
+    from a subsample."""
+    scaled = cell["arms"][arm]["extrapolated"] or cell["arms"][peer]["extrapolated"]
+    return f"{cell['speedup'][arm][peer]:.{digits}f}x{'*' if scaled else ''}"
+
+
+GRID = arms.of("grid")
+
+
+def cells_table(res: dict) -> list[str]:
+    """One row per cell: time per request of every arm and the speed-ups (* where a side was scaled)."""
+    head = ["doc tokens", "questions", "options", *(f"{arm.title} (s)" for arm in GRID.values())]
+    head += ["blink vs per-option", "blink vs forward/question", "prefix vs blink"]
+    head += ["differ (unbatched/per-option/generate)"]
+    rows = []
+    for c in res["cells"]:
+        a, g = c["arms"], c["agreement"]
+        differ = "/".join(f"{len(g[p]['differ'])} of {g[p]['compared']}" for p in GRID if p in g)
+        rows.append(
+            [c["doc_tokens"], c["questions"], c["options"], *(_s(a[k]) for k in GRID)]
+            + [_ratio(c, "blink_plain", "per_option", 1), _ratio(c, "blink_plain", "unbatched", 2)]
+            + [_ratio(c, "blink_prefix", "blink_plain", 1), differ]
+        )
+    return report.table(head, rows)
+
+
+def flops_table(res: dict) -> list[str]:
+    """Achieved prefill FLOP/s of blink's arms against the measured matmul."""
+    head = ["doc tokens", "questions", "options", "arm", "prefill tokens", "GFLOP/s (2PT)", "of matmul"]
+    head += ["GFLOP/s (body+attention)", "of matmul", "peak MB"]
+    rows = [
+        [c["doc_tokens"], c["questions"], c["options"], GRID[arm].title, r["prefill_tokens"]]
+        + [f"{r['gflops_2pt']:.0f}", f"{r['fraction_of_matmul_2pt']:.0%}", f"{r['gflops_body_attention']:.0f}"]
+        + [f"{r['fraction_of_matmul_body_attention']:.0%}", f"{r['peak_mb']:.0f}"]
+        for c in res["cells"]
+        for arm, r in ((arm, c["arms"][arm]) for arm in ("blink_plain", "blink_prefix"))
+    ]
+    return report.table(head, rows)
+
+
+def throughput_table(res: dict) -> list[str]:
+    """Requests per second and latency percentiles per batch window."""
+    head = ["target", "workload", "window (ms)", "shared prefix", "clients", "requests/s", "p50 (ms)", "p99 (ms)"]
+    head += ["mean requests per forward"]
+    rows = []
+    for r in res.get("throughput", []):
+        if "skipped" in r:
+            rows.append([r["target"], f"skipped: {r['skipped']}", *[""] * 7])
+            continue
+        window = "-" if r["window_ms"] is None else f"{r['window_ms']:g}"
+        rows.append(
+            [r["target"], r.get("workload", ""), window, "on" if r["prefix_cache"] else "off", r["clients"]]
+            + [f"{r['requests_per_s']:.2f}", f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}", r["mean_batched_requests"]]
+        )
+    return report.table(head, rows)
+
+
+CASE_NAMES = {
+    "document": "questions over a new document",
+    "again": "the same document, new questions",
+    "short": "one short yes/no question",
+}
+
+
+def decision_table(res: dict) -> list[str]:
+    """blink at its defaults against pipeline("decision") per case: time per request, ratios, tokens, and the
+    questions where a peer picked another option than blink."""
+    peers_ = [k[3:] for k in next(iter(res["decision"].values())) if k.startswith("vs_") and k != "vs_unbatched"]
+    head = ["case", "questions", "prompt tokens", "computed by blink", "read from the cache", "blink (s)"]
+    for p in peers_:
+        head += [f"{p} (s)", f"blink vs {p} (wall / CPU)", f"{p} picks unlike blink"]
+    rows = []
+    for case, row in res["decision"].items():
+        a, reps = row["arms"], len(row["arms"]["blink"]["wall_s"])
+        compared = row["questions"] * row.get("requests_per_rep", 1)  # the first repetition's questions
+        cells = [CASE_NAMES[case], row["questions"], row["prompt_tokens"], row["prefill_tokens"]]
+        cells += [row["cached_tokens"], f"{a['blink']['total_wall_s'] / reps:.2f}"]
+        for p in peers_:
+            vs = row["vs_" + p]
+            cells += [f"{a[p]['total_wall_s'] / reps:.2f}", f"{vs['wall']:.2f}x / {vs['cpu']:.2f}x"]
+            cells += [f"{len(vs['picks_differ_from_blink'])} of {compared}"]
+        rows.append([*cells, unbatched(row)])
+    return report.table([*head, "differ from unbatched"], rows)
+
+
+def glance_peers(res: dict) -> list[tuple[str, str]]:
+    """The peers of the at-a-glance table, in its order, with their column titles: the pipeline at blink's own dtype
+    and blink on vLLM first (the same dtype on both sides), then the pipeline as from_pretrained loads the checkpoint,
+    then llama.cpp with its prefix reuse (its own 4-bit file); only those the run has."""
+    ran = next(iter(res["decision"].values()))
+    same = f"pipeline_{res['dtype']}"
+    titles = {
+        same: f"vs pipeline, {res['dtype']} (same dtype)",
+        "blink_vllm": "vs blink on vLLM (same dtype)",
+        "pipeline": "vs pipeline as loaded (checkpoint dtype)"
+        if f"vs_{same}" in ran
+        else f"vs pipeline, {res['dtype']} (same dtype)",
+        "llama.cpp_reuse": "vs llama.cpp, Q4_1, prefix reuse",
+    }
+    return [(peer, title) for peer, title in titles.items() if f"vs_{peer}" in ran]
+
+
+def glance_table(res: dict) -> list[str]:
+    """The decision cases at a glance: blink's time per request and how many times faster it answered than each main
+    peer (wall clock; decision_table has every peer, CPU time and the picks)."""
+    peers = glance_peers(res)
+    rows = [
+        [CASE_NAMES[case], f"{row['arms']['blink']['total_wall_s'] / len(row['arms']['blink']['wall_s']):.2f}"]
+        + [f"{row['vs_' + peer]['wall']:.2f}x" for peer, _ in peers]
+        for case, row in res["decision"].items()
+    ]
+    return report.table(["case", "blink (s)", *(title for _, title in peers)], rows)
+
+
+def unbatched(row: dict) -> str:
+    """How many of a case's blink answers picked otherwise than the unbatched path, of how many."""
+    got = row["vs_unbatched"]
+    return f"{len(got['picks_differ'])} of {got['questions']}"
+
+
+def utilisation_table(res: dict) -> list[str]:
+    """Each decision arm's model FLOP utilisation per case: the prefill FLOPs of the non-embedding weights its model
+    computed, over its time, against the matmul probe at the dtype it computes in (arms that do not say what they
+    computed are left out)."""
+    head = [
+        "case",
+        "arm",
+        "dtype",
+        "tokens computed (all requests)",
+        "model GFLOP/s",
+        "matmul probe GFLOP/s (dtype)",
+        "model FLOP utilisation",
+    ]
+    rows = [
+        [
+            CASE_NAMES[case],
+            name,
+            a["dtype"],
+            f"{a['computed_tokens']:,}",
+            f"{a['gflops']:.0f}",
+            f"{a['matmul_gflops']:.0f} ({a['probe_dtype']})",
+            report.pct(a["utilisation"]),
+        ]
+        for case, row in res["decision"].items()
+        for name, a in row["arms"].items()
+        if a.get("utilisation") is not None
+    ]
+    return report.table(head, rows) if rows else []
+
+
+def http_table(res: dict) -> list[str]:
+    """Requests per second and latency over HTTP, per server and concurrency (and workload, where a row names one);
+    skipped servers with the reason."""
+    rows = res.get("http", [])
+    named = any("workload" in r for r in rows)  # rows of servers that were skipped name none
+    workload = lambda r: [r.get("workload", "")] if named else []  # noqa: E731
+    cells = [
+        [r["target"], *workload(r), r["clients"], r["completed"], f"{r['requests_per_s']:.2f}"]
+        + [f"{r['p50_ms']:.0f}", f"{r['p99_ms']:.0f}"]
+        if "requests_per_s" in r
+        else [r["target"], *workload(r), f"skipped: {r['skipped']}", *[""] * 4]
+        for r in rows
+        if "requests_per_s" in r or "skipped" in r
+    ]
+    head = ["server", *(["workload"] if named else []), "clients", "requests", "requests/s", "p50 (ms)", "p99 (ms)"]
+    return report.table(head, cells)
+
+
+def targets_list(res: dict) -> list[str]:
+    """The speed targets with the measured values."""
+    verdict = {
+        True: "met",
+        False: "**missed**",
+        None: "the target's own cell is measured by --decision and the full run",
+    }
+    out = []
+    for t in res["targets"]:
+        value = (
+            f"{t['value']}" if t["threshold"] == 0 else f"{t['value']:.2f}x ({t['value_cpu_time']:.2f}x on CPU time)"
+        )
+        extra = f" of {t['compared']} compared" if t["threshold"] == 0 else f" ({t['cell']})"
+        if "max_prob_diff_threshold" in t:
+            extra += f", largest |dp| {t['max_prob_diff']:.4f}"
+        out.append(f"- {t['target']}: {value}{extra} — {verdict[t['met']]}")
+    return out
+
+
+def run_report(res: dict) -> list[str]:
+    """run (full, --decision, --quick): the targets, the decision peers, HTTP, the grid and serving."""
+    head = (
+        f"{res['model']} ({res['parameters'] / 1e6:.1f}M parameters, {res['dtype']}, {res['device']}), "
+        f"{res['threads']['threads']} thread(s) ({res['threads']['how']}), "
+        f"measured matmul {res['matmul_gflops']:.0f} GFLOP/s (best of the start and the end of the run)"
+        + "".join(f", {d} {max(g):.0f}" for d, g in res.get("matmul_gflops_by_dtype", {}).items())
+        + f", blink's linear layers by {res['settings'].get('linear_layers', 'torch')}."
+    )
+    parts = [head, "", *targets_list(res)]
+    if res.get("decision"):  # a run without --decision or the full run has none
+        utilisation = utilisation_table(res)
+        parts += [
+            "",
+            "At a glance (blink's time per request, the mean of the repetitions, and how many times faster it "
+            "answered than each peer, wall clock; the peers at blink's own dtype first):",
+            "",
+            *glance_table(res),
+            "",
+            'Against transformers\' pipeline("decision"), time per request (mean of the repetitions; '
+            "ratios > 1: blink faster; `pipeline` runs its own built-in prompt, `pipeline_export` blink's "
+            "exported one, both on the model as from_pretrained loads it; `pipeline_bfloat16` its own prompt in "
+            "blink's dtype (on which model: the file's notes); `llama.cpp` the GGUF file, fed blink's prompt ids; "
+            "`blink_vllm` blink on vLLM, over HTTP):",
+            "",
+            *decision_table(res),
+            *(
+                [
+                    "",
+                    "Model FLOP utilisation: the prefill FLOPs of the non-embedding weights each arm's model computed "
+                    "(2 x those weights per token; attention and the LM head left out), over its time, against the "
+                    "matmul probe at the dtype it computes in:",
+                    "",
+                    *utilisation,
+                ]
+                if utilisation
+                else []
+            ),
+            *(
+                [""] + [f"- {r['target']}: skipped, {r['skipped']}" for r in res.get("peers_skipped", [])]
+                if res.get("peers_skipped")
+                else []
+            ),
+            "",
+            "Over HTTP (`/v1/systemone`):",
+            "",
+            *http_table(res),
+        ]
+    if res["cells"]:
+        parts += [
+            "",
+            "Time per request (* = scaled from a subsample of the questions, see the JSON; a ratio is "
+            "starred when either of its sides is):",
+            "",
+            *cells_table(res),
+            "",
+            "Prefill against the machine:",
+            "",
+            *flops_table(res),
+        ]
+    if res["throughput"]:
+        parts += ["", "Serving:", "", *throughput_table(res)]
+    return parts
+
+
+def run_summary(res: dict, path: str) -> str:
+    """run's last line: the decision targets first, then the grid's and serving's."""
+    parts = [
+        f"blink bench ({res['mode']}{', quick' if res['quick'] else ''}, {res['model']}, {res['hardware']}, "
+        f"{res['threads']['threads']} "
+        f"thread(s), {res['duration_s']:.0f} s)"
+    ]
+    if res.get("unsteady"):
+        start, end = res["matmul_gflops_start_end"]
+        parts.append(
+            f"UNSTEADY machine: matmul {start:.0f} GFLOP/s at the start, {end:.0f} at the end "
+            f"({res['matmul_change']:.0%} change, over {res['unsteady_threshold']:.0%})"
+        )
+    verdict = {True: "met", False: "MISSED", None: "target is for the full run's cell"}
+    for t in res["targets"]:
+        if t["threshold"] == 0:
+            parts.append(f"{t['value']} of {t['compared']} answers differ from unbatched ({verdict[t['met']]})")
+        else:
+            both = (
+                verdict[t["met"]]
+                if t["met"] is None
+                else f"wall {verdict[t['met']]}, CPU time {verdict[t['met_cpu_time']]}"
+            )
+            parts.append(
+                f"{t['short']} {t['value']:.1f}x wall, {t['value_cpu_time']:.1f}x CPU time "
+                f"(target {t['threshold']:g}x) at {t['cell']} ({both})"
+            )
+    if res["cells"]:
+        best = max(
+            (a.get("fraction_of_matmul_body_attention", 0), name) for c in res["cells"] for name, a in c["arms"].items()
+        )
+        parts.append(f"best prefill {best[0]:.0%} of measured matmul peak ({best[1]})")
+    batcher = [r for r in res["throughput"] if r.get("target") == "Batcher" and not r.get("prefix_cache")]
+    if batcher:
+        top = max(batcher, key=lambda r: r["requests_per_s"])
+        parts.append(
+            f"Batcher {top['requests_per_s']:.2f} req/s at {top['window_ms']:g} ms (p99 {top['p99_ms']:.0f} ms)"
+        )
+    http = {(r["target"], r.get("clients")): r for r in res["http"] if "requests_per_s" in r}
+    serve_name, own_name = arms.of("http")
+    for clients in sorted({r["clients"] for r in http.values()}):
+        serve, own = http.get((serve_name, clients)), http.get((own_name, clients))
+        if serve and own:
+            parts.append(
+                f"/v1/systemone x{own['requests_per_s'] / serve['requests_per_s']:.1f} transformers serve "
+                f"at {clients} client(s)"
+            )
+    skipped = [f"{r['target']}: {r['skipped']}" for r in [*res["http"], *res["peers_skipped"]] if "skipped" in r]
+    if skipped:
+        parts.append("skipped " + "; ".join(skipped))
+    parts.append(f"results {os.path.relpath(path)}")
+    return "; ".join(parts)
+
+
+REPORT = (
+    run_report,
+    ("mode", "model", "parameters", "dtype", "device", "decision", "http", "peers_skipped", "cells", "throughput")
+    + ("targets", "started_at"),
+)

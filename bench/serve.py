@@ -5,9 +5,9 @@
     python -m bench serve --draws 2 --words 300 --workloads reask,hot --leads '' --name serve-default
                                      # the default router over two draws of replica ids (serve-default.json)
 
-The cluster: two Ray nodes of one CPU each on this machine (bench/servers.py ray_serve: Ray's ray.cluster_utils), each
-replica holding one CPU and one torch thread, blink at its defaults (no BLINK_* variable read). The arms (the
-registry's "serve" arms, bench/arms.py), each a fresh deployment of adapters/serve.py's app, so every arm's replicas
+The cluster: two Ray nodes of one CPU each on this machine (bench/lib/servers.py ray_serve: Ray's ray.cluster_utils),
+each replica holding one CPU and one torch thread, blink at its defaults (no BLINK_* variable read). The arms (the
+registry's "serve" arms, bench/lib/arms.py), each a fresh deployment of adapters/serve.py's app, so every arm's replicas
 start with empty caches (each replica first answers a warm-up request about a document of its own, so no workload
 times a fresh process's first forwards): one replica; two replicas under `pow2` (Serve's default router),
 `prefix_tree` (Ray Serve LLM's PrefixCacheAffinityRouter) and `evidence` (blink's, at its defaults: bounded loads);
@@ -35,7 +35,7 @@ Per arm and workload: requests per second (the requests over the wall time from 
 p50 and p99 latency, the cached share of prompt tokens (the answers' cached_tokens over their input_tokens), the
 requests each replica answered, and how many of the documents asked more than once more than one replica answered.
 Then, with the cluster gone, every request is answered again in this process by blink at the same defaults (one at a
-time), and each arm's answers are compared with those (bench/answers.py). With several draws, the spread: each arm's
+time), and each arm's answers are compared with those (bench/lib/answers.py). With several draws, the spread: each arm's
 figures on each workload as min, median and max over its draws. The targets: under `evidence` the re-ask workload's
 cached share within 5 points of one replica's, its req/s at least 1.3x `pow2`'s, 1.2x `prefix_tree`'s and 1.6x one
 replica's; on the hot workload a p99 at most 1.2x `pow2`'s: each draw's arms against one another (they ran side by
@@ -56,7 +56,7 @@ from unittest import mock
 
 import blink
 from adapters import wire
-from bench import answers, arms, harness, report, servers
+from bench.lib import answers, arms, harness, report, servers
 
 APP = "blink"
 WORDS = (
@@ -391,6 +391,127 @@ def main(argv: list[str] | None = None) -> int:
         "met_at_once": sum(all(t["met"] for t in draw) for draw in by_draw),
     }
     path = run.write(result, stem=run.args.name)
-    print("\n".join(report.serve_report(run.written)))
-    print(report.serve_summary(run.written, path))
+    print("\n".join(serve_report(run.written)))
+    print(serve_summary(run.written, path))
     return 0
+
+
+def serve_arm(r: dict) -> str:
+    """A serve row's arm as tables name it (rule lead with its lead)."""
+    return arms.title("serve", r["arm"]).format(lead=r.get("lead"))
+
+
+def serve_table(res: dict) -> list[str]:
+    """Per workload and arm (and draw, where there were several), req/s, latency, cached share, the split over
+    replicas and the answers against in-process decide(); where the run counted them, the prompt tokens each replica
+    computed, all of them a second, and the machine's load as the workload ended."""
+    draws = any("draw" in r for r in res["rows"]) and res.get("draws", 1) > 1
+    work = all("computed_per_s" in r for r in res["rows"])
+    head = ["workload", "arm", *(["draw"] if draws else []), "req/s", "p50 s", "p99 s", "cached share"]
+    head += ["requests per replica", "documents split"]
+    head += ["computed tokens per replica", "computed tokens/s", "load (1 min)"] if work else []
+    rows = []
+    for r in res["rows"]:
+        split = f"{r['documents_split']} of {r['documents_asked_again']}" if r["documents_asked_again"] else "—"
+        vs = r["vs_in_process"]
+        cells = [r["workload"], serve_arm(r), *([r["draw"]] if draws else []), f"{r['req_per_s']:.3f}"]
+        cells += [f"{r['p50_s']:.2f}", f"{r['p99_s']:.2f}", f"{r['cached_share']:.1%}"]
+        cells += ["/".join(map(str, r["by_replica"])), split]
+        if work:
+            cells += ["/".join(map(str, r["computed_by_replica"])), f"{r['computed_per_s']:.0f}", f"{r['load_1m']:.2f}"]
+        rows.append([*cells, f"{vs['max_prob_diff']:.1e}, {len(vs['picks_differ'])} of {vs['questions']}"])
+    return report.table([*head, "vs in-process: largest gap, picks changed"], rows)
+
+
+def serve_spread_table(res: dict) -> list[str]:
+    """Over several draws: each arm's figures on each workload, median (min-max) over its draws."""
+
+    def cell(s: dict, fmt: str) -> str:
+        return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+    head = ["workload", "arm", "draws", "req/s median (min-max)", "p50 s", "p99 s", "cached share"]
+    rows = []
+    for r in res["spread"]:
+        split = ", ".join(map(str, r["documents_split"])) + f" of {r['documents_asked_again']}"
+        rows.append(
+            [r["workload"], serve_arm(r), r["draws"], cell(r["req_per_s"], ".3f"), cell(r["p50_s"], ".2f")]
+            + [cell(r["p99_s"], ".2f"), cell(r["cached_share"], ".1%"), split if r["documents_asked_again"] else "—"]
+        )
+    return report.table([*head, "documents split, each draw"], rows)
+
+
+def serve_target_line(t: dict) -> str:
+    """One target: its value (over draws: the median, each draw's value and in how many it was met)."""
+    verdict = "met" if t["met"] else "MISSED"
+    if "values" not in t:
+        return f"- {t['target']}: {t['value']} ({verdict})"
+    each = ", ".join(map(str, t["values"]))
+    where = "every draw" if t["met"] else "some draws"
+    return (
+        f"- {t['target']}: median {t['value']}, each draw {each} (min {t['min']}, max {t['max']}); met in "
+        f"{t['met_in']} of {len(t['values'])} draws ({verdict} in {where})"
+    )
+
+
+def serve_report(res: dict) -> list[str]:
+    """serve: what ran, the spread over draws (where there were several), the table, then the targets."""
+    c = res["config"]
+    names = c.get("workloads", ["reask", "distinct", "hot"])
+    work = [f"re-ask {c['docs']} documents x {c['asks']} asks"]
+    work += [f"distinct {2 * c['docs']} documents"] if "distinct" in names else []
+    lines = [
+        f"{res['model']} in {res['dtype']} on {res['cluster']}; documents of ~{c['words']:,} words; "
+        f"{' and '.join(work)} from {c['clients']} clients"
+        + (f", hot {c['hot_requests']} requests from {2 * c['clients']}" if "hot" in names else "")
+        + f"; BLINK_ROUTE_MAX_LEAD {res['default_lead']} unless the arm says."
+        + (
+            f" {res['draws']} draws: every arm deployed {res['draws']} times, the arms taking turns (new replica ids "
+            "each time, so new homes for the documents)."
+            if res.get("draws", 1) > 1
+            else ""
+        ),
+        "",
+    ]
+    if res.get("draws", 1) > 1:
+        lines += ["Over the draws:", "", *serve_spread_table(res), "", "Each draw:", ""]
+    lines += [*serve_table(res), "", *(serve_target_line(t) for t in res["targets"])]
+    if res.get("draws", 1) > 1:
+        lines.append(f"- draws meeting every target at once: {res['met_at_once']} of {res['draws']}")
+    return lines
+
+
+def serve_summary(res: dict, path: str) -> str:
+    """serve's last line: evidence routing's re-ask figures against one replica and the other routers (medians over
+    the draws), and the hot workload's p99."""
+    if res.get("spread"):
+        at = {
+            (r["workload"], r["arm"]): {k: r[k]["median"] for k in ("req_per_s", "p99_s", "cached_share")}
+            for r in res["spread"]
+            if "lead" not in r
+        }
+    else:
+        at = {(r["workload"], r["arm"]): r for r in res["rows"] if "lead" not in r}
+    ev = at[("reask", "evidence")]
+    peers = ", ".join(
+        f"{ev['req_per_s'] / at[('reask', peer)]['req_per_s']:.2f}x {arms.title('serve', peer)}"
+        for peer in ("one_replica", "pow2", "prefix_tree")
+    )
+    hot = (
+        f"hot p99 {at[('hot', 'evidence')]['p99_s']:.1f} s (pow2 {at[('hot', 'pow2')]['p99_s']:.1f} s); "
+        if ("hot", "evidence") in at
+        else ""
+    )
+    met = sum(t["met"] for t in res["targets"])
+    return (
+        f"blink on Ray Serve ({'quick' if res['quick'] else 'full'}, {res['hardware']}, {res['duration_s']:.0f} s): "
+        f"re-ask under evidence {ev['req_per_s']:.2f} req/s = {peers}; cached share {ev['cached_share']:.1%} "
+        f"(one replica {at[('reask', 'one_replica')]['cached_share']:.1%}); {hot}targets met {met} of "
+        f"{len(res['targets'])}; "
+        f"results {os.path.relpath(path)}"
+    )
+
+
+REPORT = (
+    serve_report,
+    ("model", "dtype", "cluster", "config", "default_lead", "rows", "targets", "draws", "spread", "met_at_once"),
+)

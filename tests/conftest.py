@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import blink  # noqa: E402
-from bench import servers  # noqa: E402
+from bench.lib import servers  # noqa: E402
 
 DEFAULTS = blink.Settings()  # every setting at its default, on a machine without a GPU
 
@@ -131,7 +131,7 @@ def app_process(env: dict, tmp_dir: str, prelude: str = "", timeout_s: float = 6
 
 
 def start_app(env: dict, tmp_dir: str, prelude: str = "", python: str = sys.executable, as_script: bool = False):
-    """Start the app on a free loopback port without waiting for it, as bench/servers.py starts it: `import app`
+    """Start the app on a free loopback port without waiting for it, as bench/lib/servers.py starts it: `import app`
     after `prelude` in `python`, or as_script: `python app.py` itself. This environment (BLINK_DTYPE=float32 and all)
     plus `env`, its log in `tmp_dir`. Returns (process, url, log path); the process leads a process group of its own
     (servers.stop ends it and whatever it started)."""

@@ -18,23 +18,11 @@ import pytest
 import torch
 
 import blink
-from bench import (
-    answers,
-    arms,
-    grid,
-    harness,
-    isolated,
-    llamacpp,
-    models,
-    order,
-    peers,
-    report,
-    run,
-    servers,
-    throughput,
-    vllm_check,
-    workloads,
-)
+from bench import models, run, vllm_check
+from bench.lib import answers, arms, grid, harness, report, servers, workloads
+from bench.peers import decision as peers
+from bench.peers import llamacpp, throughput
+from bench.workers import isolated
 
 STATE = "Ticket #1: the customer's router stopped working after an update and they asked for a replacement."
 QUESTION = {
@@ -471,16 +459,6 @@ def test_throughput_runs_answer_every_request(tiny_qwen, monkeypatch):
     assert batched["mean_batched_requests"] == round(sum(n * n for n in timed) / sum(timed), 2)
 
 
-def test_order_arm_maps_every_rotation_back_to_the_option_keys(tiny_qwen):
-    question = order.QUESTIONS[:1]
-    k = len(question[0][2])
-    full = order.run_arm(tiny_qwen, question, arms.of("order")["permute=all"])
-    plain = order.run_arm(tiny_qwen, question, arms.of("order")["plain"])
-    assert full["requests"] == plain["requests"] == k and full["prompts"] == k * k and plain["prompts"] == k
-    assert full["flip_rate"] == 0 and full["model_ms"] > 0  # the same K rotations averaged whatever the listed order
-    assert full["per_question"][0]["picks"][0] in question[0][2]
-
-
 def test_clear_cut_set_puts_the_correct_option_at_every_position_alike():
     items = models.labelled(models.CLEARCUT, blink.Settings())
     positions: dict[int, Counter] = {}
@@ -524,7 +502,7 @@ def test_model_comparison_grades_what_decide_answers(standin, served):
     last = next(pick for shown, pick in zip(g["shown"], g["picks"]) if shown[-1] == g["label"])
     assert orders["accuracy_correct_last"] == (last == g["label"]) and orders["first_fair_share"] == 0.5
     assert out["speed"]["short"]["cpu_ms"] > 0 and out["speed"]["short"]["prompt_tokens"] > 50
-    tables = "\n".join(report.quality_table({"stand-in": out}) + report.speed_table({"stand-in": out}))
+    tables = "\n".join(models.quality_table({"stand-in": out}) + models.speed_table({"stand-in": out}))
     assert f"| stand-in | {100 * written['accuracy']:.0f}% ({written['correct']}/3) |" in tables
 
 
@@ -533,37 +511,34 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 BENCH_README = os.path.join(os.path.dirname(RESULTS), "README.md")
 
 
+# Results files written before the current header (a `python -m bench NAME` command): they print as generic tables.
+OLD_FORMAT = {"batch.json", "budget.json", "full.json", "gpu.json", "memory.json", "models.json", "overhead.json"}
+
+
 def test_report_prints_every_results_file_whole_with_its_own_tables():
     files = sorted(p for p in glob.glob(os.path.join(RESULTS, "*.json")) if not p.endswith("-quick.json"))
     kinds = {}
     for path in files:
         with open(path, encoding="utf-8") as fh:
             res = json.load(fh)
-        kinds[os.path.basename(path)] = which = report.kind(res, path)
-        out = report.report(res, path)
+        kinds[os.path.basename(path)] = which = report.kind(res)
+        out = "\n" + report.report(res)
         assert out.count("\n|") >= 2, path  # a table with at least one row
         assert "..." not in out and "…" not in out, path  # nothing elided
-        shown = set(report.HEADER) | set(report.REPORTS[which][1])
+        shown = set(report.HEADER) | set(report.tables_of(which)[1] if which != "generic" else ())
         for key in res.keys() - shown:  # every field the tables leave out prints after them
             assert f"\n- {key}: " in out or f"\n{key}:\n" in out, (path, key)
     runs = {name: "run" for name in kinds if name.startswith("decision-")}  # e.g. decision-2threads.json (--name)
     assert kinds == {
         **runs,
-        "batch.json": "batch",
-        "budget.json": "budget",
+        **dict.fromkeys(OLD_FORMAT, "generic"),
         "decision.json": "run",
         "drift.json": "drift",
-        "engine_ab.json": "engine_ab",
-        "engine_ab-float32.json": "engine_ab",
-        "full.json": "run",
-        "gpu.json": "gpu",
+        "engine_ab-1f50df1.json": "engine_ab",
+        "engine_ab-1f50df1-float32.json": "engine_ab",
         "jevbench.json": "jevbench",
         "krite.json": "krite",
-        "memory.json": "memory",
-        "models.json": "models",
-        "order.json": "order",
-        "overhead.json": "overhead",
-        "quantfloor.json": "quantfloor",
+        "quantfloor.json": "drift",  # written by `python -m bench quantfloor`, now `drift --schemes`
         "route_sim.json": "route_sim",
         "serve.json": "serve",
         "serve-default.json": "serve",
@@ -572,10 +547,25 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
     }
 
 
+def test_report_reads_every_benchmark_without_torch():
+    # every benchmark module imports for its tables without loading torch (each loads it where it runs)
+    code = (
+        "import contextlib, io, sys\n"
+        "from bench import __main__ as entry\n"
+        "from bench.lib import report\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    report.main([])\n"
+        "assert all(report.tables_of(name) for name in entry.BENCHMARKS)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+
+
 def test_report_prints_the_vllm_results_whole():
     with open(os.path.join(RESULTS, "vllm-cpu.json"), encoding="utf-8") as fh:
         res = json.load(fh)
-    out = report.report(res, "vllm-cpu.json")
+    out = report.report(res)
     for name, row in res["answers"]["arms"].items():  # every arm's answers against the reference
         title = arms.title("vllm_check", name)
         assert f"| {title} | {row['max_prob_diff']:.2g} | {len(row['picks_differ'])} of {row['questions']} |" in out
@@ -598,7 +588,7 @@ def test_report_prints_the_utilisation_column_and_the_two_http_workloads():
     blink_arm.update(matmul_gflops=180.0, utilisation=0.232)
     for row in res["http"]:
         row["workload"] = workloads.DISTINCT
-    out = report.report(res, "decision.json")
+    out = report.report(res)
     assert "| one short yes/no question | blink | bfloat16 | 1,234 | 42 | 180 (bfloat16) | 23% |" in out
     assert ", bfloat16 180," in out  # the probe at blink's dtype, beside the float32 one
     row = res["http"][0]
@@ -612,7 +602,7 @@ def test_report_prints_the_utilisation_column_and_the_two_http_workloads():
     res["http"]["rows"] = [{**r, "workload": w} for w in ("distinct", "repeated") for r in rows]
     res.update(quick=False, duration_s=60.0)
     res["targets"] = vllm_check.serving_targets(res["http"]["rows"], *pair, exact=True)
-    out = report.report(res, "vllm-cpu.json")
+    out = report.report(res)
     by = {(r["target"], r["workload"], r["clients"]): r for r in res["http"]["rows"]}
     for w in ("distinct", "repeated"):
         for clients in res["http"]["clients"]:
@@ -625,7 +615,7 @@ def test_report_prints_the_utilisation_column_and_the_two_http_workloads():
             assert f"| torch bfloat16 | {w} | {clients} | {mine['completed']} |" in out
     assert len(res["targets"]) == 6 and all(f"- {t['target']}: {t['value']:.2f}x" in out for t in res["targets"])
     eight = by[(pair[0], "repeated", 8)]["requests_per_s"] / by[(pair[1], "repeated", 8)]["requests_per_s"]
-    assert f"repeated x{eight:.2f} at 8 client(s) ({'met' if eight >= 1 else 'MISSED'})" in report.vllm_summary(
+    assert f"repeated x{eight:.2f} at 8 client(s) ({'met' if eight >= 1 else 'MISSED'})" in vllm_check.vllm_summary(
         res, "vllm-cpu.json"
     )
 
@@ -640,13 +630,9 @@ def test_python_m_bench_lists_every_benchmark_and_each_has_a_main():
     )
     assert done.returncode == 0, done.stderr
     listed = [line.split()[0] for line in done.stdout.splitlines()]
-    on_disk = {
-        os.path.basename(p)[:-3]
-        for p in glob.glob(os.path.join(ROOT, "bench", "[!_]*.py"))
-        if "def main(" in open(p, encoding="utf-8").read()
-    }
-    assert listed == list(entry.BENCHMARKS) and set(listed) == on_disk
-    for name in listed:
+    on_disk = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "bench", "[!_]*.py"))}
+    assert listed == [*entry.BENCHMARKS, "report"] and set(entry.BENCHMARKS) == on_disk  # the top level: benchmarks
+    for name in entry.BENCHMARKS:
         assert callable(importlib.import_module(f"bench.{name}").main)
 
 
@@ -668,7 +654,7 @@ def test_a_run_writes_its_header_and_results_to_its_file(tmp_path):
     assert res["matmul_gflops_start_end"][0] == 200.0 and len(ran.probes) == 2
     assert res["unsteady"] == (abs(200.0 - ran.probes[1]) / max(200.0, ran.probes[1]) > 0.10)
     assert set(res["load_average"]) == {"start", "end"} and res["duration_s"] >= 0
-    assert report.kind(res, "") == "drift" and ran.written == res
+    assert report.kind(res) == "drift" and ran.written == res
 
 
 def test_one_answer_comparison_reads_every_shape():
@@ -705,36 +691,42 @@ def test_report_of_an_unknown_kind_prints_its_fields_as_tables():
         "rows": [{"backend": "vllm", "requests_per_s": 12.345678}, {"backend": "torch", "requests_per_s": 4.5}],
         "arms": {"a": {"ms": 1}, "b": {"ms": 2}},
     }
-    out = report.report(res, "bench/results/new_arm.json")
-    assert report.kind(res, "") == "new_arm"
+    out = report.report(res)
+    assert report.kind(res) == "generic"  # no `python -m bench NAME` command: generic tables
     assert "- hardware: a GPU" in out and "| 0 | vllm | 12.35 |" in out and "| b | 2 |" in out
 
 
 def test_the_bench_readme_tables_are_what_report_prints():
-    """Every row of the tables bench/README.md quotes is printed by report.py from the committed results."""
+    """Every row of the tables bench/README.md quotes is printed from the committed results by the tables of the
+    benchmark that wrote them (a file without the current header by that benchmark's table function directly)."""
     with open(BENCH_README, encoding="utf-8") as fh:
         readme = fh.read()
     quoted = {
-        "decision.json": None,
-        "drift.json": None,
-        "budget.json": None,
-        "overhead.json": None,
-        "batch.json": None,
-        "models.json": None,
-        "gpu.json": None,
-        "memory.json": None,
-        "vllm-cpu.json": None,
-        "serve.json": None,
-        "serve-default.json": None,
-        "krite.json": None,
-        "shape4b.json": None,
-        "quantfloor.json": None,
-        "route_sim.json": None,
-        "full.json": "Time per request",
+        "decision.json": ("run", None),
+        "drift.json": ("drift", None),
+        "budget.json": ("budget", None),
+        "overhead.json": ("overhead", None),
+        "batch.json": ("batch", None),
+        "models.json": ("models", None),
+        "gpu.json": ("gpu", None),
+        "memory.json": ("memory", None),
+        "vllm-cpu.json": ("vllm_check", None),
+        "serve.json": ("serve", None),
+        "serve-default.json": ("serve", None),
+        "krite.json": ("krite", None),
+        "shape4b.json": ("shape4b", None),
+        "quantfloor.json": ("drift", None),
+        "route_sim.json": ("route_sim", None),
+        "full.json": ("run", "Time per request"),
     }  # full: the grid's tables
-    for name, start in quoted.items():
+    for name, (which, start) in quoted.items():
         with open(os.path.join(RESULTS, name), encoding="utf-8") as fh:
-            out = report.report(json.load(fh), name).split("\nOther fields:")[0]  # the tables of its kind
+            res = json.load(fh)
+        if name in OLD_FORMAT:
+            out = "\n".join(report.tables_of(which)[0](res))
+        else:
+            assert report.kind(res) == which, name
+            out = report.report(res).split("\nOther fields:")[0]  # the tables of its kind
         out = out[out.index(start) :] if start else out
         rows = [line for line in out.splitlines() if line.startswith("| ")]
         missing = [line for line in rows if line not in readme]

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import blink
 from adapters import bulk
-from bench import servers
+from bench.lib import servers
 
 QUESTIONS = {
     "team": {

@@ -19,7 +19,7 @@ from conftest import app_process
 from image_samples import png_uri
 from PIL import Image
 
-from bench import servers
+from bench.lib import servers
 
 ROOT = servers.ROOT
 KRITE = os.path.join(ROOT, ".venv-krite", "bin", "python")

@@ -24,7 +24,7 @@ from conftest import ROOT, Gates, free_port, start_app, wait_until, wait_up
 from fastapi import Request  # the plain app's route reads its annotation from this module
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import servers
+from bench.lib import servers
 
 KEY = "http-test-key-4b1d9e"  # the keyed app's BLINK_API_KEY
 AUTH = {"authorization": f"Bearer {KEY}"}

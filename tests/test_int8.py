@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import blink
-from bench import answers, drift, workloads
+from bench.lib import answers, checkpoints, cold, workloads
 
 # The bound the bfloat16 default is held to (docs/configuration.md). Measured on a 2-core AMD EPYC: the largest
 # probability difference from float32 was 0.013 over a 120-token log and 0.020 over a 1,000-token one, no pick
 # changed (bfloat16 alone: 0.015 and 0.009; int8 activations per token had moved them 0.068 and 0.091:
-# `python -m bench quantfloor`).
+# `python -m bench quantfloor`, now `python -m bench drift --schemes`).
 MAX_PROB_DIFF = 0.03
 SAFE_MARGIN = 0.1  # no pick may change where float32's top two labels are further apart than this
 
@@ -55,7 +55,7 @@ def test_int8_quantizes_the_decoder_and_leaves_lm_head_exact(engines):
 def test_int8_answers_within_the_bound_of_float32(engines, target):
     ref = engines["float32"]
     doc = workloads.document(ref.tok, target, seed=7)
-    request = blink.parse_request(doc, drift.questions(workloads.ticket_count(doc)), settings=ref.settings)
+    request = blink.parse_request(doc, cold.questions(workloads.ticket_count(doc)), settings=ref.settings)
     got = {name: answers.of(request, e.forward(request).readouts) for name, e in engines.items() if name != "bfloat16"}
     diff = answers.compare(got["float32"], got["int8"])
     assert diff["max_prob_diff"] <= MAX_PROB_DIFF
@@ -83,7 +83,7 @@ def test_int8_from_a_bfloat16_checkpoint_matches_its_float32_copy(tmp_path):
     from transformers import AutoModelForCausalLM
 
     narrow, wide = str(tmp_path / "bfloat16"), str(tmp_path / "float32")
-    drift.model_folder(narrow, {}, torch.bfloat16)
+    checkpoints.model_folder(narrow, {}, torch.bfloat16)
     shutil.copytree(narrow, wide)  # the tokenizer; the weights and config then saved over in float32
     AutoModelForCausalLM.from_pretrained(narrow, dtype=torch.float32).save_pretrained(wide)
     settings = blink.Settings(quantize="int8", dtype="bfloat16")
@@ -99,7 +99,7 @@ def test_int8_from_a_bfloat16_checkpoint_matches_its_float32_copy(tmp_path):
     q8 = {n: m.qweight for n, m in model.named_modules() if hasattr(m, "qweight")}
     assert all(torch.equal(q, loaded["f32"].model.get_submodule(n).qweight) for n, q in q8.items())
     doc = workloads.document(loaded["f32"].tok, 100, seed=7)
-    request = blink.parse_request(doc, drift.questions(workloads.ticket_count(doc)), settings=settings)
+    request = blink.parse_request(doc, cold.questions(workloads.ticket_count(doc)), settings=settings)
     got = {name: answers.of(request, e.forward(request).readouts) for name, e in loaded.items()}
     assert answers.compare(got["f32"], got["bf16"])["max_prob_diff"] <= 1e-6
     assert loaded["bf16"].compute["dtype"] == "bfloat16"

@@ -10,7 +10,9 @@ import os
 import pytest
 
 import blink
-from bench import answers, llamacpp, onnxrt, peers, workloads
+from bench.lib import answers, workloads
+from bench.peers import decision as peers
+from bench.peers import llamacpp, onnxrt
 
 STATE = "Ticket #1: the customer's router stopped working after an update and they asked for a replacement."
 QUESTIONS = {

@@ -1,6 +1,6 @@
 """README.md and docs/ document every setting blink.py and app.py read, with the defaults the code has, so the docs
 cannot drift from the code; their client examples run against the launched app; README's speed figures are what
-bench/report.py prints; and every docs/ page is reachable from README's index."""
+`python -m bench report` prints; and every docs/ page is reachable from README's index."""
 
 from __future__ import annotations
 
@@ -515,9 +515,9 @@ def test_the_hardened_example_is_tighter_than_the_defaults():
 
 
 def test_the_speed_figures_are_what_report_prints():
-    """Every table row and every decimal figure of README's Speed section is printed by bench/report.py for the
+    """Every table row and every decimal figure of README's Speed section is printed by `python -m bench report` for the
     results files the section names."""
-    from bench import report
+    from bench.lib import report
 
     text = section("Speed")
     names = sorted(set(re.findall(r"bench/results/([\w.-]+\.json)", text)))
@@ -525,7 +525,7 @@ def test_the_speed_figures_are_what_report_prints():
     printed = ""
     for name in names:
         with open(os.path.join(ROOT, "bench", "results", name), encoding="utf-8") as fh:
-            printed += report.report(json.load(fh), name)
+            printed += report.report(json.load(fh))
     rows = [line for line in text.splitlines() if line.startswith("|")]
     assert len(rows) >= 5 and [row for row in rows if row not in printed] == []
     figures = re.findall(r"(?<![\w.])(\d+\.\d+)[x×]?(?![\w.])", FENCE.sub("", text))  # 3.86x too

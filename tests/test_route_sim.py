@@ -9,7 +9,8 @@ import os
 import pytest
 
 from adapters import serve as serve_app
-from bench import harness, route_sim
+from bench import route_sim
+from bench.lib import harness
 
 # The committed runs the model is held to: every arm on the re-ask and distinct workloads, and one replica on the hot
 # one. The hot workload's two-replica rows turn on where Serve's queue-length probes time out and on the draw of 17

@@ -28,7 +28,7 @@ from typesafe_sdk import Choice, Noul, RetryPolicy, Score, TypeSafeAuthenticatio
 import blink
 from adapters import http, wire
 from adapters import serve as serve_app
-from bench import servers
+from bench.lib import servers
 
 KEY = "serve-test-key"
 APP = "blink"

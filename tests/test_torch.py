@@ -9,7 +9,7 @@ import torch
 from conftest import ROOT
 
 import blink
-from bench import answers
+from bench.lib import answers
 
 DOC = (
     "Invoice 2211 from Norrland Timber AB: 40 pallets of pine boards, 18,400 EUR, due 30 days after delivery. "

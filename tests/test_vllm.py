@@ -22,7 +22,8 @@ from conftest import DEFAULTS, serving, wait_until
 
 import blink
 from adapters import bulk
-from bench import vllm_arm, vllm_check
+from bench import vllm_check
+from bench.peers import vllm_arm
 
 
 @dataclasses.dataclass

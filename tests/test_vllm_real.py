@@ -23,7 +23,8 @@ from conftest import DEFAULTS, ROOT, SESSION_TEMP, start_app, wait_up
 from test_vllm import EXTRAS, assert_same_answers
 
 import blink
-from bench import answers, servers, vllm_arm, workloads
+from bench.lib import answers, servers, workloads
+from bench.peers import vllm_arm
 
 VLLM_PYTHON = os.path.join(ROOT, ".venv-vllm", "bin", "python")
 # Both engines in float32: vLLM's kernels and torch's sum in other orders. Measured here on these cases: probabilities,

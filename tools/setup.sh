@@ -10,7 +10,7 @@
 # --harnesses (also under --tests) installs the field's harnesses, each pinned in an environment of its own:
 # krite-bench in .venv-krite (tools/requirements-krite.txt), jevbench in .venv-jevbench (tools/requirements-jevbench.txt).
 # --onnx (also under --tests) builds .venv-onnx (tools/requirements-onnx.txt): torch.onnx's exporter and onnxruntime,
-# for bench/'s ONNX Runtime INT8 arm (bench/onnxrt.py, tests/test_int8_peers.py).
+# for bench/'s ONNX Runtime INT8 arm (bench/peers/onnxrt.py, tests/test_int8_peers.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tests=false

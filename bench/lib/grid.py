@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import blink
-from bench import answers, harness
+from bench.lib import answers, harness
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import matplotlib
 
-from bench import arms
+from bench.lib import arms
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

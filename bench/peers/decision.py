@@ -1,9 +1,9 @@
 """The systems a user would pick instead of blink, on the same model, and how `python -m bench run` drives them:
-transformers' `pipeline("decision")` (its own prompt; blink's prompt through the DecisionConfig `python blink.py
-export` writes; its own prompt on blink's own model where blink's dtype is not the checkpoint's), llama.cpp
-(bench/llamacpp.py) and blink on vLLM (bench/vllm_arm.py) on the three decision cases, and `transformers serve`
-`/v1/systemone` against blink's own `/v1/systemone` over HTTP. Each is an arm of the registry (bench/arms.py); an arm
-whose system is missing here is skipped with the reason, never faked.
+transformers' `pipeline("decision")` (its own prompt; blink's prompt through the DecisionConfig `python blink.py export`
+writes; its own prompt on blink's own model where blink's dtype is not the checkpoint's), llama.cpp
+(bench/peers/llamacpp.py) and blink on vLLM (bench/peers/vllm_arm.py) on the three decision cases, and `transformers
+serve` `/v1/systemone` against blink's own `/v1/systemone` over HTTP. Each is an arm of the registry
+(bench/lib/arms.py); an arm whose system is missing here is skipped with the reason, never faked.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 import blink
-from bench import answers, arms, grid, harness, servers, throughput, workloads
+from bench.lib import answers, arms, grid, harness, servers, workloads
+from bench.peers import throughput
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Every arm of every benchmark, in one registry: the name its results file gives it, the name tables and the figure
 give it, what it runs, and what makes it that arm: blink's settings it changes (an engine built here, or a server's
-BLINK_* variables), the fields it adds to every question, or the function that runs or starts it. A benchmark takes
-its arms from here; report.py and plot.py name them from here."""
+BLINK_* variables), or the function that runs or starts it. A benchmark takes
+its arms from here; its tables and lib/plot.py name them from here."""
 
 from __future__ import annotations
 
@@ -20,8 +20,7 @@ class Arm:
     title: str  # as tables and the figure name it
     what: str  # what it runs, in one line
     settings: dict = field(default_factory=dict)  # blink Settings fields it sets, over its benchmark's base settings
-    question: dict = field(default_factory=dict)  # fields it adds to every question (order: permute)
-    runs: str | None = None  # "module:function" in bench/ that runs or starts it
+    runs: str | None = None  # "module:function" under bench/ (e.g. "peers.llamacpp:start") that runs or starts it
     python: str = "project"  # a server arm's environment: the project's (.venv) or vLLM's (.venv-vllm)
     app_args: dict = field(default_factory=dict)  # the Ray Serve app's arguments (adapters/serve.py; bench serve)
     colour: str | None = None  # in the figure
@@ -35,6 +34,15 @@ class Arm:
         """The BLINK_* variables that give a server this arm's settings."""
         names = {f.name: f.metadata["env"] for f in fields(blink.Settings) if "env" in f.metadata}
         return {names[k]: str(v) for k, v in self.settings.items()}
+
+
+def _as_named(name: str, what: str, settings: dict) -> Arm:
+    """An arm titled as its results file names it."""
+    return Arm(name, name, what, settings)
+
+
+F32_TORCH = {"dtype": "float32", "cpu_matmul": "torch"}  # the exact path: every answer is compared with its
+NO_PREFIX = {"prefix_cache": False}
 
 
 def _named(*arms: Arm) -> dict[str, Arm]:
@@ -63,7 +71,7 @@ REGISTRY: dict[str, dict[str, Arm]] = {
             "unbatched",
             "forward/question",
             "model(ids).logits[0, -1] at the label ids, one question at a time: the loop a user writes by hand",
-            runs="grid:unbatched_one",
+            runs="lib.grid:unbatched_one",
             colour="#7f7f7f",
         ),
         Arm(
@@ -71,14 +79,14 @@ REGISTRY: dict[str, dict[str, Arm]] = {
             "per-option LL",
             "one forward per option of (context + option text)[:-1], continuation log-probs summed "
             "(lm-evaluation-harness multiple choice, SGLang select)",
-            runs="grid:per_option_one",
+            runs="lib.grid:per_option_one",
             colour="#d62728",
         ),
         Arm(
             "generate",
             "generate+parse",
             "model.generate (greedy, 4 new tokens), then the first offered letter in the text",
-            runs="grid:generate_one",
+            runs="lib.grid:generate_one",
             colour="#ff7f0e",
         ),
     ),
@@ -90,62 +98,62 @@ REGISTRY: dict[str, dict[str, Arm]] = {
             "pipeline",
             "transformers' pipeline('decision') with its own built-in prompt, on the model as from_pretrained loads "
             "it: one unbatched forward per question",
-            runs="peers:start_pipeline",
+            runs="peers.decision:start_pipeline",
         ),
         Arm(
             "pipeline_export",
             "pipeline_export",
             "the same pipeline reading the DecisionConfig `python blink.py export` writes: blink's prompt, token for "
             "token",
-            runs="peers:start_pipeline_export",
+            runs="peers.decision:start_pipeline_export",
         ),
         Arm(
             "pipeline_bfloat16",
             "pipeline_bfloat16",
             "the pipeline as a user runs it at blink's dtype where blink computes in bfloat16 and the checkpoint is "
             "not: pipeline('decision', model=<checkpoint>, dtype=torch.bfloat16), its own model freshly loaded",
-            runs="peers:start_pipeline_bfloat16",
+            runs="peers.decision:start_pipeline_bfloat16",
         ),
         Arm(
             "llama.cpp",
             "llama.cpp",
             "llama-cpp-python on the stand-in's Q4_1 GGUF file, fed blink's prompt ids, every prompt evaluated from "
             "nothing",
-            runs="llamacpp:start",
+            runs="peers.llamacpp:start",
         ),
         Arm(
             "llama.cpp_reuse",
             "llama.cpp_reuse",
             "the same keeping the longest common prefix with the previous prompt in its KV cache (as llama-server's "
             "prompt cache does)",
-            runs="llamacpp:start",
+            runs="peers.llamacpp:start",
         ),
         Arm(
             "llama.cpp_q8_0",
             "llama.cpp_q8_0",
             "llama-cpp-python on the stand-in's weights at Q8_0 (llama.cpp's quantizer), fed blink's prompt ids, every "
             "prompt evaluated from nothing",
-            runs="llamacpp:start",
+            runs="peers.llamacpp:start",
         ),
         Arm(
             "llama.cpp_q8_0_reuse",
             "llama.cpp_q8_0_reuse",
             "the same at Q8_0 keeping the longest common prefix with the previous prompt in its KV cache",
-            runs="llamacpp:start",
+            runs="peers.llamacpp:start",
         ),
         Arm(
             "onnxruntime_int8",
             "onnxruntime_int8",
             "ONNX Runtime: the stand-in exported by torch.onnx, quantized by onnxruntime's quantize_dynamic (int8 "
             "weights, activations per call), in .venv-onnx, fed blink's prompt ids, each prompt evaluated from nothing",
-            runs="onnxrt:start",
+            runs="peers.onnxrt:start",
         ),
         Arm(
             "blink_int8",
             "blink_int8",
             "blink with BLINK_QUANTIZE=int8 (otherwise its defaults): a Deployment serving its own engine, decide()",
             {"quantize": "int8"},
-            runs="peers:start_blink",
+            runs="peers.decision:start_blink",
         ),
         Arm(
             "blink_vllm",
@@ -153,7 +161,7 @@ REGISTRY: dict[str, dict[str, Arm]] = {
             "blink on vLLM: `python app.py` with BLINK_BACKEND=vllm in .venv-vllm, asked over /v1/systemone, its CPU "
             "time read from the server's process group",
             {"backend": "vllm"},
-            runs="vllm_arm:start",
+            runs="peers.vllm_arm:start",
             python="vllm",
         ),
     ),
@@ -167,27 +175,13 @@ REGISTRY: dict[str, dict[str, Arm]] = {
         Arm("blink /v1/systemone", "blink /v1/systemone", "`python app.py` with no BLINK_* variable but the model"),
     ),
     "drift": _named(
-        Arm(
-            "float32",
-            "float32",
-            "float32 on torch's own kernels: the exact path, the reference",
-            {"dtype": "float32", "cpu_matmul": "torch"},
+        _as_named("float32", "float32 on torch's own kernels: the exact path, the reference", F32_TORCH),
+        _as_named("float32_onednn", "float32, the linear layers by oneDNN", {**F32_TORCH, "cpu_matmul": "onednn"}),
+        _as_named("bfloat16", "bfloat16 weights and activations, shared prefixes on", {"dtype": "bfloat16"}),
+        _as_named(
+            "bfloat16_plain", "the same without shared prefixes (for its drift only)", {"dtype": "bfloat16"} | NO_PREFIX
         ),
-        Arm(
-            "float32_onednn",
-            "float32_onednn",
-            "float32, the linear layers by oneDNN",
-            {"dtype": "float32", "cpu_matmul": "onednn"},
-        ),
-        Arm("bfloat16", "bfloat16", "bfloat16 weights and activations, shared prefixes on", {"dtype": "bfloat16"}),
-        Arm(
-            "bfloat16_plain",
-            "bfloat16_plain",
-            "the same without shared prefixes (for its drift only)",
-            {"dtype": "bfloat16", "prefix_cache": False},
-        ),
-        Arm(
-            "int8",
+        _as_named(
             "int8",
             "BLINK_QUANTIZE=int8 in bfloat16: every linear layer but lm_head int8 (weights per output channel, widened "
             "to bfloat16 as each layer runs), the activations and the rest in bfloat16",
@@ -250,11 +244,6 @@ REGISTRY: dict[str, dict[str, Arm]] = {
             {"engine": "mock"},
         ),
         Arm("pipeline ray", "no model, `--ray {workers}`", "the same through Ray", {"engine": "mock"}),
-    ),
-    "order": _named(
-        Arm("plain", "plain", "one prompt per question"),
-        Arm("permute=2", "permute=2", "two evenly spaced rotations averaged", question={"permute": 2}),
-        Arm("permute=all", "permute=all", "every rotation averaged", question={"permute": "all"}),
     ),
     "memory": _named(
         Arm("decide", "decide", "blink.decide() in a loop, in a process of its own"),

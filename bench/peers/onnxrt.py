@@ -1,8 +1,8 @@
 """ONNX Runtime INT8, what CPU decision servers built on ONNX Runtime ship, as a decision peer: the stand-in exported
-with torch.onnx and quantized with onnxruntime's `quantize_dynamic` (bench/onnx_worker.py), run by onnxruntime at
-the run's threads, fed blink's exact prompt token ids, each question's label logits read at the prompt's last
+with torch.onnx and quantized with onnxruntime's `quantize_dynamic` (bench/workers/onnx_worker.py), run by onnxruntime
+at the run's threads, fed blink's exact prompt token ids, each question's label logits read at the prompt's last
 position; every prompt evaluated from nothing (the exported graph keeps no cache). It answers System One bodies in
-blink's shapes, as the llama.cpp arm does (bench/llamacpp.py).
+blink's shapes, as the llama.cpp arm does (bench/peers/llamacpp.py).
 
 onnxruntime and the exporter live in an environment of their own (.venv-onnx, `bash tools/setup.sh --onnx`: they pin
 onnx, onnxscript and the exporter's torch); the arm drives it as a worker process there, whose CPU time counts as the
@@ -17,24 +17,27 @@ import subprocess
 from typing import TYPE_CHECKING
 
 import blink
-from bench import isolated, llamacpp, servers
+from bench.lib import servers
+from bench.peers import llamacpp
+from bench.workers import isolated
 
 if TYPE_CHECKING:
-    from bench.arms import Arm
-    from bench.peers import PeerContext
+    from bench.lib.arms import Arm
+    from bench.peers.decision import PeerContext
 
 ONNX_PYTHON = os.path.join(servers.ROOT, ".venv-onnx", "bin", "python")
 SKIP_NO_ENV = f"no ONNX Runtime environment at {ONNX_PYTHON} (bash tools/setup.sh --onnx builds it)"
 
 
 class Worker:
-    """bench/onnx_worker.py in .venv-onnx, its reader built from `args`; `call(method, *args)` as isolated.Child's."""
+    """bench/workers/onnx_worker.py in .venv-onnx, its reader built from `args`; `call(method, *args)` as
+    isolated.Child's."""
 
     library = "onnxruntime"
 
     def __init__(self, *args, python: str = ONNX_PYTHON):
         self.process = subprocess.Popen(
-            [python, "-m", "bench.onnx_worker"],
+            [python, "-m", "bench.workers.onnx_worker"],
             cwd=servers.ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

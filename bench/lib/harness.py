@@ -4,11 +4,13 @@ while it ran) and the one clock every timing in bench/ goes through."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
 import shlex
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -16,7 +18,7 @@ from typing import TypeVar
 import blink
 
 T = TypeVar("T")
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 # A run whose matmul probe at its end differs from the one at its start by more than this share (of the larger) ran
 # on an unsteady machine: the cores' speed changed part way through (other work, or the clock); its ratios are suspect.
 UNSTEADY_MATMUL_CHANGE = 0.10
@@ -25,6 +27,19 @@ UNSTEADY_MATMUL_CHANGE = 0.10
 # ---------------------------------------------------------------------------------------------------------------
 # The clock
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def lazy(name: str):
+    """The module `name`, loaded at its first attribute read: a benchmark names the torch-bound modules it runs with
+    at its top, and `python -m bench report` imports it for its tables without loading torch."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def timed(fn: Callable[[], T]) -> tuple[float, float, T]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import blink
-from bench import grid, harness, servers
+from bench.lib import grid, harness, servers
 
 
 def serving(

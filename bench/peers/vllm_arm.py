@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import blink
-from bench import arms, isolated, servers, workloads
-from bench.peers import PeerContext, systemone_probe
+from bench.lib import arms, servers, workloads
+from bench.workers import isolated
+
+if TYPE_CHECKING:
+    from bench.peers.decision import PeerContext
 
 VLLM_PYTHON = os.path.join(servers.ROOT, ".venv-vllm", "bin", "python")
 START_S = 600  # one vLLM engine starting on a small machine, not compiled (vllm_args)
@@ -102,6 +106,8 @@ def start(arm: arms.Arm, ctx: PeerContext) -> VllmPipe | str:
     server = ctx.stack.enter_context(servers.app(env, ctx.logs, base, python_of(arm), START_S))
     url = server.url + "v1/systemone"
     warm = workloads.system_one("warm-up", {"w": {"type": "noul"}})
+    from bench.peers.decision import systemone_probe  # torch: imported where the arm starts
+
     why = server.down or systemone_probe(url, ctx.engine.model_id, warm)
     if why:
         return f"the server did not answer: {why}"

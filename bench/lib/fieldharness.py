@@ -10,7 +10,7 @@ import subprocess
 from collections.abc import Iterator
 
 import blink
-from bench import harness, servers
+from bench.lib import harness, servers
 
 MODEL = "jev-latest"  # the "model" field every harness request carries (the SDK's default model name)
 # Each arm is `python app.py` as a user starts it, with only these variables set: its defaults, then float32
@@ -28,6 +28,17 @@ def missing(name: str) -> str | None:
     if not os.path.exists(os.path.join(environment(name), "bin", "python")):
         return f"no {name} environment at {environment(name)} (bash tools/setup.sh --harnesses builds it)"
     return None
+
+
+def begin(name: str, argv: list[str] | None, description: str, flags) -> harness.Run | None:
+    """The run of the harness `name` (its own flags; every core unless told), or None, having said why, where its
+    environment is missing."""
+    run = harness.Run(name, argv, description, flags, threads="0")
+    why = missing(name)
+    if why:
+        print(f"skipped: {why}; nothing was measured")
+        return None
+    return run
 
 
 def version(name: str, package: str) -> str:

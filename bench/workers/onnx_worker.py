@@ -1,6 +1,6 @@
-"""ONNX Runtime's side of bench/onnxrt.py, run in its own environment (.venv-onnx: `bash tools/setup.sh --onnx`) as
-`python -m bench.onnx_worker THREADS` from the repository root: it exports a transformers folder to ONNX with
-torch.onnx (the logits at the prompt's last position only, as llama.cpp computes them), quantizes it with
+"""ONNX Runtime's side of bench/peers/onnxrt.py, run in its own environment (.venv-onnx: `bash tools/setup.sh
+--onnx`) as `python -m bench.workers.onnx_worker THREADS` from the repository root: it exports a transformers folder
+to ONNX with torch.onnx (the logits at the prompt's last position only, as llama.cpp computes them), quantizes it with
 onnxruntime's `quantize_dynamic` (int8 weights, activations quantized per call: what CPU decision servers built on
 ONNX Runtime ship), and answers JSON lines on stdin, one call each ({"method": ..., "args": [...]}), with one JSON
 line on stdout ({"ok": true, "value": ...} or {"ok": false, "error": ...}). It imports nothing of blink's.

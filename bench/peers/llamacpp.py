@@ -5,7 +5,7 @@ prefix with the previous prompt kept in its KV cache, as llama-server does ("lla
 Q8_0 ("llama.cpp_q8_0", "llama.cpp_q8_0_reuse"), the precision of the INT8 peers: the stand-in's weights quantized to
 Q8_0 by llama.cpp's own quantizer (llama_model_quantize, from the Q4_1 file, whose de-quantized weights are the very
 ones blink's stand-in loads), kept under BLINK_CACHE (gguf/). All take System One bodies like the other decision
-peers (bench/peers.py), and answer in blink's shapes.
+peers (bench/peers/decision.py), and answer in blink's shapes.
 
 Runs where `llama_cpp` imports (`bash tools/setup.sh --llama`: pip builds llama.cpp from source, for the
 instructions of the CPU it builds on); otherwise its rows say why it was skipped.
@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import blink
-from bench import answers, isolated, models
+from bench.lib import answers, checkpoints
+from bench.workers import isolated
 
 if TYPE_CHECKING:  # the child process that computes imports this module: it needs none of these
-    from bench.arms import Arm
-    from bench.peers import PeerContext
+    from bench.lib.arms import Arm
+    from bench.peers.decision import PeerContext
 
 # each arm's weights (the GGUF type) and whether it keeps the longest common prefix in its KV cache
 ARMS = {
@@ -148,12 +149,12 @@ def standin_gguf_as(kind: str, cache_dir: str) -> str:
     """The stand-in's GGUF file at `kind`: the shipped Q4_1 file, or one quantized from it once (in a child process,
     where llama.cpp's native code runs) and kept under cache_dir/gguf."""
     if kind == "q4_1":
-        return models.standin_gguf()
+        return checkpoints.standin_gguf()
     path = os.path.join(cache_dir, "gguf", blink.STANDIN_GGUF.replace("Q4_1", kind.upper()))
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         partial = f"{path}.partial-{os.getpid()}"
-        isolated.Child("llama.cpp", quantize, models.standin_gguf(), partial, FTYPES[kind]).close()
+        isolated.Child("llama.cpp", quantize, checkpoints.standin_gguf(), partial, FTYPES[kind]).close()
         os.replace(partial, path)
     return path
 
