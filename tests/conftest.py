@@ -241,3 +241,16 @@ def crowded_app(tmp_path_factory, crowd_gates):
     }
     with app_process(env, str(tmp_path_factory.mktemp("crowded")), crowd_gates.prelude()) as served_app:
         yield served_app
+
+
+def scrape_metrics(url: str, headers: dict | None = None) -> dict[tuple, float]:
+    """An app's /metrics, parsed: {(sample name, (label, value) pairs sorted): value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "metrics", headers=headers, timeout=60).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

@@ -20,7 +20,7 @@ import time
 import httpx
 import psutil
 import pytest
-from conftest import ROOT, Gates, free_port, start_app, wait_until, wait_up
+from conftest import ROOT, Gates, free_port, scrape_metrics, start_app, wait_until, wait_up
 from fastapi import Request  # the plain app's route reads its annotation from this module
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -271,12 +271,7 @@ FILE_PART = (  # the start of an upload's one file part: what follows is the fil
 
 def scrape(url: str) -> dict[tuple, float]:
     """The keyed app's /metrics, parsed: {(sample name, (label, value) pairs sorted): value}."""
-    text = httpx.get(url + "metrics", headers=AUTH, timeout=60).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    return scrape_metrics(url, AUTH)
 
 
 def delta(before: dict, after: dict, name: str, **labels) -> float:
