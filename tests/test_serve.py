@@ -357,9 +357,17 @@ def test_a_replicas_forward_metrics_reach_rays_metrics_export(cluster, scaled):
             for name, samples in families.items()
         }
 
+    def billed() -> int:
+        """The prompt tokens the ingress's answers from this replica say were computed for them."""
+        row = next(r for r in info(cluster)["replicas"] if r["replica"] == replica)
+        return row["input_tokens"] - row["cached_tokens"]
+
     def exported() -> dict[str, list] | None:
+        # every answer this replica gave went through the ingress: once the export has caught up, what the answers
+        # were billed adds up to what the replica counted as computed
         got = mine()
-        return got if any(name.startswith("ray_blink_replica_prompt_tokens") and got[name] for name in got) else None
+        computed = [s.value for s in got.get("ray_blink_replica_prompt_tokens", []) if s.labels["source"] == "computed"]
+        return got if computed and computed[0] == billed() else None
 
     families = poll(exported, 120, every_s=1.0)  # the metrics agent exports every few seconds
     assert families, "no blink_replica metric of this replica on its node's metrics export"
