@@ -49,7 +49,10 @@ def test_llama_cpp_q8_0_answers_as_blink_does(standin):
     required(importlib.util.find_spec("llama_cpp") is None, llamacpp.SKIP_NO_PACKAGE)
     want, got, arm = peer_answers(standin, "llama.cpp_q8_0")
     compared = answers.compare(want, got)
-    assert compared["picks_differ"] == [] and compared["max_prob_diff"] < 0.05
+    # Q8_0 rounds the activations as well as the weights, by kernels that differ between CPUs: 0.067 from blink's
+    # float32 measured on an AVX2 CPU, 0.078 from its bfloat16 in decision-int8-2threads.json; a wrong prompt, label
+    # or model moves far more
+    assert compared["picks_differ"] == [] and compared["max_prob_diff"] < 0.12
     assert arm["dtype"] == "q8_0" and arm["evaluated"] > 0 and arm["cpu_s"] > 0
 
 
