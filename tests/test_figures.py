@@ -120,7 +120,7 @@ def printed(name: str) -> str:
         command = (res.get("command") or "") if isinstance(res, dict) else ""
         which = re.match(r"python bench/(\w+)\.py", command)
         spec = report.tables_of(which.group(1) if which else name.removesuffix(".json"))
-        out += "\n" + "\n".join(spec[0](res)) if spec else ""
+        out += "\n\n" + "\n".join(spec[0](res)) if spec else ""
     return out
 
 
@@ -149,13 +149,48 @@ def cells(row: str) -> list[str]:
     return [" ".join(c.split()) for c in row.strip().strip("|").split("|")]
 
 
+def printed_tables(out: str) -> list[list[list[str]]]:
+    """The markdown tables of a report's output, each as its rows' cells (the header first, the rule left out)."""
+    tables, rows = [], []
+    for line in [*out.splitlines(), ""]:
+        if line.startswith("|"):
+            rows.append(cells(line))
+        elif rows:
+            tables.append([rows[0], *rows[2:]])
+            rows = []
+    return tables
+
+
+def column(head: str, printed_head: list[str]) -> int | None:
+    """Where a quoted column is in a printed header: the same name, or the name before a parenthesis ("blink vs
+    blink_int8" quotes "blink vs blink_int8 (wall / CPU)")."""
+    for i, name in enumerate(printed_head):
+        if name == head or name.startswith(head + " ("):
+            return i
+    return None
+
+
+def same_cell(quoted_cell: str, printed_cell: str) -> bool:
+    """A quoted cell is the printed one, or its first part ("1.00x" of "1.00x / 1.00x")."""
+    return quoted_cell == printed_cell or printed_cell.startswith(quoted_cell + " / ")
+
+
 def table_misses(block: Block, out: str) -> list[str] | None:
-    """The rows of a table that the report does not print (None: the report prints no table with its header)."""
-    rows = block.text.splitlines()
+    """The rows of a table that the report does not print: row for row under a printed header, or cell for cell for a
+    table of some of a printed table's columns (None: the report prints no table with its columns)."""
+    lines = block.text.splitlines()
+    head, rows = cells(lines[0]), lines[2:]
     printed_rows = {tuple(cells(line)) for line in out.splitlines() if line.startswith("|")}
-    if tuple(cells(rows[0])) not in printed_rows:
+    if tuple(head) in printed_rows:
+        return [row for row in rows if tuple(cells(row)) not in printed_rows]
+    projected = []
+    for printed_head, *body in printed_tables(out):
+        where = [column(h, printed_head) for h in head]
+        if None not in where and where[0] == 0:
+            projected += [[row[i] if i < len(row) else "" for i in where] for row in body]
+    if not projected:
         return None
-    return [row for row in rows[2:] if tuple(cells(row)) not in printed_rows]
+    return [row for row in rows if not any(all(map(same_cell, cells(row), got)) for got in projected)]
 
 
 def sentences(text: str) -> list[str]:
@@ -276,6 +311,19 @@ def test_an_altered_figure_or_row_is_reported():
     ]
     prose, _, _ = misses("README.md", speed.replace("2.54 against 2.52", "2.54 against 2.62"))
     assert [(what, name) for _, _, what, name in prose] == [("2.62", "vllm-cpu.json")]
+
+
+def test_a_table_of_some_columns_is_checked_cell_for_cell():
+    (table,) = [
+        b.text
+        for b in blocks("bench/README.md", source("bench/README.md"))
+        if b.table and b.source == "decision-int8-2threads.json"
+    ]
+    assert "| blink vs blink_int8 |" in table and "| 1.36x |" in table
+    text = f"Latest run (`bench/results/decision-int8-2threads.json`):\n\n{table}\n"
+    assert misses("x.md", text)[:2] == ([], 1)
+    altered = text.replace("| 1.36x |", "| 1.33x |")
+    assert [what for _, _, what, _ in misses("x.md", altered)[0]] == [altered.splitlines()[-1]]
 
 
 def test_the_speed_figures_are_what_report_prints():
