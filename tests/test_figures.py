@@ -1,7 +1,9 @@
-"""Every figure README.md, docs/ and bench/README.md quote from a committed results file is in that file: each
-markdown table under a sentence naming `bench/results/X.json` whose header `python -m bench report` prints for X is
-printed row for row, and each figure of a paragraph naming one results file is printed by the report or held by the
-file (at the precision it is quoted). Nothing here imports torch."""
+"""Every figure README.md, docs/ and bench/README.md quote from a committed results file is in that file. A table
+quotes the results file named last before it in its section (`bench/results/X.json`, or `X.json` on a page that names
+bench/results/): when `python -m bench report` prints a table with its columns for X, each row is printed, row for
+row, or cell for cell for a table of some of the printed columns. A sentence quotes the file it names, or the one named
+last before it: each figure it quotes (a number with a unit, a decimal, or three digits or more) is printed by the
+report or is one of the file's values at the precision quoted. Nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -24,12 +26,14 @@ EARLIER_FILE = re.compile(r"the [\w.-]+\.json committed at [0-9a-f]{7}|git show 
 EARLIER_RUN = re.compile(
     r"committed at [0-9a-f]{7}|git show [0-9a-f]{7}|at commit [0-9a-f]{7}|measured at [0-9a-f]{7}|the run of \d{4}-"
 )
-# A number as the docs write one (thousands separators allowed), with the unit that may follow it.
-NUMBER = re.compile(
-    r"(?<![\w.,/:-])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+(?:e-\d+)?)?(?:-(?=\d))?"
-    r"(\s?(?:x|×|%|s|ms|min|GFLOP/s|GB|GiB|MB|MiB|points)(?![\w.]\w))?(?![\w-]|,\d|\.\d)"
+# A number as the docs write one (thousands separators allowed; a range's first number ends in its hyphen), with the
+# unit that may follow it; NUMBER where a number starts (not inside a word or another number).
+NUMBER_AT = re.compile(
+    r"(\d{1,3}(?:,\d{3})+|\d+)(\.\d+(?:e-\d+)?)?"
+    r"(?:(-)(?=\d)|(\s?(?:x|×|%|s|ms|min|GFLOP/s|GB|GiB|MB|MiB|points)(?![\w.]\w))?(?![\w-]|,\d|\.\d))"
 )
-# What is not a figure: a date or time, a version, a commit, a model or CPU name, a limit or a target.
+NUMBER = re.compile(r"(?<![\w.,/:-])" + NUMBER_AT.pattern)
+# What is not a figure: a date or time, a version, a commit, a name with digits in it (a model, a CPU, a file).
 NOT_A_FIGURE = re.compile(
     r"\d{4}-\d{2}-\d{2}(?:T\d{2}:\d{2}Z)?|\b\d+\.\d+(?:\.\d+)+\b|\b[0-9a-f]{7,40}\b|(?<![\d.])[A-Za-z]+[\w.-]*\d[\w.-]*"
 )
@@ -198,25 +202,26 @@ def sentences(text: str) -> list[str]:
     return re.split(r"(?<=[.;])\s+(?=\S)", " ".join(text.split()))
 
 
-def quoted(text: str) -> list[tuple[str, str, str]]:
-    """The figures a sentence quotes: (the number as written, its unit, the text before it); dates, versions,
-    commits, names with digits in them, and numbers a word marks as a target, a bound or an estimate left out."""
+def quoted(text: str) -> list[tuple[str, str]]:
+    """The figures a sentence quotes, each as written and with its unit (both ends of a range, "1.30-1.83x", with the
+    second's); dates, versions, commits, names with digits in them, and numbers a word marks as a target, a bound or
+    an estimate left out."""
     text = re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), text)  # code and names
     text = re.sub(r"\[[^\]]*\]\([^)]*\)", lambda m: " " * len(m.group(0)), text)  # links
     text = NOT_A_FIGURE.sub(lambda m: " " * len(m.group(0)), text)
     out = []
     for m in NUMBER.finditer(text):
-        whole, frac, unit = m.group(1), m.group(2) or "", (m.group(3) or "").strip()
-        if not unit and m.group(0).endswith("-"):  # the first of a range takes the second's unit
-            nxt = NUMBER.match(text, m.end())
-            unit = (nxt.group(3) or "").strip() if nxt else ""
-        digits = (whole + frac).replace(",", "").replace(".", "").lstrip("0")
-        if not (unit or frac or len(digits) >= 3):
+        if BOUND.search(text[max(0, m.start() - 20) : m.start()]):
             continue
-        before = text[max(0, m.start() - 20) : m.start()]
-        if BOUND.search(before):
-            continue
-        out.append((whole + frac, unit, before))
+        found = [m]
+        while found[-1].group(3) and (nxt := NUMBER_AT.match(text, found[-1].end())):
+            found.append(nxt)
+        unit = (found[-1].group(4) or "").strip()
+        for n in found:
+            whole, frac = n.group(1), n.group(2) or ""
+            digits = (whole + frac).replace(",", "").replace(".", "").lstrip("0")
+            if unit or frac or len(digits) >= 3:
+                out.append((whole + frac, (n.group(4) or "").strip() or unit))
     return out
 
 
@@ -227,6 +232,7 @@ SCALES = {
     "MiB": (1.0, 2.0**-20),
     "GB": (1.0, 1e-3, 1e-9),  # GB, MB or bytes
     "GiB": (1.0, 2.0**-30),
+    "s": (1.0, 1e-3),  # seconds, or ms
     "ms": (1.0, 1000.0),  # ms, or seconds
     "min": (1.0, 1 / 60),  # minutes, or seconds
 }
@@ -234,7 +240,7 @@ SCALES = {
 
 def held(figure: str, unit: str, out: str, values: list[float]) -> bool:
     """True when a figure is printed by the report (as written) or is one of the file's values at the precision it
-    is quoted (a share as a percentage, bytes or MB as MB or GB, seconds as ms or minutes)."""
+    is quoted (a share as a percentage, bytes or MB as MB or GB, ms as seconds, seconds as ms or minutes)."""
     if re.search(rf"(?<![\d.,]){re.escape(figure)}(?![\d]|,\d|\.\d)", out):
         return True
     if "e" in figure:  # 5.6e-17: the same digits in scientific notation
@@ -265,7 +271,7 @@ def misses(doc: str, text: str) -> tuple[list[tuple], int, int]:
             if current is None or len(set(names)) > 1 or EARLIER_RUN.search(sentence):
                 continue  # no file named yet, several, or an earlier run's figures
             out, values = printed(current), numbers(results(current))
-            for figure, unit, _ in quoted(sentence):
+            for figure, unit in quoted(sentence):
                 figures += 1
                 if not held(figure, unit, out, values):
                     found.append((doc, block.line, f"{figure}{unit}", current))
