@@ -57,82 +57,14 @@ from unittest import mock
 import blink
 from adapters import wire
 from bench.lib import answers, arms, harness, report, servers
+from bench.lib.workloads import FIRST_DOCUMENT, Request, serving_questions, serving_workloads, support_log
 
 APP = "blink"
-WORDS = (
-    "the customer wrote again about a refund for the annual plan and asked whether the invoice could be split across "
-    "two cost centres because the finance team closes its books on friday while the card on file expired last month "
-    "and the admin who set up single sign on left the company so nobody can reach the billing page or change the "
-    "owner of the workspace before the renewal date which falls on the first of next month"
-).split()
-TOPICS = (
-    "a refund",
-    "the invoice",
-    "single sign on",
-    "the renewal date",
-    "the card on file",
-    "the finance team",
-    "a cost centre",
-    "the workspace owner",
-    "the billing page",
-    "the annual plan",
-    "an admin leaving",
-    "a deadline",
-)
 CONFIGS = {
     "full": {"words": 2300, "docs": 8, "asks": 4, "clients": 8, "hot_requests": 32},
     "quick": {"words": 300, "docs": 4, "asks": 3, "clients": 4, "hot_requests": 16},
 }
-# The workloads' first document numbers: each workload asks about documents of its own, the warm-up about others.
-FIRST_DOCUMENT = {"reask": 100, "distinct": 200, "hot": 300}
-WARM_UP = 900
-Request = tuple[int, str, dict]  # (document number, state, questions)
-
-
-def document(n: int, words: int) -> str:
-    """Document n: a support log of about `words` words, distinct for every n."""
-    lines = [
-        f"[{n}.{i}] " + " ".join(WORDS[(n * 13 + 24 * i + k) % len(WORDS)] for k in range(24))
-        for i in range(-(-words // 24))
-    ]
-    return f"Support log {n}\n" + "\n".join(lines)
-
-
-def questions(ask: int) -> dict:
-    """The two questions of ask number `ask` about a document, a yes/no and a three-way choice, worded for that ask
-    alone (no two asks send the same questions)."""
-    topic, nth = TOPICS[ask % len(TOPICS)], ask // len(TOPICS)
-    return {
-        "mentions": {"type": "noul", "instructions": f"Does the log mention {topic}? (check {nth})"},
-        "team": {
-            "type": "choice",
-            "instructions": f"Which team owns what the log says about {topic}? (review {nth})",
-            "criteria": {"billing": "payments and invoices", "access": "logins and admins", "other": None},
-        },
-    }
-
-
-def workloads(cfg: dict) -> dict[str, tuple[list[Request], int]]:
-    """Each workload's requests, in the order they are sent, and its clients (every workload, or those cfg names)."""
-    words, docs, asks = cfg["words"], cfg["docs"], cfg["asks"]
-    first = FIRST_DOCUMENT
-    hot = [first["hot"] if i % 2 == 0 else first["hot"] + 1 + i // 2 for i in range(cfg["hot_requests"])]
-    every = {
-        "reask": (
-            [
-                (first["reask"] + d, document(first["reask"] + d, words), questions(a))
-                for a in range(asks)
-                for d in range(docs)
-            ],
-            cfg["clients"],
-        ),
-        "distinct": (
-            [(first["distinct"] + d, document(first["distinct"] + d, words), questions(0)) for d in range(2 * docs)],
-            cfg["clients"],
-        ),
-        "hot": ([(n, document(n, words), questions(i)) for i, n in enumerate(hot)], 2 * cfg["clients"]),
-    }
-    return {name: every[name] for name in cfg.get("workloads", every)}
+WARM_UP = 900  # the warm-up's first document number
 
 
 @contextlib.contextmanager
@@ -181,7 +113,7 @@ def warm_up(url: str, replicas: int, words: int) -> int:
 
     with httpx.Client() as client:
         for n in range(1, 8 * replicas + 1):
-            ask(client, url, (WARM_UP + n, document(WARM_UP + n, words), questions(0)))
+            ask(client, url, (WARM_UP + n, support_log(WARM_UP + n, words), serving_questions(0)))
             rows = client.get(url + "/info", timeout=60).json()["replicas"]
             if sum(r["live"] and r["answered"] > 0 for r in rows) == replicas:
                 return n
@@ -344,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in [k for k in os.environ if k.startswith("BLINK_")]:  # blink at its defaults in every process
         del os.environ[name]
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    work = workloads(cfg)
+    work = serving_workloads(cfg)
     registry = arms.of("serve")
     plan = [(name, arm.app_args, None, list(work)) for name, arm in registry.items() if name != "evidence_lead"]
     plan += [("evidence_lead", registry["evidence_lead"].app_args, lead, ["reask", "hot"]) for lead in leads]

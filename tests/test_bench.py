@@ -777,7 +777,7 @@ def test_serve_draws_report_each_draw_and_the_spread_over_them():
     assert spread[("reask", "evidence")]["req_per_s"] == {"min": 1.5, "median": 1.8, "max": 2.0}
     assert spread[("hot", "evidence")]["p99_s"] == {"min": 9.0, "median": 11.0, "max": 13.0}
     assert spread[("reask", "pow2")]["draws"] == 3 and spread[("hot", "pow2")]["documents_split"] == [1, 1, 1]
-    only = serve_bench.workloads({**serve_bench.CONFIGS["quick"], "workloads": ["reask", "hot"]})
+    only = workloads.serving_workloads({**serve_bench.CONFIGS["quick"], "workloads": ["reask", "hot"]})
     assert list(only) == ["reask", "hot"]
 
 
@@ -785,7 +785,7 @@ def test_serve_draws_report_each_draw_and_the_spread_over_them():
 def test_serve_workloads_never_repeat_a_request_and_keep_their_documents_apart(config):
     from bench import serve as serve_bench
 
-    work = serve_bench.workloads(serve_bench.CONFIGS[config])
+    work = workloads.serving_workloads(serve_bench.CONFIGS[config])
     documents = {name: {doc for doc, _, _ in requests} for name, (requests, _) in work.items()}
     assert not (documents["reask"] & documents["distinct"] or documents["reask"] & documents["hot"])
     assert not documents["distinct"] & documents["hot"]

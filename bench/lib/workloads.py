@@ -223,3 +223,80 @@ def system_one_question(q: dict) -> dict:
 def system_one(state, questions: dict) -> dict:
     """A whole request in System One form."""
     return {"state": state, "questions": {k: system_one_question(q) for k, q in questions.items()}}
+
+
+# ---- python -m bench serve and route_sim: support logs asked over HTTP ----------------------------------------
+
+WORDS = (
+    "the customer wrote again about a refund for the annual plan and asked whether the invoice could be split across "
+    "two cost centres because the finance team closes its books on friday while the card on file expired last month "
+    "and the admin who set up single sign on left the company so nobody can reach the billing page or change the "
+    "owner of the workspace before the renewal date which falls on the first of next month"
+).split()
+TOPICS = (
+    "a refund",
+    "the invoice",
+    "single sign on",
+    "the renewal date",
+    "the card on file",
+    "the finance team",
+    "a cost centre",
+    "the workspace owner",
+    "the billing page",
+    "the annual plan",
+    "an admin leaving",
+    "a deadline",
+)
+# The workloads' first document numbers: each workload asks about documents of its own, the warm-up about others.
+FIRST_DOCUMENT = {"reask": 100, "distinct": 200, "hot": 300}
+Request = tuple[int, str, dict]  # (document number, state, questions)
+
+
+def support_log(n: int, words: int) -> str:
+    """Document n: a support log of about `words` words, distinct for every n."""
+    lines = [
+        f"[{n}.{i}] " + " ".join(WORDS[(n * 13 + 24 * i + k) % len(WORDS)] for k in range(24))
+        for i in range(-(-words // 24))
+    ]
+    return f"Support log {n}\n" + "\n".join(lines)
+
+
+def serving_questions(ask: int) -> dict:
+    """The two questions of ask number `ask` about a document, a yes/no and a three-way choice, worded for that ask
+    alone (no two asks send the same questions)."""
+    topic, nth = TOPICS[ask % len(TOPICS)], ask // len(TOPICS)
+    return {
+        "mentions": {"type": "noul", "instructions": f"Does the log mention {topic}? (check {nth})"},
+        "team": {
+            "type": "choice",
+            "instructions": f"Which team owns what the log says about {topic}? (review {nth})",
+            "criteria": {"billing": "payments and invoices", "access": "logins and admins", "other": None},
+        },
+    }
+
+
+def serving_workloads(cfg: dict) -> dict[str, tuple[list[Request], int]]:
+    """python -m bench serve's workloads: each one's requests, in the order they are sent, and its clients (every
+    workload, or those cfg names)."""
+    words, docs, asks = cfg["words"], cfg["docs"], cfg["asks"]
+    first = FIRST_DOCUMENT
+    hot = [first["hot"] if i % 2 == 0 else first["hot"] + 1 + i // 2 for i in range(cfg["hot_requests"])]
+    every = {
+        "reask": (
+            [
+                (first["reask"] + d, support_log(first["reask"] + d, words), serving_questions(a))
+                for a in range(asks)
+                for d in range(docs)
+            ],
+            cfg["clients"],
+        ),
+        "distinct": (
+            [
+                (first["distinct"] + d, support_log(first["distinct"] + d, words), serving_questions(0))
+                for d in range(2 * docs)
+            ],
+            cfg["clients"],
+        ),
+        "hot": ([(n, support_log(n, words), serving_questions(i)) for i, n in enumerate(hot)], 2 * cfg["clients"]),
+    }
+    return {name: every[name] for name in cfg.get("workloads", every)}
