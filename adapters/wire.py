@@ -297,6 +297,9 @@ def asset_uris(assets, parts: Mapping[str, bytes], engine: blink.Engine) -> dict
     """Every System One asset as a data URI, by its placeholder; refused (naming the asset) when the model reads
     text only, and when a multipart image part is claimed by no asset."""
     if assets is None:
+        unclaimed = sorted(parts)
+        if unclaimed:
+            raise WireError(f"multipart part {unclaimed[0]!r:.80} is claimed by no asset", ["body", "assets"])
         return {}
     _typed(assets, (dict,), ["body", "assets"])
     if not assets:
@@ -616,7 +619,7 @@ def decision_state(value):
         _typed(item, (dict,), iloc)
         if "role" in item:
             role = item["role"]
-            if role not in DECISION_PARTS:
+            if not isinstance(role, str) or role not in DECISION_PARTS:
                 raise WireError(
                     f"{_field([*iloc, 'role'])} must be user, developer, system or assistant", [*iloc, "role"]
                 )
@@ -696,7 +699,7 @@ def decisions_call(body, parts: Mapping[str, bytes], deployment: blink.Deploymen
     for i, q in enumerate(sent):
         loc = ["body", "questions", i]
         kind = _need(_typed(q, (dict,), loc), "type", loc)
-        if kind not in DECISION_TYPES:
+        if not isinstance(kind, str) or kind not in DECISION_TYPES:
             raise WireError(
                 f"{_field([*loc, 'type'])} must be predicate, choice or score (got {kind!r:.80})",
                 [*loc, "type"],

@@ -1,0 +1,102 @@
+"""schemathesis (pinned in .venv-schemathesis by tools/setup.sh --tests) fuzzes every /v1 route of the app on the
+stand-in against the app's own /openapi.json with every check: no server error, no request the document allows is
+refused, none it forbids is answered, every reply as the document says. Counts in the document are capped so the
+stand-in answers each request in seconds (a capped document allows a subset of what the real one does), and bodies
+that break a rule the document states in words (tests/openapi_fuzz_hooks.py) are not sent. The app's /metrics
+show the Decisions route answered, not only refused: the document names the served models."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+
+import httpx
+import pytest
+from conftest import ROOT, app_process
+from prometheus_client.parser import text_string_to_metric_families
+
+ST = os.path.join(ROOT, ".venv-schemathesis", "bin", "st")
+CAP = 3  # the most questions, options, states or permute rotations a fuzzed request holds
+SEED = 20261206
+EXAMPLES = 12  # per route and phase
+ROUTES = ("/v1/systemone", "/v1/systemone/batch", "/v1/decisions", "/v1/models")
+
+
+@pytest.fixture(scope="module")
+def st() -> str:
+    """schemathesis' command, as tools/setup.sh --tests installs it; skipped where it is missing, failed under
+    CI=true."""
+    if not os.path.exists(ST):
+        why = "schemathesis is not installed: run bash tools/setup.sh --tests (or --harnesses)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but {why}")
+        pytest.skip(why)
+    return ST
+
+
+def capped(node, name: str = ""):
+    """A copy of a request schema with every count above CAP (maxItems, maxProperties, permute's maximum) at CAP
+    and every minimum count kept at or below it."""
+    if isinstance(node, list):
+        return [capped(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: capped(value, key) for key, value in node.items()}
+    for key in ("maxItems", "maxProperties", "minItems", "minProperties"):
+        if isinstance(out.get(key), int):
+            out[key] = min(out[key], CAP)
+    if name == "permute" and isinstance(out.get("maximum"), int):
+        out["maximum"] = min(out["maximum"], CAP)
+    return out
+
+
+def fuzzed_document(document: dict) -> dict:
+    """The served document with its request schemas capped (replies are checked against them as served)."""
+    out = copy.deepcopy(document)
+    schemas = out["components"]["schemas"]
+    for name in schemas:
+        if "Request" in name or "Question" in name:
+            schemas[name] = capped(schemas[name])
+    return out
+
+
+def route_counts(url: str) -> dict[tuple[str, str], float]:
+    """blink_http_requests_total from the app's /metrics, by (route, status)."""
+    text = httpx.get(url + "metrics", timeout=60).text
+    return {
+        (s.labels["route"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "blink_http_requests_total"
+    }
+
+
+def test_capping_keeps_a_subset_of_the_document():
+    schema = {"maxProperties": 512, "minProperties": 1, "properties": {"permute": {"maximum": 255, "minimum": 1}}}
+    assert capped(schema) == {
+        "maxProperties": CAP,
+        "minProperties": 1,
+        "properties": {"permute": {"maximum": CAP, "minimum": 1}},
+    }
+
+
+def test_schemathesis_finds_the_routes_as_the_document_says(st, tmp_path):
+    with app_process({}, str(tmp_path)) as (url, _log):
+        document = httpx.get(url + "openapi.json", timeout=60).json()
+        assert set(document["paths"]) == set(ROUTES)
+        path = tmp_path / "openapi.json"
+        path.write_text(json.dumps(fuzzed_document(document)))
+        cmd = [
+            st, "run", str(path), "--url", url.rstrip("/"), "--checks", "all", "--max-examples", str(EXAMPLES),
+            "--seed", str(SEED), "--workers", "1", "--request-timeout", "300", "--generation-database", "none",
+            "--no-color", "--report", "junit", "--report-dir", str(tmp_path / "report"),
+        ]  # fmt: skip
+        env = {**os.environ, "SCHEMATHESIS_HOOKS": "openapi_fuzz_hooks", "PYTHONPATH": os.path.dirname(__file__)}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
+        counts = route_counts(url)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    answered = {route for (route, status), n in counts.items() if status == "200" and n > 0}
+    assert set(ROUTES) <= answered, counts  # each route's logic reached, the Decisions route's included
+    assert counts.get(("/v1/decisions", "400"), 0) > 0, counts  # and its refusals of what the document forbids
