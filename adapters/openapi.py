@@ -357,6 +357,7 @@ def decisions_schemas(models: list[str], images: bool) -> dict:
                         {"value": {"type": ["string", "boolean"]}, "description": {"type": ["string", "null"]}},
                         ("value",),
                     ),
+                    "uniqueItems": True,
                     "description": "each value once (true and 'true' are one value)",
                 },
             },

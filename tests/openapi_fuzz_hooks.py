@@ -18,9 +18,9 @@ def option_count(question: dict) -> int | None:
 
 
 def permute_fits(question: dict) -> bool:
-    """A question's permute is absent, not a whole number (a schema violation of its own), or at most its options."""
+    """A question's permute is absent, not a number (a schema violation of its own), or at most its options."""
     n, count = question.get("permute"), option_count(question)
-    return not isinstance(n, int) or isinstance(n, bool) or count is None or n <= count
+    return not isinstance(n, (int, float)) or isinstance(n, bool) or count is None or n <= count
 
 
 def values_unique(question: dict) -> bool:
