@@ -3,9 +3,11 @@
 Every schema here is built from what adapters/wire.py checks a body against and shapes a reply from: the question
 types (blink.QUESTION_TYPES, wire.DECISION_TYPES), the limits (blink.MAX_OPTIONS, MAX_LEVELS, MAX_QUESTIONS,
 wire.MAX_BATCH_STATES), the text-like kinds (wire.TEXTLIKE), the message parts (wire.DECISION_PARTS), the opt-in
-features (blink.ABSTAIN_THRESHOLDS), the served models and the default alias; a limit changed there changes the
-document. tests/test_field_routes.py validates the document with openapi-spec-validator and every route's real
-replies, and refusals, against it with openapi-core. This module imports blink and adapters/wire only.
+features (blink.ABSTAIN_THRESHOLDS), the served models and the default alias, and whether a served model reads
+images; a limit changed there changes the document. tests/test_field_routes.py validates the document with
+openapi-spec-validator and every route's real replies, and refusals, against it with openapi-core;
+tests/test_openapi_fuzz.py fuzzes the routes against it with schemathesis. This module imports blink and adapters/wire
+only.
 """
 
 from __future__ import annotations
