@@ -3,9 +3,11 @@
 Every schema here is built from what adapters/wire.py checks a body against and shapes a reply from: the question
 types (blink.QUESTION_TYPES, wire.DECISION_TYPES), the limits (blink.MAX_OPTIONS, MAX_LEVELS, MAX_QUESTIONS,
 wire.MAX_BATCH_STATES), the text-like kinds (wire.TEXTLIKE), the message parts (wire.DECISION_PARTS), the opt-in
-features (blink.ABSTAIN_THRESHOLDS), the served models and the default alias; a limit changed there changes the
-document. tests/test_field_routes.py validates the document with openapi-spec-validator and every route's real
-replies, and refusals, against it with openapi-core. This module imports blink and adapters/wire only.
+features (blink.ABSTAIN_THRESHOLDS), the served models and the default alias, and whether a served model reads
+images; a limit changed there changes the document. tests/test_field_routes.py validates the document with
+openapi-spec-validator and every route's real replies, and refusals, against it with openapi-core;
+tests/test_openapi_fuzz.py fuzzes the routes against it with schemathesis. This module imports blink and adapters/wire
+only.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ def text_like(nullable: bool = False) -> dict:
     return {"type": kinds}
 
 
+def evidence() -> dict:
+    """A state: text that is not blank, or structured as an object or an array."""
+    return non_blank(tuple(_JSON_TYPES[k] for k in wire.TEXTLIKE))
+
+
 def probability() -> dict:
     """A probability."""
     return {"type": "number", "minimum": 0, "maximum": 1}
@@ -43,24 +50,71 @@ def obj(properties: dict, required: tuple = (), closed: bool = False, **more) ->
     return out
 
 
-def blink_features() -> dict:
-    """blink's opt-in question fields (permute and multi: choice only; abstain: any type)."""
+# every character str.strip() removes, listed (a regex engine's \s differs from Python's by a few)
+WHITESPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace())
+
+
+def non_blank(kinds: tuple = ("string",)) -> dict:
+    """Text holding more than whitespace (blink refuses blank text), or a value of the other JSON kinds named."""
+    return {"type": list(kinds) if len(kinds) > 1 else kinds[0], "pattern": f"[^{WHITESPACE}]"}
+
+
+def blank() -> dict:
+    """Text of whitespace only."""
+    return {"type": "string", "pattern": f"^[{WHITESPACE}]*$"}
+
+
+def blink_features(choice: bool) -> dict:
+    """blink's opt-in question fields: permute and multi on a choice question (null, or multi false, elsewhere),
+    abstain on any type (one threshold at least)."""
     thresholds = {name: probability() for name in blink.ABSTAIN_THRESHOLDS}
-    return {
-        "permute": {"type": ["integer", "null"], "minimum": 1, "maximum": blink.MAX_OPTIONS},
+    out = {
+        "permute": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "maximum": blink.MAX_OPTIONS,
+            "description": "rotations of the options, at most one per option",
+        },
         "multi": {"type": ["boolean", "null"]},
-        "abstain": {"type": ["object", "null"], "properties": thresholds, "additionalProperties": False},
+    }
+    if not choice:
+        out = {"permute": {"type": "null"}, "multi": {"enum": [False, None]}}
+    abstain = {"type": ["object", "null"], "minProperties": 1, "properties": thresholds, "additionalProperties": False}
+    return {**out, "abstain": abstain}
+
+
+NOT_MULTI_AND_PERMUTE = {
+    "not": {
+        "properties": {"multi": {"const": True}, "permute": {"type": "integer"}},
+        "required": ["multi", "permute"],
+    }
+}  # multi and permute cannot be combined (a multi question's options have no order)
+
+
+def served_model(models: list[str]) -> dict:
+    """A request's model: one of the served models, or the default model's alias."""
+    return {
+        "type": "string",
+        "enum": [*models, wire.DEFAULT_MODEL_ALIAS],
+        "description": f"a served model, or {wire.DEFAULT_MODEL_ALIAS!r} (the default model)",
     }
 
 
-def systemone_schemas(models: list[str]) -> dict:
-    """System One's request, batch request, answers and replies."""
-    head = {"instructions": text_like(nullable=True), **blink_features()}
+def question_names(schema: dict) -> dict:
+    """A questions object whose names are non-empty."""
+    return {**schema, "propertyNames": {"minLength": 1}}
+
+
+def systemone_schemas(models: list[str], images: bool) -> dict:
+    """System One's request, batch request, answers and replies; images: a served model reads them (else the
+    request takes no assets)."""
+    head = {"instructions": text_like(nullable=True)}
     questions = {
         "noul": obj(
             {
                 "type": {"const": "noul"},
                 **head,
+                **blink_features(choice=False),
                 "criteria": obj({"true": text_like(True), "false": text_like(True)}, type=["object", "null"]),
             },
             ("type",),
@@ -69,6 +123,7 @@ def systemone_schemas(models: list[str]) -> dict:
             {
                 "type": {"const": "choice"},
                 **head,
+                **blink_features(choice=True),
                 "criteria": {
                     "type": "object",
                     "minProperties": 1,
@@ -77,21 +132,19 @@ def systemone_schemas(models: list[str]) -> dict:
                 },
             },
             ("type", "criteria"),
+            **NOT_MULTI_AND_PERMUTE,
         ),
         "score": obj(
             {
                 "type": {"const": "score"},
                 **head,
+                **blink_features(choice=False),
                 "criteria": {"type": "array", "minItems": 2, "maxItems": blink.MAX_LEVELS, "items": text_like()},
             },
             ("type", "criteria"),
         ),
     }
-    model = {
-        "type": "string",
-        "description": f"a served model, or {wire.DEFAULT_MODEL_ALIAS!r} (the default model)",
-        "examples": [*models, wire.DEFAULT_MODEL_ALIAS],
-    }
+    model = served_model(models)
     asset = obj(
         {
             "type": {"enum": ["image", None]},
@@ -100,14 +153,22 @@ def systemone_schemas(models: list[str]) -> dict:
             "part": {"type": ["string", "null"], "description": "a multipart part holding the image"},
         }
     )
+    assets = {
+        "type": ["object", "null"],
+        "minProperties": 1,
+        "propertyNames": {"minLength": 1, "description": "the placeholder that stands for the image in the texts"},
+        "additionalProperties": ref("SystemOneAsset"),
+    }
     shared = {
-        "questions": {
-            "type": "object",
-            "minProperties": 1,
-            "maxProperties": blink.MAX_QUESTIONS,
-            "additionalProperties": ref("SystemOneQuestion"),
-        },
-        "assets": {"type": "object", "minProperties": 1, "additionalProperties": ref("SystemOneAsset")},
+        "questions": question_names(
+            {
+                "type": "object",
+                "minProperties": 1,
+                "maxProperties": blink.MAX_QUESTIONS,
+                "additionalProperties": ref("SystemOneQuestion"),
+            }
+        ),
+        "assets": assets if images else {"type": "null", "description": "no served model reads images"},
     }
     answers = {
         "noul": obj({"type": {"const": "noul"}, "noul": probability()}, ("type", "noul"), closed=True),
@@ -155,11 +216,11 @@ def systemone_schemas(models: list[str]) -> dict:
             },
         },
         "SystemOneAsset": asset,
-        "SystemOneRequest": obj({"model": model, "state": text_like(), **shared}, ("model", "state", "questions")),
+        "SystemOneRequest": obj({"model": model, "state": evidence(), **shared}, ("model", "state", "questions")),
         "SystemOneBatchRequest": obj(
             {
                 "model": {**model, "default": wire.DEFAULT_MODEL_ALIAS},
-                "states": {"type": "array", "minItems": 1, "maxItems": wire.MAX_BATCH_STATES, "items": text_like()},
+                "states": {"type": "array", "minItems": 1, "maxItems": wire.MAX_BATCH_STATES, "items": evidence()},
                 **shared,
             },
             ("states", "questions"),
@@ -215,8 +276,35 @@ def systemone_schemas(models: list[str]) -> dict:
     }
 
 
-def decisions_schemas() -> dict:
-    """OpenAI Decisions' request, answers, reply and error."""
+NOT_BLANK_MESSAGE = {
+    "not": {
+        "minItems": 1,
+        "maxItems": 1,
+        "items": {
+            "properties": {
+                "role": {"const": "user"},
+                "content": {
+                    "anyOf": [
+                        blank(),
+                        {
+                            "type": "array",
+                            "items": {
+                                "properties": {"type": {"const": "input_text"}, "text": blank()},
+                                "required": ["type", "text"],
+                            },
+                        },
+                    ]
+                },
+            },
+            "required": ["role", "content"],
+        },
+    }
+}  # an input of one user message holding only blank text is blank evidence, which blink refuses
+
+
+def decisions_schemas(models: list[str], images: bool) -> dict:
+    """OpenAI Decisions' request, answers, reply and error; images: a served model reads them (else no part is an
+    image)."""
     parts = {
         "input_text": obj({"type": {"const": "input_text"}, "text": {"type": "string"}}, ("type", "text")),
         "output_text": obj({"type": {"const": "output_text"}, "text": {"type": "string"}}, ("type", "text")),
@@ -227,6 +315,8 @@ def decisions_schemas() -> dict:
         ),
         "input_json": obj({"type": {"const": "input_json"}, "data": {"type": ["object", "array"]}}, ("type", "data")),
     }
+    if not images:
+        del parts["input_image"]
     message = {
         "oneOf": [
             obj(
@@ -235,7 +325,7 @@ def decisions_schemas() -> dict:
                     "content": {
                         "oneOf": [
                             {"type": "string"},
-                            {"type": "array", "items": {"oneOf": [parts[p] for p in allowed]}},
+                            {"type": "array", "items": {"oneOf": [parts[p] for p in allowed if p in parts]}},
                         ]
                     },
                 },
@@ -248,16 +338,19 @@ def decisions_schemas() -> dict:
     instructions = {
         "oneOf": [
             {"type": "string"},
-            {"type": "array", "items": {"oneOf": [parts["input_text"], parts["input_image"]]}},
+            {"type": "array", "items": {"oneOf": [parts[p] for p in ("input_text", "input_image") if p in parts]}},
         ]
     }
-    head = {"name": {"type": ["string", "null"]}, "instructions": instructions, **blink_features()}
+    head = {"name": {"type": ["string", "null"]}, "instructions": instructions}
     questions = {
-        "predicate": obj({"type": {"const": "predicate"}, **head}, ("type", "instructions")),
+        "predicate": obj(
+            {"type": {"const": "predicate"}, **head, **blink_features(choice=False)}, ("type", "instructions")
+        ),
         "choice": obj(
             {
                 "type": {"const": "choice"},
                 **head,
+                **blink_features(choice=True),
                 "choices": {
                     "type": "array",
                     "minItems": 2,
@@ -266,14 +359,18 @@ def decisions_schemas() -> dict:
                         {"value": {"type": ["string", "boolean"]}, "description": {"type": ["string", "null"]}},
                         ("value",),
                     ),
+                    "uniqueItems": True,
+                    "description": "each value once (true and 'true' are one value)",
                 },
             },
             ("type", "instructions", "choices"),
+            **NOT_MULTI_AND_PERMUTE,
         ),
         "score": obj(
             {
                 "type": {"const": "score"},
                 **head,
+                **blink_features(choice=False),
                 "levels": {
                     "type": "array",
                     "minItems": 2,
@@ -324,8 +421,8 @@ def decisions_schemas() -> dict:
         **{f"Decisions{kind.title()}Question": schema for kind, schema in questions.items()},
         "DecisionsRequest": obj(
             {
-                "model": {"type": "string"},
-                "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": item}]},
+                "model": served_model(models),
+                "input": {"oneOf": [non_blank(), {"type": "array", "minItems": 1, "items": item, **NOT_BLANK_MESSAGE}]},
                 "questions": {
                     "type": "array",
                     "minItems": 1,
@@ -375,6 +472,22 @@ def json_body(schema: str) -> dict:
     return {"application/json": {"schema": ref(schema)}}
 
 
+def systemone_body(schema: str, images: bool) -> dict:
+    """A System One body: the JSON request, or a multipart form of the JSON request in its `request` part and, when
+    a served model reads images, the image parts its assets name."""
+    parts = {"type": "string", "format": "binary", "description": "an image an asset names"} if images else False
+    form = {
+        "schema": {
+            "type": "object",
+            "properties": {"request": ref(schema)},
+            "required": ["request"],
+            "additionalProperties": parts,
+        },
+        "encoding": {"request": {"contentType": "application/json"}},
+    }
+    return {**json_body(schema), "multipart/form-data": form}
+
+
 def replies(ok: str, error: str, validation: str | None, statuses: tuple) -> dict:
     """A route's replies: 200 with `ok`, 422 with `validation` (when the protocol has field-level errors apart), every
     other refusal with `error`."""
@@ -402,19 +515,15 @@ def document(deployment: blink.Deployment, keyed: bool) -> dict:
     """The OpenAPI document of the /v1 routes of a deployment; keyed: BLINK_API_KEY is set (the bearer scheme is then
     required, else any Authorization header is accepted)."""
     security = [{"bearer": []}] if keyed else [{"bearer": []}, {}]
-    systemone_body = {
-        **json_body("SystemOneRequest"),
-        "multipart/form-data": {
-            "schema": obj({"request": {"type": "string", "description": "the JSON request"}}, ("request",)),
-        },
-    }
+    models = deployment.models()
+    images = any(deployment.engine(mid).reads_images for mid in models)
     paths = {
         "/v1/systemone": {
             "post": {
                 "operationId": "systemOne",
                 "summary": "TypeSafe's System One: one state, typed questions, one answer each",
                 "security": security,
-                "requestBody": {"required": True, "content": systemone_body},
+                "requestBody": {"required": True, "content": systemone_body("SystemOneRequest", images)},
                 "responses": replies("SystemOneResponse", "Error", "ValidationError", DECIDING),
             }
         },
@@ -426,7 +535,7 @@ def document(deployment: blink.Deployment, keyed: bool) -> dict:
                     "state, each answered as the state would be alone"
                 ),
                 "security": security,
-                "requestBody": {"required": True, "content": {**systemone_body, **json_body("SystemOneBatchRequest")}},
+                "requestBody": {"required": True, "content": systemone_body("SystemOneBatchRequest", images)},
                 "responses": replies("SystemOneBatchResponse", "Error", "ValidationError", DECIDING),
             }
         },
@@ -453,7 +562,7 @@ def document(deployment: blink.Deployment, keyed: bool) -> dict:
         "info": {"title": "blink", "version": "1", "description": "one-pass typed decisions from a language model"},
         "paths": paths,
         "components": {
-            "schemas": {**systemone_schemas(deployment.models()), **decisions_schemas()},
+            "schemas": {**systemone_schemas(models, images), **decisions_schemas(models, images)},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

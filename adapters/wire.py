@@ -297,6 +297,9 @@ def asset_uris(assets, parts: Mapping[str, bytes], engine: blink.Engine) -> dict
     """Every System One asset as a data URI, by its placeholder; refused (naming the asset) when the model reads
     text only, and when a multipart image part is claimed by no asset."""
     if assets is None:
+        unclaimed = sorted(parts)
+        if unclaimed:
+            raise WireError(f"multipart part {unclaimed[0]!r:.80} is claimed by no asset", ["body", "assets"])
         return {}
     _typed(assets, (dict,), ["body", "assets"])
     if not assets:
@@ -401,6 +404,15 @@ def _systemone_question(key: str, q) -> None:
             _typed(level, TEXTLIKE, [*crit_loc, i])
 
 
+def whole_permute(q: dict) -> dict:
+    """A question with a `permute` of 3.0 read as 3 (JSON has one kind of number: 3.0 is a whole number of
+    rotations, as a JSON Schema integer is)."""
+    n = q.get("permute")
+    if isinstance(n, float) and n.is_integer():
+        return {**q, "permute": int(n)}
+    return q
+
+
 def _systemone_questions(body: dict) -> dict:
     """A System One body's questions, each checked against the wire schema."""
     questions = _typed(_need(body, "questions", ["body"]), (dict,), ["body", "questions"])
@@ -408,7 +420,7 @@ def _systemone_questions(body: dict) -> dict:
         raise WireError("questions must hold at least one question", ["body", "questions"], kind="too_short")
     for key, q in questions.items():
         _systemone_question(key, q)
-    return questions
+    return {key: whole_permute(q) for key, q in questions.items()}
 
 
 def _state_call(model: str, state, questions: dict, uris: dict, deployment: blink.Deployment) -> WireCall:
@@ -616,7 +628,7 @@ def decision_state(value):
         _typed(item, (dict,), iloc)
         if "role" in item:
             role = item["role"]
-            if role not in DECISION_PARTS:
+            if not isinstance(role, str) or role not in DECISION_PARTS:
                 raise WireError(
                     f"{_field([*iloc, 'role'])} must be user, developer, system or assistant", [*iloc, "role"]
                 )
@@ -696,7 +708,7 @@ def decisions_call(body, parts: Mapping[str, bytes], deployment: blink.Deploymen
     for i, q in enumerate(sent):
         loc = ["body", "questions", i]
         kind = _need(_typed(q, (dict,), loc), "type", loc)
-        if kind not in DECISION_TYPES:
+        if not isinstance(kind, str) or kind not in DECISION_TYPES:
             raise WireError(
                 f"{_field([*loc, 'type'])} must be predicate, choice or score (got {kind!r:.80})",
                 [*loc, "type"],
@@ -711,7 +723,7 @@ def decisions_call(body, parts: Mapping[str, bytes], deployment: blink.Deploymen
         }
         if kind != "predicate":
             spec["criteria"] = _decision_options(q, kind, loc)
-        spec.update({k: q[k] for k in ("permute", "multi", "abstain") if k in q})  # blink's opt-in features
+        spec.update({k: v for k, v in whole_permute(q).items() if k in ("permute", "multi", "abstain")})  # opt-ins
         questions[str(i)] = spec
     return WireCall(model, deployment.request(state, questions, images=images or None), sent)
 

