@@ -142,6 +142,12 @@ class Cost:
         return self.per_token * computed + self.per_cached * kept + self.per_question * QUESTIONS
 
 
+def kept_tokens(cached: bool, packed_read: bool) -> int:
+    """A request's prompt tokens read from prefixes its replica kept before its run began: what a serve.json without
+    `cached_counts` counted as cached (every question's evidence, where the replica held the document)."""
+    return QUESTIONS * EVIDENCE_TOKENS if cached and not packed_read else 0
+
+
 def tokens(cached: bool) -> tuple[int, int]:
     """(prompt tokens, of them not computed for it) of one request, as a replica's meta counts them: over a document
     its replica holds, or that another request of its run computes (`cached`), every question reads the evidence;
@@ -362,6 +368,7 @@ def summary(answered: list[dict], wall_s: float) -> dict:
     latency = [r["finished"] - r["arrived"] for r in answered]
     inputs = sum(tokens(r["cached"])[0] for r in answered)
     cached = sum(tokens(r["cached"])[1] for r in answered)
+    kept = sum(kept_tokens(r["cached"], r["packed_read"]) for r in answered)
     by_replica = collections.Counter(r["replica"] for r in answered)
     return {
         "requests": len(answered),
@@ -369,6 +376,7 @@ def summary(answered: list[dict], wall_s: float) -> dict:
         "p50_s": round(harness.percentile(latency, 50), 3),
         "p99_s": round(harness.percentile(latency, 99), 3),
         "cached_share": round(cached / inputs, 4),
+        "kept_share": round(kept / inputs, 4),
         "packed_reads": round(sum(r["packed_read"] for r in answered) / len(answered), 4),
         "by_replica": sorted(by_replica.values(), reverse=True),
     }
@@ -421,7 +429,9 @@ def replay(arm: str, cfg: dict, cost: Cost, speed: float, seed: int, lead: int |
 def check(serve: dict, cost: Cost, speed: float, seeds: int = 20) -> list[dict]:
     """Each committed two-replica row of serve.json against the simulation: the evidence arms on replica ids whose
     hash split the re-ask documents as the committed run's did (the draw the run had), pow2 and prefix_tree over
-    `seeds` draws (their own randomness) averaged."""
+    `seeds` draws (their own randomness) averaged. A serve.json without `cached_counts` counted as cached only what
+    prefixes kept by earlier requests served (kept_share); the simulation's share is compared with what it counted."""
+    share = "cached_share" if serve.get("cached_counts") else "kept_share"
     rows = []
     for real in serve["rows"]:
         arm = real["arm"]
@@ -438,9 +448,8 @@ def check(serve: dict, cost: Cost, speed: float, seeds: int = 20) -> list[dict]:
             split = [n // asks for n in reask["by_replica"]] if reask["documents_split"] == 0 else None
         draws = 1 if split or arm == "one_replica" else seeds
         runs = [replay(sim_arm, serve["config"], cost, speed, s, lead, split)[real["workload"]] for s in range(draws)]
-        sim = {
-            k: round(sum(r[k] for r in runs) / len(runs), 4) for k in ("req_per_s", "cached_share", "p50_s", "p99_s")
-        }
+        sim = {k: round(sum(r[k] for r in runs) / len(runs), 4) for k in ("req_per_s", share, "p50_s", "p99_s")}
+        sim["cached_share"] = sim.pop(share)
         rows.append(
             {
                 "workload": real["workload"],
@@ -452,6 +461,7 @@ def check(serve: dict, cost: Cost, speed: float, seeds: int = 20) -> list[dict]:
                 "sim": {**sim, "by_replica": runs[0]["by_replica"]},
                 "req_per_s_ratio": round(sim["req_per_s"] / real["req_per_s"], 3),
                 "cached_share_gap": round(sim["cached_share"] - real["cached_share"], 4),
+                "compared": share,
             }
         )
     return rows
@@ -683,7 +693,13 @@ def route_sim_report(res: dict) -> list[str]:
     lines += [
         "",
         "Against serve.json's two-node runs (sim / committed; draws: replica-id draws averaged; homes as run: the "
-        "ids drawn so the re-ask documents' rendezvous homes split as in the committed run):",
+        "ids drawn so the re-ask documents' rendezvous homes split as in the committed run"
+        + (
+            "; the share a run counted as cached: serve.json predates per-request counts, so only prefixes kept by "
+            "earlier requests):"
+            if any(r.get("compared") == "kept_share" for r in res["check"])
+            else "):"
+        ),
         "",
         *report.table(
             ["workload", "arm", "draws", "homes as run", "req/s sim / real", "ratio", "cached share sim / real"]

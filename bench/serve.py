@@ -64,6 +64,7 @@ CONFIGS = {
     "full": {"words": 2300, "docs": 8, "asks": 4, "clients": 8, "hot_requests": 32},
     "quick": {"words": 300, "docs": 4, "asks": 3, "clients": 4, "hot_requests": 16},
 }
+CACHED_COUNTS = "not computed for the request"  # runs before this field counted only prefixes kept by earlier calls
 WARM_UP = 900  # the warm-up's first document number
 
 
@@ -313,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": first.get("dtype"),
         "cluster": "two Ray nodes of one CPU each on this machine (ray.cluster_utils), one replica per node's CPU",
         "config": cfg,
+        # what the answers' cached_tokens count: every prompt token not computed for the request (a prefix kept by an
+        # earlier request, or computed in the same run for a sibling question or another request)
+        "cached_counts": CACHED_COUNTS,
         "default_lead": default_lead,
         "route": dataclasses.asdict(RouteSettings()),
         "draws": run.args.draws,
