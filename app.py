@@ -287,7 +287,7 @@ def render_meta(meta: dict) -> str:
     elif "model_ms" in meta:  # a live model ran (the torch or the vllm backend)
         parts.append(f"{meta['latency_ms']:,.0f} ms ({meta['model_ms']:,.0f} ms model)")
         if meta.get("cached_tokens"):
-            parts.append(f"{meta['cached_tokens']:,} tokens read from the prefix cache")
+            parts.append(f"{meta['cached_tokens']:,} tokens read from a shared prefix, not computed again")
         if meta.get("batched_requests", 1) > 1:
             parts.append(f"batched with {meta['batched_requests'] - 1} other request(s)")
         line = '<div class="bk-source bk-live">Live: the model ran on this input.</div>'

@@ -23,7 +23,7 @@ A host plugs into that thread through a Handoff (adapters/space.py: ZeroGPU's qu
 blink_requests_waiting{stage, model} (for a wire thread, or for the model in its Batcher),
 blink_http_requests_running, and, for every live forward of the deployment's Batchers (whoever asked: the page,
 Gradio's API, MCP or /v1): blink_forward_requests{model} (requests packed into one forward),
-blink_prompt_tokens_total{model, source} (computed by the model, or read from the prefix cache) and
+blink_prompt_tokens_total{model, source} (computed by the model, or read from a kept or shared prefix) and
 blink_model_seconds_total{model}.
 
 The server's own settings are read here (ServerSettings), each BLINK_* variable once, as blink.Settings reads the
@@ -269,8 +269,8 @@ class Metrics:
         )
         self.tokens = Counter(
             "blink_prompt_tokens",
-            "Prompt tokens of live forwards: computed by the model (source computed) or read from the prefix cache "
-            "(source cached)",
+            "Prompt tokens of live forwards: computed by the model (source computed) or read from a prefix kept by an "
+            "earlier request or computed in the same run for another prompt (source cached)",
             ["model", "source"],
             registry=self.registry,
         )
