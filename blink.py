@@ -2933,11 +2933,10 @@ def encode_plan(cost: PrefillCost, start: int, ends: list[int]) -> list[tuple[in
     spans = []
     for end in ends:
         if start and not cost.continuing_pays(start, end - start):
-            start = 0
+            start, spans = 0, []  # from nothing: the spans before it are not needed
         spans.append((start, end))
         start = end
-    restart = max((i for i, (a, _) in enumerate(spans) if a == 0), default=0)
-    return spans[restart:]
+    return spans
 
 
 class BoundedStore:

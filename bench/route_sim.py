@@ -142,10 +142,10 @@ class Cost:
         return self.per_token * computed + self.per_cached * kept + self.per_question * QUESTIONS
 
 
-def kept_tokens(cached: bool, packed_read: bool) -> int:
-    """A request's prompt tokens read from prefixes its replica kept before its run began: what a serve.json without
-    `cached_counts` counted as cached (every question's evidence, where the replica held the document)."""
-    return QUESTIONS * EVIDENCE_TOKENS if cached and not packed_read else 0
+def kept_tokens(held: bool) -> int:
+    """A request's prompt tokens read from prefixes its replica kept before its run began (`held`: the document):
+    what a serve.json without `cached_counts` counted as cached, every question's evidence."""
+    return QUESTIONS * EVIDENCE_TOKENS if held else 0
 
 
 def tokens(cached: bool) -> tuple[int, int]:
@@ -299,8 +299,9 @@ class Sim:
         batch = [replica.queue.popleft() for _ in range(min(MAX_ONGOING, len(replica.queue)))]
         seconds, packed = 0.0, set()
         for request in batch:
-            request["packed_read"] = request["doc"] not in replica.cache and request["doc"] in packed
-            request["cached"] = request["doc"] in replica.cache or request["packed_read"]
+            request["held"] = request["doc"] in replica.cache
+            request["packed_read"] = not request["held"] and request["doc"] in packed
+            request["cached"] = request["held"] or request["packed_read"]
             packed.add(request["doc"])
             seconds += self.cost.seconds(request["cached"]) / self.speed
         replica.busy = True
@@ -368,7 +369,7 @@ def summary(answered: list[dict], wall_s: float) -> dict:
     latency = [r["finished"] - r["arrived"] for r in answered]
     inputs = sum(tokens(r["cached"])[0] for r in answered)
     cached = sum(tokens(r["cached"])[1] for r in answered)
-    kept = sum(kept_tokens(r["cached"], r["packed_read"]) for r in answered)
+    kept = sum(kept_tokens(r["held"]) for r in answered)
     by_replica = collections.Counter(r["replica"] for r in answered)
     return {
         "requests": len(answered),
