@@ -439,10 +439,10 @@ def test_usage_adds_up_to_the_prompt_tokens_the_model_computed(keyed, gates):
     assert sum(billed(r) for r in got.values()) == computed > 0
     cached = delta(before, after, "blink_prompt_tokens_total", model=model, source="cached")
     assert sum(r["usage"]["input_tokens_details"]["cached_tokens"] for r in got.values()) == cached
-    for name, mates_ in (("ledger", 4), ("audit", 2)):
+    for name, asked in (("ledger", 4), ("audit", 2)):
         # the same four questions in each request: one paid for the document and its tails, its run-mates for the
         # same tails alone
-        bills = sorted(billed(got[f"{name}{i}"]) for i in range(mates_))
+        bills = sorted(billed(got[f"{name}{i}"]) for i in range(asked))
         assert len(set(bills[:-1])) == 1 and bills[-1] - bills[0] >= 256  # the evidence, over the kept minimum
         if name == "ledger":  # the repeat computed only its tails (the tests' apps keep no answers)
             assert billed(got["repeat"]) == bills[0] and got["repeat"]["x_meta"]["answer_cache"] is False
