@@ -121,6 +121,7 @@ CPU_MATMULS = ("auto", "onednn", "torch")  # what runs a float32 model's linear 
 IMAGE_LAYOUTS = ("inline", "first")
 DTYPES = ("bfloat16", "float16", "float32")
 QUANTIZE = ("none", "int8")  # the decoder's linear layers' weights on a CPU: as loaded, or int8 (quantize_int8)
+GATED_DELTAS = ("blink", "transformers")  # what runs Qwen3.5's linear-attention layers on a CPU (gated_delta_rule)
 # Where shared prefixes are on by default. float32: the prefix path equals the plain one within float rounding.
 # bfloat16: neither path is exact, and `python bench/drift.py` measured the prefix path as close to the float32
 # answers as the plain path (largest probability difference 0.022 against 0.022 on an 18,000-token document, no
@@ -319,6 +320,7 @@ class Settings:
     temperature: float = setting("BLINK_TEMPERATURE", 1.0, 0.0, 1e6, above=True)  # the release temperature, not fitted
     dtype: str | None = setting("BLINK_DTYPE", None, choices=DTYPES)  # None: by hardware (default_dtype)
     quantize: str = setting("BLINK_QUANTIZE", "none", choices=QUANTIZE)  # int8: CPU only, not a default (speed)
+    gated_delta: str = setting("BLINK_GATED_DELTA", "blink", choices=GATED_DELTAS)  # transformers: its own, to compare
     token_budget: int | None = setting("BLINK_TOKEN_BUDGET", None, 1, kind=int)  # padded tokens per forward
     max_input_tokens: int = setting("BLINK_MAX_INPUT_TOKENS", 131072, 1)  # per question, as evaluated
     max_request_tokens: int = setting("BLINK_MAX_REQUEST_TOKENS", 1048576, 1)  # all of a request's prompts
@@ -2437,6 +2439,7 @@ class TorchEngine(PromptEngine):
             self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
         self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
         use_prefix_attention(self.backbone())
+        self.gated_delta_layers = use_gated_delta(self.model, self.settings.gated_delta)
         if self.settings.quantize == "int8":
             self.matmul, self.matmul_verdict = quantize_int8(self.model), None
         else:
@@ -2864,6 +2867,166 @@ class HybridEngine(Engine):
     def run(self, jobs: list[Job]) -> list[Forward | Exception]:
         """Each job by the half that prepared it."""
         return run_jobs(jobs)
+
+
+# ==================================================================================================================
+# Gated DeltaNet on a CPU: Qwen3.5's linear-attention layers
+# ==================================================================================================================
+# transformers runs these layers on a CPU with its reference code (flash-linear-attention is Triton, GPU only): it
+# copies the 16 query/key heads out to the 32 value heads, pads the sequence to a multiple of 64, and solves each
+# chunk's triangular system with LAPACK, one small matrix at a time. This path is the same chunked gated delta rule
+# (Yang et al., 2024; SGLang's CPU kernel and llama.cpp's fused op compute the same recurrence) in torch products:
+# each key head's products are taken once and broadcast to its value heads, the last chunk is as long as the
+# sequence leaves it, and the triangular systems are inverted in blocks by batched products. Its output equals
+# transformers' within float32 rounding (tests/test_gated_delta.py); BLINK_GATED_DELTA=transformers runs theirs.
+GATED_DELTA_CHUNK = 64  # tokens a chunk: the recurrence is a product per chunk, the state carried between chunks
+GATED_DELTA_GROUP = 8  # chunks whose intra-chunk terms are computed together: their tensors stay in the CPU's cache
+GATED_DELTA_BLOCK = 16  # rows a triangular block is inverted by substitution before the blocks are merged
+
+
+def _unit_lower_inverse(lower):
+    """(I + L)^-1 for strictly lower triangular L [..., C, C]: forward substitution inside blocks of
+    GATED_DELTA_BLOCK rows, then the blocks merged pairwise ([A 0; X D]^-1 = [A^-1 0; -D^-1 X A^-1, D^-1])."""
+    import torch
+
+    size = lower.shape[-1]
+    block = GATED_DELTA_BLOCK if size % GATED_DELTA_BLOCK == 0 else size
+    blocks = size // block
+    diag = torch.stack(
+        [lower[..., j * block : (j + 1) * block, j * block : (j + 1) * block] for j in range(blocks)], -3
+    )
+    inv = torch.eye(block, dtype=lower.dtype, device=lower.device).expand(diag.shape).clone()
+    for i in range(1, block):
+        inv[..., i, :i] = -(diag[..., i : i + 1, :i] @ inv[..., :i, :i]).squeeze(-2)
+    while block < size:
+        pairs = inv.shape[-3] // 2
+        below = [
+            lower[..., (2 * j + 1) * block : (2 * j + 2) * block, 2 * j * block : (2 * j + 1) * block]
+            for j in range(pairs)
+        ]
+        first, second = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        merged = inv.new_zeros(*inv.shape[:-3], pairs, 2 * block, 2 * block)
+        merged[..., :block, :block] = first
+        merged[..., block:, block:] = second
+        merged[..., block:, :block] = -(second @ torch.stack(below, -3) @ first)
+        inv, block = merged, 2 * block
+    return inv.squeeze(-3)
+
+
+def _chunk_terms(q, k, v, g, beta):
+    """What a run of equal chunks needs before the scan (chunk first: q, k [N, B, Hk, 1, C, Dk], v [N, B, Hk, r, C,
+    Dv], g, beta [N, B, Hk, r, C], r value heads a key head): the corrected values u, the queries and UT keys that
+    read the carried state (stacked, [.., 2C, Dk]), the intra-chunk attention, the decayed keys that write the
+    state (transposed) and each chunk's decay of it."""
+    import torch
+
+    size = q.shape[-2]
+    cum = g.cumsum(-1)
+    gap = cum.unsqueeze(-1) - cum.unsqueeze(-2)  # [.., C, C]: log decay from key j to query i
+    upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+    causal = gap.masked_fill_(upper, float("-inf")).exp_()
+    keys_t = k.transpose(-1, -2)
+    system = (k @ keys_t) * beta.unsqueeze(-1) * causal  # once per key head, then per value head's beta and decay
+    inverse = _unit_lower_inverse(system.tril_(-1))
+    grown = cum.exp()
+    u = inverse @ (v * beta.unsqueeze(-1))
+    w = inverse @ (k * (beta * grown).unsqueeze(-1))
+    readers = torch.cat([q * grown.unsqueeze(-1), w], dim=-2)
+    writers = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)
+    return u, readers, (q @ keys_t) * causal, writers, cum[..., -1].exp()[..., None, None]
+
+
+def _chunked(x, span: tuple[int, int, int], order: tuple[int, ...]):
+    """x's tokens start:end (span: start, end, chunk size) as chunks, the chunk axis first (`order` permutes [rows,
+    chunks, size, ...]), float32 and contiguous."""
+    import torch
+
+    start, end, size = span
+    x = x[:, start:end].reshape(x.shape[0], (end - start) // size, size, *x.shape[2:]).permute(order)
+    return x.to(torch.float32, memory_format=torch.contiguous_format)
+
+
+def gated_delta_rule(q, k, v, g, beta, state=None):
+    """The gated delta rule over a sequence, chunked: q, k [B, T, Hk, Dk] (L2-normalised here), v [B, T, Hv, Dv], g
+    (log decay) and beta [B, T, Hv]; `state` [B, Hv, Dk, Dv] to continue from (not written). Returns the output [B,
+    T, Hv, Dv] in v's dtype and the state after the last token (float32), as transformers'
+    torch_chunk_gated_delta_rule with use_qk_l2norm_in_kernel."""
+    import torch
+
+    rows, length, key_heads, dk = k.shape
+    heads, dv = v.shape[-2:]
+    per = heads // key_heads
+    f32 = torch.float32
+    q = q.to(f32)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * dk**-0.5
+    k = k.to(f32)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    shape = (rows, key_heads, per, dk, dv)
+    held = torch.zeros(shape, dtype=f32, device=v.device) if state is None else state.to(f32).reshape(shape).clone()
+    out = torch.empty(rows, length, key_heads, per, dv, dtype=v.dtype, device=v.device)
+    whole = length - length % GATED_DELTA_CHUNK
+    for start, end, size in ((0, whole, GATED_DELTA_CHUNK), (whole, length, length - whole)):
+        if end == start:
+            continue
+        n, span = (end - start) // size, (start, end, size)
+        qc, kc = (_chunked(x, span, (1, 0, 3, 2, 4)).unsqueeze(3) for x in (q, k))
+        vc = _chunked(v.view(rows, length, key_heads, per, dv), span, (1, 0, 3, 4, 2, 5))
+        gc, bc = (_chunked(x.view(rows, length, key_heads, per), span, (1, 0, 3, 4, 2)) for x in (g, beta))
+        done = torch.empty(n, rows, key_heads, per, size, dv, dtype=f32, device=v.device)
+        for first in range(0, n, GATED_DELTA_GROUP):
+            part = slice(first, first + GATED_DELTA_GROUP)
+            u, readers, intra, writers, decay = _chunk_terms(qc[part], kc[part], vc[part], gc[part], bc[part])
+            for i in range(u.shape[0]):
+                read = readers[i] @ held  # the queries' and the UT keys' reads of the carried state
+                fresh = u[i] - read[..., size:, :]
+                done[first + i] = read[..., :size, :] + intra[i] @ fresh
+                held = held.mul_(decay[i]).add_(writers[i] @ fresh)
+        out[:, start:end] = done.permute(1, 0, 4, 2, 3, 5).reshape(rows, end - start, key_heads, per, dv)
+    return out.view(rows, length, heads, dv), held.view(rows, heads, dk, dv)
+
+
+def _gated_delta_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """A Qwen3.5 linear-attention layer's forward with gated_delta_rule for the recurrence; the projections, the
+    causal convolution and its state, and the gated norm are the layer's own. A cache asked to keep per-token states
+    runs the layer's own forward."""
+    import torch
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    layer = self.layer_idx
+    if cache is not None and cache.get_recurrent_states_to_keep(layer):
+        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    hidden_states = qwen.apply_mask_to_padding_states(hidden_states, attention_mask)
+    rows, length, _ = hidden_states.shape
+    state = cache.get_recurrent_state(layer, state_idx=0) if cache is not None else None
+    mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)
+    mixed = qwen.causal_conv1d_forward(self.conv1d, mixed, cache, layer, activation=self.activation).transpose(1, 2)
+    q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    beta = self.in_proj_b(hidden_states).sigmoid()
+    g = -self.A_log.float().exp() * torch.nn.functional.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
+    out, state = gated_delta_rule(
+        q.reshape(rows, length, -1, self.head_k_dim),
+        k.reshape(rows, length, -1, self.head_k_dim),
+        v.reshape(rows, length, -1, self.head_v_dim),
+        g,
+        beta,
+        state,
+    )
+    if cache is not None:
+        cache.update_recurrent_state(state, layer)
+    z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)
+    out = self.norm(out.reshape(-1, self.head_v_dim), z).reshape(rows, length, -1)
+    return self.out_proj(out)
+
+
+def use_gated_delta(model, choice: str) -> int:
+    """Run every Qwen3.5 linear-attention layer of a model on a CPU by _gated_delta_forward (BLINK_GATED_DELTA=blink);
+    elsewhere, or with "transformers", the layers keep their own. Returns how many layers it took."""
+    if choice != "blink" or model.get_output_embeddings().weight.device.type != "cpu":
+        return 0
+    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
+    for m in layers:
+        m.forward = types.MethodType(_gated_delta_forward, m)
+    return len(layers)
 
 
 # ==================================================================================================================

@@ -1,0 +1,95 @@
+"""blink's CPU path for Qwen3.5's linear-attention layers (blink.gated_delta_rule) against transformers' own: the rule
+alone, and the tiny Qwen3.5 answering through the real engine, tails padded and unpadded alike."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+import blink
+
+DEFAULTS = blink.Settings()
+EVIDENCE = (
+    "Ticket 4471: the customer's router drops its connection every evening; firmware 2.1 was installed last week. "
+    "Two earlier tickets about the same model were closed after a factory reset."
+)
+# Tails of different lengths, so the engine's batch of tails is right-padded; one question alone runs unpadded.
+QUESTIONS = {
+    "firmware": {"type": "noul", "instructions": "Did a firmware update come before the problem?"},
+    "cause": {
+        "type": "choice",
+        "instructions": "What most likely causes the drops, judging from the ticket and the earlier ones?",
+        "criteria": ["firmware", "wiring", "the provider", "interference", "unknown"],
+    },
+    "urgency": {"type": "score", "instructions": "How urgent is it?", "criteria": ["low", "medium", "high"]},
+}
+
+
+def inputs(rows: int, length: int, key_heads: int = 2, heads: int = 4, dim: int = 16, seed: int = 0):
+    """Random q, k, v, g (log decay, negative), beta and a starting state, in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = rand(rows, length, key_heads, dim), rand(rows, length, key_heads, dim), rand(rows, length, heads, dim)
+    k[:, 1:] = k[:, :1] + 0.05 * k[:, 1:]  # keys nearly parallel: the chunks' triangular systems are hard ones
+    g = -torch.rand(rows, length, heads, generator=gen, dtype=torch.float64)
+    beta = torch.rand(rows, length, heads, generator=gen, dtype=torch.float64)
+    return q, k, v, g, beta, 0.1 * rand(rows, heads, dim, dim)
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 100, 200, 700])
+@pytest.mark.parametrize("decay", [1.0, 0.01])
+def test_the_rule_equals_transformers_in_float32(length, decay):
+    # transformers' reference in float64 is the truth; blink's rule runs in float32, from a state and from nothing.
+    q, k, v, g, beta, state = inputs(2, length)
+    for start in (state, None):
+        want, want_state = torch_chunk_gated_delta_rule(
+            q, k, v, g * decay, beta, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+        got, got_state = blink.gated_delta_rule(
+            *(x.float() for x in (q, k, v, g * decay, beta)), None if start is None else start.float()
+        )
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert (got.double() - want).abs().max() < 1e-5
+        assert (got_state.double() - want_state).abs().max() < 1e-5
+
+
+def test_the_rule_leaves_the_state_it_continues_as_it_was():
+    q, k, v, g, beta, state = (x.float() for x in inputs(1, 70))
+    kept = state.clone()
+    blink.gated_delta_rule(q, k, v, g, beta, state)
+    assert torch.equal(state, kept)
+
+
+def own_logits(model, prompt: blink.Prompt) -> list[float]:
+    """transformers' own model (its own linear-attention code) on one prompt alone: the label logits."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt.ids])).logits[0, -1]
+    return logits[prompt.cand].tolist()
+
+
+def test_the_engine_answers_as_transformers_own_layers_do(tiny_qwen_dir):
+    ours = blink.TorchEngine(tiny_qwen_dir, settings=DEFAULTS)
+    theirs = blink.TorchEngine(tiny_qwen_dir, settings=replace(DEFAULTS, gated_delta="transformers"))
+    assert ours.gated_delta_layers == 2 and theirs.gated_delta_layers == 0  # the tiny model's two linear layers
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float32).eval()
+    for questions in (QUESTIONS, {"firmware": QUESTIONS["firmware"]}):
+        request = blink.parse_request(EVIDENCE, questions, settings=DEFAULTS)
+        prompts = ours.render(request)
+        if len(questions) > 1:
+            assert len({len(p.ids) for p in prompts}) == len(prompts)  # the tails differ: the batch is padded
+        got, ref = ours.forward(request).readouts, theirs.forward(request).readouts
+        for p in prompts:
+            assert max(abs(a - b) for a, b in zip(got[p.qkey].logits[0], ref[p.qkey].logits[0])) < 1e-4
+            assert max(abs(a - b) for a, b in zip(got[p.qkey].logits[0], own_logits(model, p))) < 1e-4
+
+
+def test_the_engine_keeps_transformers_layers_off_a_cpu_or_when_told():
+    layer = type("Qwen3_5GatedDeltaNet", (torch.nn.Module,), {})()
+    model = torch.nn.Sequential(layer)
+    model.get_output_embeddings = lambda: torch.nn.Linear(2, 2)
+    assert blink.use_gated_delta(model, "transformers") == 0 and "forward" not in vars(layer)
+    assert blink.use_gated_delta(model, "blink") == 1 and vars(layer)["forward"].__func__ is blink._gated_delta_forward
