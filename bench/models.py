@@ -399,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, measured in compare(engines, items, short, document, (5 * runs, runs)).items():
         res["models"][name].update(measured)
     path = run.write(res)
-    print(report.report(run.written, path))
+    print(report.report(run.written))
+    print(f"results {os.path.relpath(path)}")
     return 0
 
 
