@@ -4,7 +4,8 @@ Q4_1 weights blink's stand-in is de-quantized from); on a Qwen3.5 checkpoint fol
 random-weight models of bench/lib/qwen_gguf.py, or the real one) it reads that folder converted by llama.cpp's own
 converter to BF16 (runs the qwen35 architecture, its fused CPU gated-delta-net op included). Two arms per weight type:
 every prompt evaluated from nothing ("llama.cpp"), and the longest common prefix with the previous prompt kept in its
-KV cache, as llama-server does ("llama.cpp_reuse"); at the source file's type (Q4_1 for the stand-in), at Q8_0
+KV cache, as llama-server does ("llama.cpp_reuse"; a recurrent layer's state cannot be cut back, so on Qwen3.5 only a
+prompt that extends the one before reuses it: LlamaReader.kept); at Q4_1 (the stand-in's own file), at Q8_0
 ("llama.cpp_q8_0", "llama.cpp_q8_0_reuse"), the precision of the INT8 peers, and at BF16 ("llama.cpp_bf16",
 "llama.cpp_bf16_reuse"): each other type made by llama.cpp's own quantizer (llama_model_quantize) from the source
 file (the stand-in's Q4_1, whose de-quantized weights are the very ones blink's stand-in loads; a checkpoint's BF16,
@@ -85,7 +86,7 @@ class LlamaReader:
     def read(self, ids: list[int], cand: list[int]) -> tuple[list[float], float]:
         """One prompt's (label logits, full-vocabulary log-sum-exp): evaluated from nothing, or (reuse) from the
         longest prefix the context already holds (at least its last token is evaluated, for its logits)."""
-        keep = min(common_prefix(self.held, ids), len(ids) - 1) if self.reuse else 0
+        keep = self.kept(min(common_prefix(self.held, ids), len(ids) - 1)) if self.reuse else 0
         self.llm.n_tokens = keep  # eval() drops the cache past n_tokens before it evaluates
         self.llm.eval(ids[keep:])
         self.held = list(ids)
@@ -93,6 +94,19 @@ class LlamaReader:
         logits = self.last_logits()
         top = logits.max()
         return logits[cand].tolist(), float(top + np.log(np.exp(logits - top).sum()))
+
+    def kept(self, keep: int) -> int:
+        """The held tokens the context keeps for the next prompt: its first `keep`, its memory cut there, or none
+        where llama.cpp cannot cut it there. A recurrent layer's state (Qwen3.5's Gated DeltaNet layers) goes back to
+        nothing only, so on such a model a prompt that does not extend the one before it is evaluated whole, as
+        llama-server evaluates it where it holds no context checkpoint within the common prefix."""
+        if keep < len(self.held) and not self.llm._ctx.kv_cache_seq_rm(-1, keep, -1):
+            return 0
+        return keep
+
+    def tokenize(self, text: str) -> list[int]:
+        """`text` as llama.cpp's own tokenizer splits it (special tokens read as such, no BOS added)."""
+        return self.llm.tokenize(text.encode(), add_bos=False, special=True)
 
     def tokens_evaluated(self) -> int:
         """Tokens evaluated so far."""
