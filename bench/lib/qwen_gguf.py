@@ -112,9 +112,8 @@ def build_tokenizer(vocab_gguf: str):
     tokens, types = fields["tokenizer.ggml.tokens"].contents(), fields["tokenizer.ggml.token_type"].contents()
     vocab = {token: i for i, (token, kind) in enumerate(zip(tokens, types)) if kind == 1}  # 1: normal
     control = [token for token, kind in zip(tokens, types) if kind == 3]
-    assert control == tiny_models.SPECIAL_TOKENS[:3] and min(vocab.values()) == 0 == max(vocab.values()) + 1 - len(
-        vocab
-    )
+    if control != tiny_models.SPECIAL_TOKENS[:3] or sorted(vocab.values()) != list(range(len(vocab))):
+        raise ValueError(f"{vocab_gguf}: not the Qwen token table (normal tokens from 0, then {', '.join(control)})")
     for token in tiny_models.SPECIAL_TOKENS + tiny_models.THINK_TOKENS:
         vocab[token] = len(vocab)
     tok = Qwen3_5Tokenizer(
