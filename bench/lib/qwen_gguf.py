@@ -189,9 +189,10 @@ SHAPES = {
 }
 
 
-def qwen_folder(name: str, cache_dir: str) -> str:
+def qwen_folder(name: str, cache_dir: str, device: str = "cpu") -> str:
     """The random-weight Qwen3.5 of SHAPES[name] in bfloat16 (the weights llama.cpp's BF16 file holds exactly) with
-    qwen_tokenizer(), built once and kept under cache_dir/qwen35/<name>-<hash of its shape>."""
+    qwen_tokenizer(), built once on `device` and kept under cache_dir/qwen35/<name>-<hash of its shape>. The "4b"
+    shape is drawn in float32 before it is cast (checkpoints.model_folder): about 25 GB at the peak on a CPU."""
     import torch
 
     shape = dict(SHAPES[name])
@@ -201,7 +202,7 @@ def qwen_folder(name: str, cache_dir: str) -> str:
         tok = qwen_tokenizer(cache_dir)
         partial = partial_path(folder)
         mrope_section = shape.pop("mrope_section", None)
-        checkpoints.model_folder(partial, shape, torch.bfloat16, mrope_section=mrope_section, tokenizer=tok)
+        checkpoints.model_folder(partial, shape, torch.bfloat16, device, mrope_section, tok)
         os.replace(partial, folder)
     return folder
 
