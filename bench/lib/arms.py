@@ -142,6 +142,19 @@ REGISTRY: dict[str, dict[str, Arm]] = {
             runs="peers.llamacpp:start",
         ),
         Arm(
+            "llama.cpp_bf16",
+            "llama.cpp_bf16",
+            "llama-cpp-python on the model's weights at BF16 (a Qwen3.5 checkpoint by llama.cpp's converter, the "
+            "stand-in by its quantizer), fed blink's prompt ids, every prompt evaluated from nothing",
+            runs="peers.llamacpp:start",
+        ),
+        Arm(
+            "llama.cpp_bf16_reuse",
+            "llama.cpp_bf16_reuse",
+            "the same at BF16 keeping the longest common prefix with the previous prompt in its KV cache",
+            runs="peers.llamacpp:start",
+        ),
+        Arm(
             "onnxruntime_int8",
             "onnxruntime_int8",
             "ONNX Runtime: the stand-in exported by torch.onnx, quantized by onnxruntime's quantize_dynamic (int8 "

@@ -47,17 +47,22 @@ def tiny_qwen(folder: str, context: int) -> str:
 
 
 def model_folder(
-    folder: str, shape: dict, dtype=None, device: str = "cpu", mrope_section: list[int] | None = None
+    folder: str,
+    shape: dict,
+    dtype=None,
+    device: str = "cpu",
+    mrope_section: list[int] | None = None,
+    tokenizer=None,
 ) -> int:
-    """A random-weight Qwen3.5 text model (the test tokenizer, tests/tiny_models.py) with the config fields in
-    `shape` over the tiny test model's (and its rotary sections), built on `device` in `dtype` (float32 unless told)
-    and saved to `folder`; its parameter count."""
+    """A random-weight Qwen3.5 text model with the config fields in `shape` over the tiny test model's (and its
+    rotary sections), its tokenizer `tokenizer` (the test tokenizer, tests/tiny_models.py, unless told), built on
+    `device` in `dtype` (float32 unless told) and saved to `folder`; its parameter count."""
     import torch
     from transformers import Qwen3_5ForCausalLM
 
     from tests import tiny_models
 
-    tok = tiny_models.build_tokenizer()
+    tok = tokenizer or tiny_models.build_tokenizer()
     config = tiny_models.text_config(tok)
     for key, value in shape.items():
         setattr(config, key, value)

@@ -1,10 +1,15 @@
-"""llama.cpp, what a CPU user picks, as a decision peer: llama-cpp-python on the stand-in's own GGUF file (the Q4_1
-weights blink's stand-in is de-quantized from), fed blink's exact prompt token ids, each question's label logits read
-at the prompt's last position. Two arms: every prompt evaluated from nothing ("llama.cpp"), and the longest common
-prefix with the previous prompt kept in its KV cache, as llama-server does ("llama.cpp_reuse"); and the same two at
-Q8_0 ("llama.cpp_q8_0", "llama.cpp_q8_0_reuse"), the precision of the INT8 peers: the stand-in's weights quantized to
-Q8_0 by llama.cpp's own quantizer (llama_model_quantize, from the Q4_1 file, whose de-quantized weights are the very
-ones blink's stand-in loads), kept under BLINK_CACHE (gguf/). All take System One bodies like the other decision
+"""llama.cpp, what a CPU user picks, as a decision peer: llama-cpp-python fed blink's exact prompt token ids, each
+question's label logits read at the prompt's last position. On the stand-in it reads the stand-in's own GGUF file (the
+Q4_1 weights blink's stand-in is de-quantized from); on a Qwen3.5 checkpoint folder (blink-4b's architecture: the
+random-weight models of bench/lib/qwen_gguf.py, or the real one) it reads that folder converted by llama.cpp's own
+converter to BF16 (runs the qwen35 architecture, its fused CPU gated-delta-net op included). Two arms per weight type:
+every prompt evaluated from nothing ("llama.cpp"), and the longest common prefix with the previous prompt kept in its
+KV cache, as llama-server does ("llama.cpp_reuse"; a recurrent layer's state cannot be cut back, so on Qwen3.5 only a
+prompt that extends the one before reuses it: LlamaReader.kept); at Q4_1 (the stand-in's own file), at Q8_0
+("llama.cpp_q8_0", "llama.cpp_q8_0_reuse"), the precision of the INT8 peers, and at BF16 ("llama.cpp_bf16",
+"llama.cpp_bf16_reuse"): each other type made by llama.cpp's own quantizer (llama_model_quantize) from the source
+file (the stand-in's Q4_1, whose de-quantized weights are the very ones blink's stand-in loads; a checkpoint's BF16,
+whose weights are its own), kept under BLINK_CACHE (gguf/). All take System One bodies like the other decision
 peers (bench/peers/decision.py), and answer in blink's shapes.
 
 Runs where `llama_cpp` imports (`bash tools/setup.sh --llama`: pip builds llama.cpp from source, for the
@@ -13,7 +18,6 @@ instructions of the CPU it builds on); otherwise its rows say why it was skipped
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 from typing import TYPE_CHECKING
@@ -21,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import blink
-from bench.lib import answers, checkpoints
+from bench.lib import answers, checkpoints, qwen_gguf
 from bench.workers import isolated
 
 if TYPE_CHECKING:  # the child process that computes imports this module: it needs none of these
@@ -34,9 +38,11 @@ ARMS = {
     "llama.cpp_reuse": ("q4_1", True),
     "llama.cpp_q8_0": ("q8_0", False),
     "llama.cpp_q8_0_reuse": ("q8_0", True),
+    "llama.cpp_bf16": ("bf16", False),
+    "llama.cpp_bf16_reuse": ("bf16", True),
 }
-FTYPES = {"q8_0": 7}  # llama.cpp's LLAMA_FTYPE_MOSTLY_* of each type made here
 SKIP_CRASHED = "setup builds it without AMX (tools/llama_build.py); rebuild with bash tools/setup.sh --llama"
+SKIP_MODEL = "runs on the stand-in's GGUF file or a local Qwen3.5 checkpoint folder (llama.cpp's converter) only"
 SKIP_NO_PACKAGE = (
     "needs llama-cpp-python (bash tools/setup.sh --llama, which builds llama.cpp from source: about 5 min on 2 cores)"
 )
@@ -80,7 +86,7 @@ class LlamaReader:
     def read(self, ids: list[int], cand: list[int]) -> tuple[list[float], float]:
         """One prompt's (label logits, full-vocabulary log-sum-exp): evaluated from nothing, or (reuse) from the
         longest prefix the context already holds (at least its last token is evaluated, for its logits)."""
-        keep = min(common_prefix(self.held, ids), len(ids) - 1) if self.reuse else 0
+        keep = self.kept(min(common_prefix(self.held, ids), len(ids) - 1)) if self.reuse else 0
         self.llm.n_tokens = keep  # eval() drops the cache past n_tokens before it evaluates
         self.llm.eval(ids[keep:])
         self.held = list(ids)
@@ -88,6 +94,19 @@ class LlamaReader:
         logits = self.last_logits()
         top = logits.max()
         return logits[cand].tolist(), float(top + np.log(np.exp(logits - top).sum()))
+
+    def kept(self, keep: int) -> int:
+        """The held tokens the context keeps for the next prompt: its first `keep`, its memory cut there, or none
+        where llama.cpp cannot cut it there. A recurrent layer's state (Qwen3.5's Gated DeltaNet layers) goes back to
+        nothing only, so on such a model a prompt that does not extend the one before it is evaluated whole, as
+        llama-server evaluates it where it holds no context checkpoint within the common prefix."""
+        if keep < len(self.held) and not self.llm._ctx.kv_cache_seq_rm(-1, keep, -1):
+            return 0
+        return keep
+
+    def tokenize(self, text: str) -> list[int]:
+        """`text` as llama.cpp's own tokenizer splits it (special tokens read as such, no BOS added)."""
+        return self.llm.tokenize(text.encode(), add_bos=False, special=True)
 
     def tokens_evaluated(self) -> int:
         """Tokens evaluated so far."""
@@ -134,41 +153,39 @@ def context_size(engine: blink.TorchEngine) -> int:
     return int(min(blink.context_length(engine.model.config), 32768))
 
 
-def quantize(source: str, path: str, ftype: int) -> str:
-    """`source` (a GGUF file) quantized by llama.cpp's own quantizer to `ftype` at `path` (re-quantizing allowed)."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize = ftype, True
-    if llama_cpp.llama_model_quantize(source.encode(), path.encode(), ctypes.byref(params)) != 0:
-        raise RuntimeError(f"llama_model_quantize failed on {source}")
-    return path
-
-
 def standin_gguf_as(kind: str, cache_dir: str) -> str:
     """The stand-in's GGUF file at `kind`: the shipped Q4_1 file, or one quantized from it once (in a child process,
     where llama.cpp's native code runs) and kept under cache_dir/gguf."""
     if kind == "q4_1":
         return checkpoints.standin_gguf()
     path = os.path.join(cache_dir, "gguf", blink.STANDIN_GGUF.replace("Q4_1", kind.upper()))
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        partial = f"{path}.partial-{os.getpid()}"
-        isolated.Child("llama.cpp", quantize, checkpoints.standin_gguf(), partial, FTYPES[kind]).close()
-        os.replace(partial, path)
-    return path
+    return qwen_gguf.quantized(checkpoints.standin_gguf(), path, kind)
+
+
+def engine_gguf(engine: blink.TorchEngine, kind: str) -> str | None:
+    """The GGUF file at `kind` of the engine's weights: the stand-in's, or its Qwen3.5 checkpoint folder's (converted
+    and quantized once, bench/lib/qwen_gguf.py); None for a model llama.cpp is not given here."""
+    cache_dir = engine.settings.cache_dir
+    if engine.model_id == blink.STANDIN_MODEL:
+        return standin_gguf_as(kind, cache_dir)
+    if qwen_gguf.is_qwen35(engine.source):
+        return qwen_gguf.gguf_file(engine.source, kind, cache_dir)
+    return None
 
 
 def start(arm: Arm, ctx: PeerContext) -> LlamaArm | str:
-    """A llama.cpp arm reading the stand-in's GGUF file at the arm's type in a child process of its own (stopped with
-    ctx.stack), or why it cannot run here."""
+    """A llama.cpp arm reading the engine's weights as GGUF at the arm's type (engine_gguf) in a child process of its
+    own (stopped with ctx.stack), or why it cannot run here."""
     if importlib.util.find_spec("llama_cpp") is None:
         return SKIP_NO_PACKAGE
-    if ctx.engine.model_id != blink.STANDIN_MODEL:
-        return "runs on the stand-in's GGUF file only"
     kind, reuse = ARMS[arm.name]
     try:
-        gguf = standin_gguf_as(kind, ctx.engine.settings.cache_dir)
+        gguf = engine_gguf(ctx.engine, kind)
+    except RuntimeError as exc:  # llama.cpp's converter or quantizer refused the weights
+        return str(exc)
+    if gguf is None:
+        return SKIP_MODEL
+    try:
         reader = isolated.Child("llama.cpp", LlamaReader, gguf, context_size(ctx.engine), ctx.threads, reuse)
     except isolated.Crashed as exc:
         return f"{exc}; {SKIP_CRASHED}"
