@@ -2020,16 +2020,18 @@ def _packed_forward(self, x):
     return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def pack_linear(layer) -> None:
+def pack_linear(layer, ranges: list[tuple[int, int]] = ()) -> None:
     """A bfloat16 linear layer's weight replaced by oneDNN's packed layout of it, run by oneDNN's product
     (_packed_forward). torch's own bfloat16 product is oneDNN's too, but it lays the weight out anew on every call,
     reading it twice from memory; packed once at load, the product reads it once (the same product, the same
-    memory: the plain weight is dropped)."""
+    memory: the plain weight is dropped, and its pages where it was read from a mapped checkpoint within `ranges`)."""
     import torch
 
-    packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), KERNEL_ROWS)
+    plain = layer.weight.detach()
+    packed = torch.ops.mkldnn._reorder_linear_weight(plain, KERNEL_ROWS)
     layer.weight = torch.nn.Parameter(packed, requires_grad=False)
     layer.forward = types.MethodType(_packed_forward, layer)
+    release_mapped_pages(plain, ranges)
 
 
 @functools.cache
@@ -2067,8 +2069,9 @@ def cpu_matmul(model, choice: str, cache_dir: str | None = None, backbone=None) 
     if weight.dtype == torch.bfloat16:
         if not onednn_packs_bfloat16():
             return "torch", None
+        ranges = mapped_ranges()
         for layer in (m for m in (backbone or model).modules() if type(m) is torch.nn.Linear and m is not head):
-            pack_linear(layer)
+            pack_linear(layer, ranges)
         return "onednn", None
     verdict = kernel_verdict(*mlp_shape(model), cache_dir) if choice == "auto" else None
     if verdict is not None and verdict["kernel"] != "onednn":
@@ -2110,6 +2113,31 @@ def replace_tensors(model, new: Callable) -> int:
     return sum(got is not None for _, got in seen.values())
 
 
+MADV_DONTNEED = 4  # Linux madvise: drop these pages from the process (a file's are read from it again if touched)
+
+
+def release_mapped_pages(tensor, ranges: list[tuple[int, int]]) -> int:
+    """The whole pages under a tensor read from a mapped checkpoint file (`ranges`: mapped_ranges()) dropped from this
+    process once its values live elsewhere (packed, quantized or copied): a page of the file read while loading stays
+    resident until the whole file is unmapped, so without this a 4B bfloat16 checkpoint's 8 GB of pages sat beside the
+    copies made of them. Pages the tensor shares with its neighbours are kept. Returns the bytes released (0 where the
+    tensor is not mapped, or off Linux)."""
+    if tensor.device.type != "cpu" or tensor.is_mkldnn:
+        return 0
+    start, size = tensor.data_ptr(), tensor.nbytes
+    if not any(lo <= start < hi for lo, hi in ranges):
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = -(-start // page) * page, (start + size) // page * page
+    advise = _libc("madvise")
+    if last <= first or advise is None:
+        return 0
+    import ctypes
+
+    advise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return last - first if advise(first, last - first, MADV_DONTNEED) == 0 else 0
+
+
 def own_mapped_weights(model) -> int:
     """Every tensor of the model still read from its checkpoint's memory-mapped file copied into the process's own
     memory, so the mapping can close. A weight loaded in the checkpoint's dtype is a view of the file; once the linear
@@ -2122,7 +2150,15 @@ def own_mapped_weights(model) -> int:
         """The tensor's data lies in a mapped checkpoint file."""
         return t.device.type == "cpu" and not t.is_mkldnn and any(lo <= t.data_ptr() < hi for lo, hi in ranges)
 
-    return replace_tensors(model, lambda t: t.detach().clone() if mapped(t) else None) if ranges else 0
+    def owned(t):
+        """A copy of a mapped tensor, its pages released; None for the others."""
+        if not mapped(t):
+            return None
+        copy_ = t.detach().clone()
+        release_mapped_pages(t, ranges)
+        return copy_
+
+    return replace_tensors(model, owned) if ranges else 0
 
 
 class Int8Scratch:
@@ -2167,13 +2203,15 @@ def quantize_int8(model) -> str:
     head = model.get_output_embeddings()
     if head.weight.device.type != "cpu":
         raise BlinkError("BLINK_QUANTIZE=int8 runs on a CPU only (measured there alone)")
-    scratch = Int8Scratch()
+    scratch, ranges = Int8Scratch(), mapped_ranges()
     for layer in [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]:
-        weight = layer.weight.detach().float()
+        plain = layer.weight.detach()
+        weight = plain.float()
         wscale = weight.abs().amax(1).clamp_(min=1e-12) / 127
         qweight = torch.round(weight / wscale[:, None]).clamp_(-127, 127).to(torch.int8)
         dtype = layer.weight.dtype
         del layer.weight, weight
+        release_mapped_pages(plain, ranges)
         layer.register_buffer("qweight", qweight)
         layer.register_buffer("wscale", wscale.to(dtype))
         layer.int8_scratch = scratch

@@ -429,6 +429,37 @@ def test_blinks_attention_keeps_the_masks_other_callers_give(standin):
         assert (batch.logits[row, -1] - want).abs().max() < 1e-3
 
 
+def mapped_checkpoint_rss() -> int:
+    """Bytes of this process's memory resident from mapped .safetensors files (/proc/self/smaps)."""
+    total, in_checkpoint = 0, False
+    with open("/proc/self/smaps", encoding="utf-8") as fh:
+        for line in fh:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" not in fields[0]:  # a mapping's first line
+                in_checkpoint = fields[-1].endswith(".safetensors")
+            elif in_checkpoint and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def test_a_copied_weights_pages_of_the_mapped_checkpoint_are_released():
+    """The pages a weight was read from stay resident while the checkpoint is mapped, beside the copy made of them;
+    release_mapped_pages drops them (the values read again from the file are the same)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = blink.standin_folder(blink.Settings().cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    weight = model.lm_head.weight.detach()
+    reference = weight.clone()  # every page of it read
+    held = mapped_checkpoint_rss()
+    assert held >= weight.nbytes
+    released = blink.release_mapped_pages(weight, blink.mapped_ranges())
+    assert released >= weight.nbytes - 2 * 4096
+    assert mapped_checkpoint_rss() <= held - released + 8192
+    assert blink.release_mapped_pages(reference, blink.mapped_ranges()) == 0  # not mapped: nothing to release
+    assert torch.equal(weight, reference)
+
+
 def test_weights_left_in_the_checkpoints_mapped_file_are_copied_out_and_stay_tied():
     """The stand-in (float32, its embedding tied to lm_head) loaded as from_pretrained loads it reads its weights
     from the mapped checkpoint; own_mapped_weights copies them into the process, so none is read from a file."""
