@@ -199,7 +199,9 @@ def test_peers_load_the_checkpoint_as_a_user_does_and_a_same_dtype_pipeline_load
     peer(body)  # the stack closed: it no longer counts
     assert peer.computed_tokens() == sum(inputs["input_ids"].numel() for inputs, _ in prompts)
     assert grid.user_model(tiny_qwen).dtype == torch.float32
-    assert (grid.user_model(tiny_qwen) is tiny_qwen.model) == (tiny_qwen.matmul == "torch")
+    assert tiny_qwen.gated_delta_layers  # blink's own Gated DeltaNet path: the peers load the model anew
+    assert grid.user_model(tiny_qwen) is not tiny_qwen.model
+    assert not any("forward" in vars(m) for m in grid.user_model(tiny_qwen).modules())
 
 
 def test_the_same_dtype_pipeline_is_what_pipeline_loads_from_the_checkpoint(standin):
@@ -330,10 +332,12 @@ class FakeLlama:
 
 
 def fake_llama_cpp(model) -> SimpleNamespace:
-    """The two names of llama_cpp the arm uses, over FakeLlama."""
+    """The names of llama_cpp the arm uses, over FakeLlama (a model of full attention only: no recurrent layer)."""
     return SimpleNamespace(
         Llama=lambda **kwargs: FakeLlama(model, **kwargs),
         llama_get_logits_ith=lambda ctx, i: ctypes.cast(ctx.buffer, ctypes.POINTER(ctypes.c_float)),
+        llama_model_is_recurrent=lambda model: False,
+        llama_model_is_hybrid=lambda model: False,
     )
 
 

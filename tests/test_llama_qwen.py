@@ -62,13 +62,17 @@ def test_llama_cpp_on_qwen35_reads_blinks_ids_as_blink_does(qwen):
         # 0.02, Q8_0 is 0.0065 from float32 and BF16 0.0013); the picks, 0.49 and more apart in float32, hold
         q8 = answers.compare(want, got["llama.cpp_q8_0"])
         assert q8["max_prob_diff"] < 0.3 and q8["picks_differ"] == [], q8
-        # reuse changes nothing but the work, and here not even that: llama.cpp cannot cut the Gated DeltaNet state
-        # back to a common prefix, so a prompt that does not extend the one before (the same one again included)
-        # is evaluated whole; one that extends it evaluates its new tokens only
+        # reuse changes nothing but the work. llama.cpp cannot cut the Gated DeltaNet state back to a common prefix,
+        # so the reuse arm saves the state at each prompt's cut points (the header's end, the evidence's end) and
+        # puts the longest one back: every question after the first evaluates its own tail alone; a prompt that
+        # extends the one before evaluates its new tokens only
         assert answers.compare(got["llama.cpp_bf16"], got["llama.cpp_bf16_reuse"])["max_prob_diff"] < 1e-3
-        assert reuse.evaluated == plain.evaluated == probed + sum(len(p.ids) for p in prompts)
-        last = prompts[-1]
-        reuse.reader.call("read", last.ids, last.cand)
-        assert reuse.evaluated == plain.evaluated + len(last.ids)
-        reuse.reader.call("read", last.ids + last.cand[:2], last.cand)
-        assert reuse.evaluated == plain.evaluated + len(last.ids) + 2
+        first, rest = prompts[0], prompts[1:]
+        assert rest and all(p.ids[: p.cuts[-1]] == first.ids[: first.cuts[-1]] for p in rest)  # one evidence
+        assert plain.evaluated == probed + sum(len(p.ids) for p in prompts)
+        assert reuse.evaluated == probed + len(first.ids) + sum(len(p.ids) - p.cuts[-1] for p in rest)
+        done, last = reuse.evaluated, prompts[-1]
+        reuse.reader.call("read", last.ids, last.cand, tuple(last.cuts))
+        assert reuse.evaluated == done + len(last.ids) - last.cuts[-1]
+        reuse.reader.call("read", last.ids + last.cand[:2], last.cand, tuple(last.cuts))
+        assert reuse.evaluated == done + len(last.ids) - last.cuts[-1] + 2

@@ -81,14 +81,15 @@ def user_model(engine: blink.TorchEngine) -> torch.nn.Module:
     """The engine's model as a user of the peers loads it: from_pretrained at its defaults (the checkpoint's dtype,
     torch's own kernels). The engine's own model where blink runs exactly that, else a second copy of the same
     weights, loaded once. blink's choices for a CPU (bfloat16 where it computes it natively, oneDNN for a float32
-    model's linear layers: BLINK_DTYPE, BLINK_CPU_MATMUL) are blink's, not the peers'."""
+    model's linear layers, its own Gated DeltaNet path: BLINK_DTYPE, BLINK_CPU_MATMUL, BLINK_GATED_DELTA) are
+    blink's, not the peers'."""
     if engine.key not in _USER_MODELS:
         from transformers import AutoModelForCausalLM
 
         dtype = checkpoint_dtype(engine)
         _USER_MODELS[engine.key] = (
             engine.model
-            if engine.matmul == "torch" and engine.model.dtype == dtype
+            if engine.matmul == "torch" and engine.model.dtype == dtype and not engine.gated_delta_layers
             else blink.load_pretrained(
                 AutoModelForCausalLM,
                 engine.source,

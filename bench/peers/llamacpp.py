@@ -18,6 +18,8 @@ instructions of the CPU it builds on); otherwise its rows say why it was skipped
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import importlib.util
 import os
 from typing import TYPE_CHECKING
@@ -41,6 +43,7 @@ ARMS = {
     "llama.cpp_bf16": ("bf16", False),
     "llama.cpp_bf16_reuse": ("bf16", True),
 }
+CHECKPOINTS = 8  # states a reuse arm keeps on a model whose memory cannot be cut back (llama-server keeps 8)
 SKIP_CRASHED = "setup builds it without AMX (tools/llama_build.py); rebuild with bash tools/setup.sh --llama"
 SKIP_MODEL = "runs on the stand-in's GGUF file or a local Qwen3.5 checkpoint folder (llama.cpp's converter) only"
 SKIP_NO_PACKAGE = (
@@ -77,18 +80,31 @@ class LlamaReader:
         )
         self.held: list[int] = []  # the ids whose keys and values the context holds, in order
         self.evaluated = 0
+        # reuse on a model with recurrent layers, whose memory cannot be cut back (`saves`): the sequence's state
+        # saved at prompts' cut points, by the ids before them, the most recent CHECKPOINTS kept (llama-server's
+        # context checkpoints, there at fixed distances from a prompt's end; here where blink's prompts are cut)
+        self.checkpoints: collections.OrderedDict[tuple[int, ...], object] = collections.OrderedDict()
+        model = self.llm.model
+        self.saves = reuse and (llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model))
 
     def last_logits(self):
         """The full-vocabulary logits at the last evaluated position, as float64 (a copy of llama.cpp's buffer)."""
         row = self.llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
         return np.ctypeslib.as_array(row, shape=(self.llm.n_vocab(),)).astype(np.float64)
 
-    def read(self, ids: list[int], cand: list[int]) -> tuple[list[float], float]:
+    def read(self, ids: list[int], cand: list[int], cuts: tuple[int, ...] = ()) -> tuple[list[float], float]:
         """One prompt's (label logits, full-vocabulary log-sum-exp): evaluated from nothing, or (reuse) from the
-        longest prefix the context already holds (at least its last token is evaluated, for its logits)."""
+        longest prefix the context already holds, else from the longest checkpoint saved at one of its cut points
+        `cuts` (at least its last token is evaluated, for its logits); under reuse a state is saved at every cut
+        point evaluated past."""
         keep = self.kept(min(common_prefix(self.held, ids), len(ids) - 1)) if self.reuse else 0
+        if self.saves:
+            keep = self.restored(ids, [c for c in cuts if keep < c < len(ids)]) or keep
         self.llm.n_tokens = keep  # eval() drops the cache past n_tokens before it evaluates
-        self.llm.eval(ids[keep:])
+        for end in [c for c in cuts if keep < c < len(ids)] if self.saves else []:
+            self.llm.eval(ids[self.llm.n_tokens : end])
+            self.save(ids[:end])
+        self.llm.eval(ids[self.llm.n_tokens :])
         self.held = list(ids)
         self.evaluated += len(ids) - keep
         logits = self.last_logits()
@@ -103,6 +119,30 @@ class LlamaReader:
         if keep < len(self.held) and not self.llm._ctx.kv_cache_seq_rm(-1, keep, -1):
             return 0
         return keep
+
+    def save(self, ids: list[int]) -> None:
+        """The sequence's state after `ids` (what the context holds now) kept as a checkpoint."""
+        lib, ctx = self.llama_cpp, self.llm._ctx.ctx
+        size = lib.llama_state_seq_get_size(ctx, 0)
+        state = (ctypes.c_uint8 * size)()
+        lib.llama_state_seq_get_data(ctx, state, size, 0)
+        self.checkpoints[tuple(ids)] = state
+        while len(self.checkpoints) > CHECKPOINTS:
+            self.checkpoints.popitem(last=False)
+
+    def restored(self, ids: list[int], cuts: list[int]) -> int:
+        """The longest checkpoint `ids` start with at one of the cut points `cuts` put back into the context; how many
+        tokens it holds (0: none is kept, the context left as it is)."""
+        for end in sorted(cuts, reverse=True):
+            state = self.checkpoints.get(tuple(ids[:end]))
+            if state is not None:
+                self.checkpoints.move_to_end(tuple(ids[:end]))
+                self.llm._ctx.kv_cache_clear()
+                if self.llama_cpp.llama_state_seq_set_data(self.llm._ctx.ctx, state, len(state), 0) != len(state):
+                    raise RuntimeError("llama.cpp refused a saved state")
+                self.held = list(ids[:end])
+                return end
+        return 0
 
     def tokenize(self, text: str) -> list[int]:
         """`text` as llama.cpp's own tokenizer splits it (special tokens read as such, no BOS added)."""
@@ -144,7 +184,8 @@ class LlamaArm:
         """A System One body {state, questions} answered in blink's shapes, at temperature 1."""
         request = blink.parse_request(body["state"], body["questions"], settings=self.engine.settings)
         prompts = self.engine.render(request)
-        readouts = blink.question_readouts(prompts, [self.reader.call("read", p.ids, p.cand) for p in prompts])
+        reads = [self.reader.call("read", p.ids, p.cand, tuple(p.cuts)) for p in prompts]
+        readouts = blink.question_readouts(prompts, reads)
         return answers.of(request, readouts)
 
 
