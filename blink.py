@@ -1872,11 +1872,12 @@ def _onednn_forward(self, x):
 
 
 def linear_kernels(x, weight) -> dict[str, Callable[[], object]]:
-    """x @ weight.T by torch's default kernel ("torch") and, where torch has it, oneDNN's ("onednn")."""
+    """x @ weight.T by torch's default kernel ("torch") and, where torch has it for the dtype on this CPU, oneDNN's
+    ("onednn")."""
     import torch
 
     kernels = {"torch": lambda: torch.nn.functional.linear(x, weight)}
-    if torch.backends.mkldnn.is_available():
+    if torch.backends.mkldnn.is_available() and (weight.dtype != torch.bfloat16 or onednn_packs_bfloat16()):
         kernels["onednn"] = lambda: onednn_linear(x, weight)
     return kernels
 
@@ -3106,9 +3107,10 @@ class PrefillCost:
 
     @classmethod
     def of(cls, backbone) -> PrefillCost:
-        """The cost model of a loaded decoder stack."""
+        """The cost model of a loaded decoder stack (an int8 layer's weight is its `qweight` buffer: quantize_int8)."""
         layers, width = attention_shape(backbone.config)
         weights = sum(p.numel() for p in backbone.parameters()) - backbone.get_input_embeddings().weight.numel()
+        weights += sum(b.numel() for name, b in backbone.named_buffers() if name.endswith("qweight"))
         return cls(2.0 * weights, 4.0 * layers * width)
 
     def flops(self, spans: list[tuple[int, int]]) -> float:

@@ -1,56 +1,67 @@
-"""blink at blink-4b's size on a CPU: seconds per request and resident memory, bfloat16 against BLINK_QUANTIZE=int8.
+"""blink on blink-4b's own architecture on a CPU, against llama.cpp on the same weights: seconds per case, tokens
+computed, resident memory, and how far each arm's label distributions lie from blink's at its defaults.
 
-    python -m bench shape4b --threads 2     # writes bench/results/shape4b.json
-    python -m bench shape4b --quick         # the short question only
+    python -m bench shape4b                  # the 4.2 B shape (bench/results/shape4b.json)
+    python -m bench shape4b --quick          # the small shape, a shorter log (shape4b-quick.json)
+    python -m bench shape4b --shape 4b-8l --name shape4b-8l   # the 4b's first 8 layers (float32 fits in 8 GB)
+    python -m bench shape4b --load-only --name shape4b-load    # the 4b loaded, bfloat16 and int8: memory only
 
-The model is a random-weight Qwen3.5 text model at the 4.2 B-parameter shape `python -m bench gpu` builds
-(checkpoints.SHAPE: Qwen3.5-4B's hybrid of linear- and full-attention layers, its 248,320-entry vocabulary), with the
-tiny test tokenizer, built here once in bfloat16 and kept under BLINK_CACHE (shape4b/, about 8 GB). Random weights say
-nothing of answers: this is for time and memory only. Each arm runs in a child process of its own, so that its resident
-memory is its own: blink's torch engine loaded by blink's real loading code at its defaults but for the arm's setting
-(bfloat16, or BLINK_QUANTIZE=int8), then one short yes/no question and one ~3,400-token ticket log with 8 questions,
-each run cold (kept prefixes dropped) `--reps` times. Resident memory is the child's VmRSS after the runs and its peak
-(VmHWM), loading included."""
+The model: a random-weight Qwen3.5 text model (bench/lib/qwen_gguf.py: Qwen3.5-4B's hybrid of Gated DeltaNet and full
+attention layers, every fourth one full, its 248,320-row vocabulary; "small" keeps the proportions at 103 M
+parameters) tokenized with the Qwen vocabulary llama.cpp ships for its qwen35 pre-tokenizer, and the same weights
+converted to GGUF by llama.cpp's own converter (BF16) and quantizer (Q8_0). Random weights say nothing of answers: the
+distributions compared show that the arms ran the same model on the same prompts; answer quality stays the
+stand-in's and the tiny Qwen3.5's (`python -m bench drift`).
+
+The arms, each in a child process of its own, one after another (so each one's resident memory is its own), on the
+same threads: blink at its defaults for this CPU (the dtype rule's pick), blink in bfloat16 (only where the CPU
+computes bfloat16 natively: elsewhere its products fall back to a slow path no user would pick), blink with
+BLINK_QUANTIZE=int8, blink with transformers' own Gated DeltaNet code (BLINK_GATED_DELTA=transformers: what blink's
+CPU path for those layers changes), and llama.cpp at BF16 and at Q8_0 (llama-cpp-python, reading blink's exact
+prompt ids and the label logits at each prompt's last position; the state saved at blink's cut points and put back,
+as llama-server's context checkpoints do, since llama.cpp cannot cut a Gated DeltaNet state back).
+
+--load-only loads each blink arm in bfloat16 (blink_int8: int8 weights over bfloat16) and each llama.cpp arm, reads
+their resident memory after loading and its peak, and asks nothing: what a CPU Space's memory must hold.
+
+The cases, in order, each `--reps` times: one short yes/no question; a ticket log of about --doc-tokens tokens asked
+eight questions, the engine's kept prefixes dropped first (a new document); the same log asked eight other
+questions (the log kept from the case before). Before the first case every arm reads one warm-up question, so the
+template header is kept as after any other request.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
+import time
 from dataclasses import replace
 
 import blink
-from bench.lib import checkpoints, cold, harness, report, workloads
+from bench.lib import cold, harness, qwen_gguf, report, workloads
+from bench.peers import llamacpp
 from bench.workers import isolated
 
-CONFIGS = {"full": {"doc_tokens": 3400, "reps": 2}, "quick": {"doc_tokens": 0, "reps": 1}}
-ARMS = {"bfloat16": {"dtype": "bfloat16"}, "int8": {"quantize": "int8"}}
+CONFIGS = {"full": {"shape": "4b", "doc_tokens": 3400, "reps": 1}, "quick": {"shape": "small", "doc_tokens": 600}}
+BLINK_ARMS = {
+    "blink": {},
+    "blink_bfloat16": {"dtype": "bfloat16"},
+    "blink_int8": {"quantize": "int8"},
+    "blink_transformers_gdn": {"gated_delta": "transformers"},
+}
+LLAMA_ARMS = {"llama.cpp_bf16": "bf16", "llama.cpp_q8_0": "q8_0"}
 SHORT = (
     "The parcel arrived two days late and the box was dented.",
     {"late": {"type": "noul", "instructions": "Was it late?"}},
 )
+CASES = ("short", "document", "again")  # "document" starts from nothing but the header; "again" keeps its log
+KEPT_MARGIN = 0.1  # a pick must hold where the reference's top two labels stand further apart than this
 
 
-def model_folder(cache_dir: str) -> str:
-    """The random-weight Qwen3.5 of checkpoints.SHAPE in bfloat16 under cache_dir (built once: about 8 GB on disk)."""
-    import torch
-
-    folder = os.path.join(cache_dir, "shape4b", "qwen3.5-4b-shape")
-    if os.path.exists(os.path.join(folder, "config.json")):
-        return folder
-    partial = f"{folder}.partial-{os.getpid()}"
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in bfloat16 from the start: 8 GB, not float32's 17
-    try:
-        checkpoints.qwen_4b(partial, "cpu")
-    finally:
-        torch.set_default_dtype(before)
-    os.replace(partial, folder)
-    return folder
-
-
-def memory_mb() -> dict:
-    """This process's resident memory now and at its peak (MB, /proc/self/status)."""
-    with open("/proc/self/status", encoding="utf-8") as fh:
+def memory_mb(pid: int | str = "self") -> dict:
+    """A process's resident memory now and at its peak (MB, /proc/PID/status)."""
+    with open(f"/proc/{pid}/status", encoding="utf-8") as fh:
         fields = dict(line.split(":", 1) for line in fh if line.startswith(("VmRSS", "VmHWM")))
     return {"rss_mb": int(fields["VmRSS"].split()[0]) // 1024, "peak_rss_mb": int(fields["VmHWM"].split()[0]) // 1024}
 
@@ -61,85 +72,331 @@ def tensor_bytes(values) -> int:
 
     total = 0
     for value in values:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and not value.is_mkldnn:
             total += value.numel() * value.element_size()
         elif isinstance(value, tuple):
             total += tensor_bytes(value)
     return total
 
 
-def arm_run(folder: str, settings: dict, threads: int, doc_tokens: int, reps: int) -> dict:
-    """One arm, in the child process it runs in: blink's engine loaded, then each case cold `reps` times."""
-    import torch
+def requests(tokenizer, doc_tokens: int) -> dict[str, tuple[str, dict]]:
+    """Each case's (state, questions), and the warm-up question's."""
+    doc = workloads.document(tokenizer, doc_tokens, seed=7)
+    asked = cold.questions(workloads.ticket_count(doc))
+    return {"warm": cold.WARM, "short": SHORT, "document": (doc, asked), "again": (doc, workloads.reworded(asked))}
 
-    torch.set_num_threads(threads)
-    watch = harness.Stopwatch()
-    engine = blink.TorchEngine(folder, settings=replace(blink.Settings.from_env({}), **settings))
-    out = {"load_s": round(watch.seconds(), 2), "loaded": memory_mb(), "cases": {}}
-    warm = blink.parse_request(*cold.WARM, settings=engine.settings)
-    cases = {"short": SHORT}
-    if doc_tokens:
-        doc = workloads.document(engine.tok, doc_tokens, seed=7)
-        cases["document"] = (doc, cold.questions(workloads.ticket_count(doc)))
-    for case, (state, questions) in cases.items():
-        request = blink.parse_request(state, questions, settings=engine.settings)
-        runs = [cold.cold_run(engine, request, warm) for _ in range(reps)]
-        out["cases"][case] = {
-            "prompt_tokens": sum(len(p.ids) for p in engine.render(request)),
-            "wall_s": [round(r.wall_s, 3) for r in runs],
-            "median_wall_s": round(statistics.median(r.wall_s for r in runs), 3),
+
+def softmax(logits: list[float]) -> list[float]:
+    """Probabilities over the labels."""
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    return [w / sum(weights) for w in weights]
+
+
+class BlinkArm:
+    """blink's torch engine at one arm's settings, in the child process it runs in: loaded by the real loading code,
+    then asked the cases; it also hands out the prompts it rendered, for the llama.cpp arms to read."""
+
+    def __init__(self, folder: str, settings: dict, threads: int, doc_tokens: int):
+        import torch
+
+        torch.set_num_threads(threads)
+        watch = harness.Stopwatch()
+        self.engine = blink.TorchEngine(folder, settings=replace(blink.Settings.from_env({}), **settings))
+        self.load_s, self.loaded = round(watch.seconds(), 2), memory_mb()
+        self.requests = {
+            case: blink.parse_request(*body, settings=self.engine.settings)
+            for case, body in requests(self.engine.tok, doc_tokens).items()
         }
-        print(f"  {case}: {out['cases'][case]['wall_s']} s", flush=True)
-    out["after"] = memory_mb()
-    out["weights_mb"] = round(tensor_bytes(engine.model.state_dict().values()) / 2**20)
+
+    def describe(self) -> dict:
+        """What was loaded: load time, memory, dtype, what runs its products and its linear-attention layers."""
+        engine = self.engine
+        return {
+            "load_s": self.load_s,
+            "loaded": self.loaded,
+            "dtype": blink.dtype_name(engine.model.dtype),
+            "matmul": engine.matmul,
+            "gated_delta_layers": engine.gated_delta_layers,
+            "weights_mb": round(tensor_bytes(engine.model.state_dict().values()) / 2**20),
+            "dense_gflop_per_token": round(engine.prefill_cost.token_flops / 1e9, 3),
+        }
+
+    def prompts(self) -> dict[str, list[tuple[list[int], list[int], tuple[int, ...]]]]:
+        """Each case's rendered prompts: (ids, label ids, cut points)."""
+        return {
+            case: [(p.ids, p.cand, tuple(p.cuts)) for p in self.engine.render(request)]
+            for case, request in self.requests.items()
+        }
+
+    def start(self) -> None:
+        """Kept prefixes dropped, then the warm-up question asked (the template header kept)."""
+        self.engine.prefixes.clear()
+        self.engine.forward(self.requests["warm"])
+
+    def ask(self, case: str) -> dict:
+        """One case: its wall seconds, tokens computed and each prompt's label distribution."""
+        request = self.requests[case]
+        start = time.perf_counter()
+        forward = self.engine.forward(request)
+        wall = time.perf_counter() - start
+        labels = [softmax(forward.readouts[p.qkey].logits[0]) for p in self.engine.render(request)]
+        return {"wall_s": wall, "computed_tokens": forward.prefill_tokens, "labels": labels}
+
+    def memory(self) -> dict:
+        """Resident memory now and at the peak, loading included."""
+        return memory_mb()
+
+
+class LlamaCases:
+    """A llama.cpp arm over blink's rendered prompts (in this process; its LlamaReader computes in a child)."""
+
+    def __init__(self, reader: isolated.Child, prompts: dict):
+        self.reader, self.prompts = reader, prompts
+
+    def start(self) -> None:
+        """Checkpoints dropped, then the warm-up prompt read (its header checkpoint kept)."""
+        self.reader.call("forget")
+        for ids, cand, cuts in self.prompts["warm"]:
+            self.reader.call("read", ids, cand, cuts)
+
+    def ask(self, case: str) -> dict:
+        """One case's prompts read in order: wall seconds, tokens evaluated, label distributions."""
+        before = self.reader.call("tokens_evaluated")
+        start = time.perf_counter()
+        reads = [self.reader.call("read", ids, cand, cuts) for ids, cand, cuts in self.prompts[case]]
+        wall = time.perf_counter() - start
+        computed = self.reader.call("tokens_evaluated") - before
+        return {"wall_s": wall, "computed_tokens": computed, "labels": [softmax(logits) for logits, _ in reads]}
+
+
+def run_cases(arm, reps: int) -> dict:
+    """Every case `reps` times (a new document each time: the kept prefixes dropped before "document")."""
+    out: dict = {}
+    for _ in range(reps):
+        for case in CASES:
+            if case != "again":
+                arm.start()
+            got = arm.ask(case)
+            row = out.setdefault(case, {"wall_s": [], "computed_tokens": got["computed_tokens"]})
+            row["wall_s"].append(round(got["wall_s"], 3))
+            row["labels"] = got["labels"]
+            print(f"  {case}: {got['wall_s']:.2f} s, {got['computed_tokens']} tokens computed", flush=True)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Measure each arm in a child process, write JSON, print one summary line last."""
-    run = harness.Run("shape4b", argv, __doc__, threads="2")
-    cfg = CONFIGS["quick" if run.quick else "full"]
-    threads = run.threads
-    folder = model_folder(blink.Settings.from_env({}).cache_dir)
-    run.probe()
-    rows = {}
-    for name, settings in ARMS.items():
-        print(f"{name}: loading in a child process", flush=True)
-        child = isolated.Child("blink", arm_run, folder, settings, threads, cfg["doc_tokens"], cfg["reps"])
-        rows[name] = child.call("copy")
+def blink_arm(folder: str, settings: dict, threads: int, doc_tokens: int, reps: int) -> tuple[dict, dict]:
+    """One blink arm in its own child process: what it loaded, its cases (none where reps is 0), its memory; and the
+    prompts it rendered."""
+    child = isolated.Child("blink", BlinkArm, folder, settings, threads, doc_tokens)
+    try:
+        row = child.call("describe")
+        if reps:
+            row["cases"] = run_cases(_Remote(child), reps)
+        row["after"] = child.call("memory")
+        return row, child.call("prompts")
+    finally:
         child.close()
-    ratios = {
-        case: round(rows["int8"]["cases"][case]["median_wall_s"] / rows["bfloat16"]["cases"][case]["median_wall_s"], 2)
-        for case in rows["bfloat16"]["cases"]
-    }
+
+
+class _Remote:
+    """An arm object in a child process, called as if here."""
+
+    def __init__(self, child: isolated.Child):
+        self.child = child
+
+    def start(self) -> None:
+        self.child.call("start")
+
+    def ask(self, case: str) -> dict:
+        return self.child.call("ask", case)
+
+
+def llama_arm(folder: str, kind: str, threads: int, prompts: dict, reps: int, cache_dir: str) -> dict:
+    """One llama.cpp arm: the folder's GGUF file at `kind` read in a child process of its own, over blink's prompts
+    (none where reps is 0)."""
+    watch = harness.Stopwatch()
+    gguf = qwen_gguf.gguf_file(folder, kind, cache_dir)
+    made_s, watch = round(watch.seconds(), 2), harness.Stopwatch()
+    n_ctx = max((len(ids) for case in prompts.values() for ids, _, _ in case), default=8176) + 16
+    reader = isolated.Child("llama.cpp", llamacpp.LlamaReader, gguf, n_ctx, threads, True)
+    try:
+        row = {"gguf": os.path.basename(gguf), "gguf_mb": os.path.getsize(gguf) // 2**20, "made_s": made_s}
+        row.update(load_s=round(watch.seconds(), 2), loaded=memory_mb(reader.process.pid))
+        row["system_info"] = reader.call("system_info")
+        if reps:
+            row["cases"] = run_cases(LlamaCases(reader, prompts), reps)
+        row["after"] = memory_mb(reader.process.pid)
+        return row
+    finally:
+        reader.close()
+
+
+def compare_labels(reference: list[list[float]], other: list[list[float]]) -> dict:
+    """The largest probability difference over the prompts, and the prompts whose pick moved where the reference's
+    top two stand more than KEPT_MARGIN apart."""
+    diff = max(abs(a - b) for ref, got in zip(reference, other) for a, b in zip(ref, got))
+    moved = [
+        i
+        for i, (ref, got) in enumerate(zip(reference, other))
+        if ref.index(max(ref)) != got.index(max(got)) and margin(ref) > KEPT_MARGIN
+    ]
+    return {"max_prob_diff": round(diff, 5), "picks_moved": moved}
+
+
+def margin(probs: list[float]) -> float:
+    """The gap between the two highest probabilities."""
+    top = sorted(probs, reverse=True)
+    return top[0] - top[1] if len(top) > 1 else 1.0
+
+
+def flags(parser) -> None:
+    """shape4b's own flags."""
+    parser.add_argument("--shape", choices=sorted(qwen_gguf.SHAPES), help="the model's shape (4b; quick: small)")
+    parser.add_argument("--arms", help="the arms to run, comma-separated (default: all)")
+    parser.add_argument("--doc-tokens", type=int, help="the log's length in tokens (3400; quick 600)")
+    parser.add_argument("--reps", type=int, help="every case this many times (default 1)")
+    parser.add_argument("--load-only", action="store_true", help="load each arm in bfloat16 and read its memory")
+    parser.add_argument("--name", default="shape4b", help="the results file's name (default shape4b)")
+
+
+def skipped_reason(name: str) -> str | None:
+    """Why an arm does not run on this machine, or None."""
+    if name == "blink_bfloat16" and blink.Settings.from_env({}).compute_dtype != "bfloat16":
+        return "this CPU does not compute bfloat16 natively: blink's dtype rule picks float32 here (the blink arm)"
+    if name in LLAMA_ARMS and not llamacpp.importable():
+        return llamacpp.SKIP_NO_PACKAGE
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Each arm in turn, then the comparison; write JSON, print the tables and one summary line last."""
+    run = harness.Run("shape4b", argv, __doc__, flags, threads="2")
+    cfg = {"reps": 1, **CONFIGS["quick" if run.quick else "full"]}
+    shape, load_only = run.args.shape or cfg["shape"], run.args.load_only
+    doc_tokens, reps = run.args.doc_tokens or cfg["doc_tokens"], 0 if load_only else run.args.reps or cfg["reps"]
+    names = run.args.arms.split(",") if run.args.arms else [*BLINK_ARMS, *LLAMA_ARMS]
+    if load_only:  # what holding the model takes: blink in bfloat16, without and with int8 weights
+        names = [n for n in names if n in ("blink_bfloat16", "blink_int8") or n in LLAMA_ARMS]
+    cache_dir = blink.Settings.from_env({}).cache_dir
+    folder = qwen_gguf.qwen_folder(shape, cache_dir)
+    run.probe_dtypes = ["bfloat16"]
+    run.probe()
+    rows, skipped, prompts = {}, {}, {"warm": []}
+    first = [] if load_only else ["blink"]  # the reference first: its prompts are what llama.cpp reads
+    for name in [*first, *(n for n in names if n not in first)]:
+        reason = None if load_only else skipped_reason(name)
+        if reason:
+            skipped[name] = reason
+            print(f"{name}: skipped ({reason})", flush=True)
+            continue
+        print(f"{name}: loading in a child process", flush=True)
+        if name in LLAMA_ARMS:
+            rows[name] = llama_arm(folder, LLAMA_ARMS[name], run.threads, prompts, reps, cache_dir)
+        else:
+            settings = {**BLINK_ARMS[name], **({"dtype": "bfloat16"} if load_only else {})}
+            rows[name], rendered = blink_arm(folder, settings, run.threads, doc_tokens, reps)
+            prompts = rendered if name == "blink" else prompts
+    run.probe()
     res = {
-        "model": {"kind": "random-weight Qwen3.5 text model", **checkpoints.SHAPE},
+        "model": {"kind": "random-weight Qwen3.5 text model", "shape": shape, **qwen_gguf.SHAPES[shape]},
+        "load_only": load_only,
+        "doc_tokens": doc_tokens,
+        "reps": reps,
         "arms": rows,
-        "int8_time_ratio": ratios,
+        "skipped": skipped,
     }
-    path = run.write(res)
-    print(
-        f"4.2 B Qwen3.5 shape on {blink.hardware()}, {threads} threads: int8/bfloat16 time "
-        + ", ".join(f"{case} {r}x" for case, r in ratios.items())
-        + f"; peak resident bfloat16 {rows['bfloat16']['after']['peak_rss_mb'] / 1024:.1f} GB, int8 "
-        f"{rows['int8']['after']['peak_rss_mb'] / 1024:.1f} GB; results {os.path.relpath(path)}"
-    )
+    if not load_only:
+        compare_arms(rows, prompts)
+        res["targets"] = targets(res, run.matmul_probe(rows["blink"]["dtype"])[1])
+    path = run.write(res, run.args.name)
+    print("\n".join(shape4b_table(res)))
+    print(summary(res, path))
     return 0
 
 
+def compare_arms(rows: dict, prompts: dict) -> None:
+    """Each arm's label distributions held against blink's at its defaults (in place of the distributions), and each
+    case's prompt tokens."""
+    reference = {case: got["labels"] for case, got in rows["blink"]["cases"].items()}
+    for row in rows.values():
+        for case, got in row["cases"].items():
+            got.update(compare_labels(reference[case], got.pop("labels")))
+            got["prompt_tokens"] = sum(len(ids) for ids, _, _ in prompts[case])
+
+
+def seconds(row: dict, case: str) -> float:
+    """An arm's median seconds on a case."""
+    return statistics.median(row["cases"][case]["wall_s"])
+
+
+def targets(res: dict, probe_gflops: float) -> dict:
+    """The issue's measures: blink's document rate against the dense limit (the probe over the dense GFLOP a token),
+    the short question against its dense floor, and each arm's time over blink's on every case."""
+    arms, blink_row = res["arms"], res["arms"]["blink"]
+    per_token = blink_row["dense_gflop_per_token"]
+    doc = blink_row["cases"]["document"]
+    short = blink_row["cases"]["short"]
+    out = {
+        "probe_gflops": round(probe_gflops, 1),
+        "document_tokens_per_s": round(doc["computed_tokens"] / seconds(blink_row, "document"), 1),
+        "dense_limit_tokens_per_s": round(probe_gflops / per_token, 1),
+        "short_floor_s": round(short["computed_tokens"] * per_token / probe_gflops, 3),
+    }
+    out["document_share_of_limit"] = round(out["document_tokens_per_s"] / out["dense_limit_tokens_per_s"], 3)
+    out["short_over_floor"] = round(seconds(blink_row, "short") / out["short_floor_s"], 2)
+    out["speedup_over"] = {
+        name: {case: round(seconds(row, case) / seconds(blink_row, case), 2) for case in CASES}
+        for name, row in arms.items()
+        if name != "blink"
+    }
+    return out
+
+
+def summary(res: dict, path: str) -> str:
+    """The run's last line."""
+    model, gb = res["model"], lambda mb: f"{mb / 1024:.1f} GB"  # noqa: E731
+    where = f"Qwen3.5 {model['shape']} shape on {blink.hardware()}"
+    if res.get("load_only"):
+        peaks = ", ".join(f"{name} {gb(row['after']['peak_rss_mb'])}" for name, row in res["arms"].items())
+        return f"{where}: peak resident memory, loading included: {peaks}; results {os.path.relpath(path)}"
+    got = res["targets"]
+    over = "; ".join(
+        f"{name} {'/'.join(str(v) for v in cases.values())}x blink's time"
+        for name, cases in got["speedup_over"].items()
+    )
+    return (
+        f"{where}: blink's new document at {got['document_share_of_limit']} of the dense limit, its short question "
+        f"{got['short_over_floor']}x its floor; short/document/again: {over}; results {os.path.relpath(path)}"
+    )
+
+
 def shape4b_table(res: dict) -> list[str]:
-    """bench/shape4b.py: each arm's seconds per case and its resident memory (GB of 2^30 bytes, VmRSS and VmHWM)."""
-    cases = next(iter(res["arms"].values()))["cases"]
-    head = ["arm", "load s", *(f"{c} s ({got['prompt_tokens']} tokens)" for c, got in cases.items())]
-    head += ["resident after load", "resident after the runs", "peak resident (load included)", "weights"]
+    """bench/shape4b.py: each arm's seconds, tokens computed and distance from blink per case, and its memory."""
     gb = lambda mb: f"{mb / 1024:.1f} GB"  # noqa: E731
-    rows = [
-        [name, r["load_s"], *(", ".join(f"{w:.2f}" for w in r["cases"][c]["wall_s"]) for c in cases)]
-        + [gb(r["loaded"]["rss_mb"]), gb(r["after"]["rss_mb"]), gb(r["after"]["peak_rss_mb"]), gb(r["weights_mb"])]
-        for name, r in res["arms"].items()
-    ]
-    ratios = ", ".join(f"{c} {v}x" for c, v in res["int8_time_ratio"].items())
-    return report.table(head, rows) + ["", f"int8 over bfloat16, median time: {ratios}"]
+    cases = [] if res.get("load_only") else list(CASES)
+    head = ["arm", "load s"]
+    for case in cases:
+        head += [f"{case} s", f"{case} computed", f"{case} max prob diff"]
+    head += ["resident after load", "peak resident (load included)"]
+    rows = []
+    for name, row in res["arms"].items():
+        cells = [name, row["load_s"]]
+        for case in cases:
+            got = row["cases"][case]
+            cells += [", ".join(f"{w:.2f}" for w in got["wall_s"]), got["computed_tokens"], got["max_prob_diff"]]
+        rows.append(cells + [gb(row["loaded"]["rss_mb"]), gb(row["after"]["peak_rss_mb"])])
+    lines = report.table(head, rows)
+    if "targets" in res:
+        got = res["targets"]
+        lines += [
+            "",
+            f"blink: new document {got['document_tokens_per_s']} computed tokens/s against a dense limit of "
+            f"{got['dense_limit_tokens_per_s']} ({got['document_share_of_limit']}); short question "
+            f"{got['short_over_floor']}x its floor of {got['short_floor_s']} s (probe {got['probe_gflops']} GFLOP/s)",
+        ]
+    lines += [f"{name}: skipped, {why}" for name, why in res.get("skipped", {}).items()]
+    return lines
 
 
-REPORT = (shape4b_table, ("arms", "int8_time_ratio", "model"))
+REPORT = (shape4b_table, ("arms", "targets", "model", "load_only", "doc_tokens", "reps", "skipped"))

@@ -165,6 +165,9 @@ def qwen_shape(shape: dict, mrope_section: list[int]) -> dict:
 # The shapes built here: (config fields over the tiny test model's, including its rotary sections).
 SHAPES = {
     "4b": qwen_shape(checkpoints.SHAPE, [11, 11, 10]),  # 4.2 B parameters, ~8 GB in bfloat16
+    # its first 8 layers (6 Gated DeltaNet, 2 full attention): every product at the 4b's own shapes, 1.5 B parameters
+    # (0.9 B of them the decoder's), so float32 fits where the 4b's 17 GB would not
+    "4b-8l": qwen_shape({**checkpoints.SHAPE, "num_hidden_layers": 8}, [11, 11, 10]),
     # the 4b's proportions at hidden 320 (query heads 1.6x and linear key/value heads 0.8x/1.6x of it, the MLP 3.6x,
     # 4 query heads per key-value head, 2 linear value heads per key head), 8 layers: 103 M parameters, 79 M of
     # them the embedding
@@ -191,9 +194,9 @@ SHAPES = {
 
 def qwen_folder(name: str, cache_dir: str, device: str = "cpu") -> str:
     """The random-weight Qwen3.5 of SHAPES[name] in bfloat16 (the weights llama.cpp's BF16 file holds exactly) with
-    qwen_tokenizer(), built once on `device` and kept under cache_dir/qwen35/<name>-<hash of its shape>. The "4b"
-    shape is drawn in bfloat16 from the start (8 GB to build, not float32's 17 before the cast), the others in
-    float32 and then cast."""
+    qwen_tokenizer(), built once on `device` and kept under cache_dir/qwen35/<name>-<hash of its shape>. The 4b
+    shapes are drawn in bfloat16 from the start ("4b": 8 GB to build, not float32's 17 before the cast), the others
+    in float32 and then cast."""
     import torch
 
     shape = dict(SHAPES[name])
@@ -204,7 +207,7 @@ def qwen_folder(name: str, cache_dir: str, device: str = "cpu") -> str:
         partial = partial_path(folder)
         mrope_section = shape.pop("mrope_section", None)
         before = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16 if name == "4b" else before)
+        torch.set_default_dtype(torch.bfloat16 if name.startswith("4b") else before)
         try:
             checkpoints.model_folder(partial, shape, torch.bfloat16, device, mrope_section, tok)
         finally:

@@ -144,6 +144,13 @@ class LlamaReader:
                 return end
         return 0
 
+    def forget(self) -> None:
+        """Nothing held: the context emptied and the checkpoints dropped (a reader that has seen no prompt)."""
+        self.checkpoints.clear()
+        self.held = []
+        self.llm.n_tokens = 0
+        self.llm._ctx.kv_cache_clear()
+
     def tokenize(self, text: str) -> list[int]:
         """`text` as llama.cpp's own tokenizer splits it (special tokens read as such, no BOS added)."""
         return self.llm.tokenize(text.encode(), add_bos=False, special=True)
@@ -214,10 +221,15 @@ def engine_gguf(engine: blink.TorchEngine, kind: str) -> str | None:
     return None
 
 
+def importable() -> bool:
+    """Whether llama-cpp-python is installed here."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
 def start(arm: Arm, ctx: PeerContext) -> LlamaArm | str:
     """A llama.cpp arm reading the engine's weights as GGUF at the arm's type (engine_gguf) in a child process of its
     own (stopped with ctx.stack), or why it cannot run here."""
-    if importlib.util.find_spec("llama_cpp") is None:
+    if not importable():
         return SKIP_NO_PACKAGE
     kind, reuse = ARMS[arm.name]
     try:
