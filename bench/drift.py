@@ -130,15 +130,21 @@ def worst(rows: list[dict], arm: str, model: str | None = None) -> dict:
     }
 
 
-# Simulated schemes: (weight grouping, input grouping); a grouping is "channel" (the weight's output rows),
-# "token" (the input's rows), a group size along the reduced dimension, "bfloat16", or None (exact).
+# Simulated schemes: (weight grouping, input grouping, smoothing, layers kept exact); a grouping is "channel" (the
+# weight's output rows), "token" (the input's rows), a group size along the reduced dimension, "bfloat16", or None
+# (exact). Smoothing alpha (SmoothQuant, Xiao et al. 2023): each input channel j divided by s_j = max|x_j|^alpha /
+# max|W_j|^(1 - alpha) and the weight's column j multiplied by it, max|x_j| read on a calibration log that is not
+# one of the logs measured; None: no smoothing. Layers kept exact: those whose name holds one of the strings.
 SIMULATED = {
-    "act_bfloat16": (None, "bfloat16"),
-    "w8_channel": ("channel", None),
-    "w8_group32": (32, None),
-    "w8a8_token": ("channel", "token"),
-    "q8_0": (32, 32),
+    "act_bfloat16": (None, "bfloat16", None, ()),
+    "w8_channel": ("channel", None, None, ()),
+    "w8_group32": (32, None, None, ()),
+    "w8a8_token": ("channel", "token", None, ()),
+    "w8a8_smooth": ("channel", "token", 0.5, ()),
+    "w8a8_smooth_exact_down": ("channel", "token", 0.5, ("down_proj",)),
+    "q8_0": (32, 32, None, ()),
 }
+CALIBRATION_TOKENS = 1500  # the calibration log's length (seed 99: none of the measured logs)
 SCHEME_LOGS = {"full": [100, 1000, 3800, 7000], "quick": [100, 1000]}
 BOUND = 0.03  # the drift bound the bfloat16 default is held to (docs/configuration.md)
 
@@ -157,17 +163,53 @@ def rounded(t, grouping):
     return (torch.round(rows / scale).clamp(-127, 127) * scale).reshape(t.shape)
 
 
-def simulate(model, exact: dict, weights, inputs) -> None:
-    """Every linear layer of `model` but lm_head made to run the scheme: its weight rounded from `exact` (name ->
-    float32 weight), its input rounded at each call."""
+def simulate(model, exact: dict, scheme: tuple, input_max: dict) -> None:
+    """Every linear layer of `model` but lm_head made to run the scheme (SIMULATED): its weight rounded from `exact`
+    (name -> float32 weight), smoothed by `input_max` (name -> each input channel's largest magnitude) where the
+    scheme says, its input rounded at each call; a layer the scheme keeps exact runs its float32 weight."""
     import torch
 
+    weights, inputs, alpha, kept = scheme
+
     def forward(self, x):
-        return torch.nn.functional.linear(rounded(x.float(), inputs), self.weight, self.bias)
+        return torch.nn.functional.linear(rounded(x.float() / self.smoothing, inputs), self.weight, self.bias)
+
+    def plain(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
     for name, layer in linear_layers(model):
-        layer.weight.data = rounded(exact[name], weights)
+        exact_layer = any(part in name for part in kept)
+        smoothing = torch.ones(exact[name].shape[1])
+        if alpha is not None and not exact_layer:
+            column_max = exact[name].abs().amax(0).clamp(min=1e-5)
+            smoothing = input_max[name].clamp(min=1e-5) ** alpha / column_max ** (1 - alpha)
+        layer.weight.data = exact[name] if exact_layer else rounded(exact[name] * smoothing, weights)
+        layer.smoothing = smoothing
         layer.forward = types.MethodType(forward, layer)
+        if exact_layer:
+            layer.forward = types.MethodType(
+                lambda self, x: torch.nn.functional.linear(x, self.weight, self.bias), layer
+            )
+
+
+def input_maxima(engine: blink.TorchEngine, settings: blink.Settings) -> dict:
+    """Each linear layer's largest input magnitude per channel over a calibration log (CALIBRATION_TOKENS, seed 99)
+    asked the eight questions, on the engine's model as it is."""
+    seen: dict = {}
+
+    def record(name):
+        def hook(module, args):
+            x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
+            seen[name] = x if name not in seen else seen[name].maximum(x)
+
+        return hook
+
+    hooks = [layer.register_forward_pre_hook(record(name)) for name, layer in linear_layers(engine.model)]
+    doc = workloads.document(engine.tok, CALIBRATION_TOKENS, seed=99)
+    answered(engine, blink.parse_request(doc, cold.questions(workloads.ticket_count(doc)), settings=settings))
+    for hook in hooks:
+        hook.remove()
+    return seen
 
 
 def linear_layers(model) -> list:
@@ -195,6 +237,7 @@ def schemes(run: harness.Run) -> int:
     }
     sim = blink.TorchEngine(blink.STANDIN_MODEL, settings=reference.settings)
     exact = {name: layer.weight.detach().clone() for name, layer in linear_layers(sim.model)}
+    input_max = input_maxima(sim, base)
     rows = []
     for target in targets:
         doc = workloads.document(reference.tok, target, seed=7)
@@ -203,8 +246,8 @@ def schemes(run: harness.Run) -> int:
         row = {"doc_tokens": cold.evidence_tokens(reference.render(request)[0]), "arms": {}}
         for arm, engine in shipped.items():
             row["arms"][arm] = answers.compare(ref, answered(engine, request))
-        for arm, (weights, inputs) in SIMULATED.items():
-            simulate(sim.model, exact, weights, inputs)
+        for arm, scheme in SIMULATED.items():
+            simulate(sim.model, exact, scheme, input_max)
             row["arms"][arm] = answers.compare(ref, answered(sim, request))
         rows.append(row)
         print(
@@ -217,7 +260,10 @@ def schemes(run: harness.Run) -> int:
         "model": "stand-in",
         "reference": "float32 on torch's own kernels",
         "bound": BOUND,
-        "simulated": {arm: {"weights": w, "inputs": i} for arm, (w, i) in SIMULATED.items()},
+        "simulated": {
+            arm: {"weights": w, "inputs": i, "smoothing_alpha": a, "kept_exact": list(k)}
+            for arm, (w, i, a, k) in SIMULATED.items()
+        },
         "rows": rows,
         "worst": worst,
     }
