@@ -378,7 +378,7 @@ def shape4b_table(res: dict) -> list[str]:
     head = ["arm", "load s"]
     for case in cases:
         head += [f"{case} s", f"{case} computed", f"{case} max prob diff"]
-    head += ["resident after load", "peak resident (load included)"]
+    head += ["resident after load", "resident after the runs", "peak resident (load included)", "weights"]
     rows = []
     for name, row in res["arms"].items():
         cells = [name, row["load_s"]]
@@ -386,7 +386,8 @@ def shape4b_table(res: dict) -> list[str]:
             got = row["cases"][case]
             walls = ", ".join(f"{w:.2f}" for w in got["wall_s"])
             cells += [walls, got.get("computed_tokens", "not counted"), got.get("max_prob_diff", "not compared")]
-        rows.append(cells + [gb(row["loaded"]["rss_mb"]), gb(row["after"]["peak_rss_mb"])])
+        memory = [row["loaded"]["rss_mb"], row["after"]["rss_mb"], row["after"]["peak_rss_mb"]]
+        rows.append(cells + [*map(gb, memory), gb(row["weights_mb"]) if "weights_mb" in row else "in its GGUF file"])
     lines = report.table(head, rows)
     if "targets" in res:
         got = res["targets"]
