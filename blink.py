@@ -2929,7 +2929,9 @@ def _unit_lower_inverse(lower):
     import torch
 
     size = lower.shape[-1]
-    block = GATED_DELTA_BLOCK if size % GATED_DELTA_BLOCK == 0 else size
+    blocks = size // GATED_DELTA_BLOCK
+    # merged pairwise, the blocks must be a power of two of them; another length (a last chunk's) is substituted whole
+    block = GATED_DELTA_BLOCK if size % GATED_DELTA_BLOCK == 0 and blocks & (blocks - 1) == 0 else size
     blocks = size // block
     diag = torch.stack(
         [lower[..., j * block : (j + 1) * block, j * block : (j + 1) * block] for j in range(blocks)], -3

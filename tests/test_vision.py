@@ -142,6 +142,7 @@ def test_grafted_text_logits_equal_the_text_models(folders, text_engine, grafted
     ids = text_engine.tok(blink.wrap(text_engine.tok, "Which label fits? A or B."), return_tensors="pt")["input_ids"]
     text_model = AutoModelForCausalLM.from_pretrained(folders["text"]).eval()
     assert blink.cpu_matmul(text_model, grafted.matmul)[0] == grafted.matmul  # the same kernels on both sides
+    assert blink.use_gated_delta(text_model, grafted.settings.gated_delta) == grafted.gated_delta_layers > 0
     grafted.model.model.rope_deltas = None
     with torch.no_grad():
         want = text_model(input_ids=ids).logits
