@@ -84,8 +84,8 @@ class OnnxReader:
         self.session = ort.InferenceSession(self.path, opts, providers=["CPUExecutionProvider"])
         self.evaluated = 0
 
-    def read(self, ids: list[int], cand: list[int]) -> tuple[list[float], float]:
-        """One prompt's (label logits, full-vocabulary log-sum-exp)."""
+    def read(self, ids: list[int], cand: list[int], cuts: tuple[int, ...] = ()) -> tuple[list[float], float]:
+        """One prompt's (label logits, full-vocabulary log-sum-exp), run whole (its cut points are not used)."""
         logits = self.session.run(None, {"input_ids": np.asarray([ids], dtype=np.int64)})[0][0].astype(np.float64)
         self.evaluated += len(ids)
         top = logits.max()
