@@ -7,26 +7,16 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_torch import DOC, SMALL
 from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 import blink
 
 DEFAULTS = blink.Settings()
-EVIDENCE = (
-    "Ticket 4471: the customer's router drops its connection every evening; firmware 2.1 was installed last week. "
-    "Two earlier tickets about the same model were closed after a factory reset."
-)
-# Tails of different lengths, so the engine's batch of tails is right-padded; one question alone runs unpadded.
-QUESTIONS = {
-    "firmware": {"type": "noul", "instructions": "Did a firmware update come before the problem?"},
-    "cause": {
-        "type": "choice",
-        "instructions": "What most likely causes the drops, judging from the ticket and the earlier ones?",
-        "criteria": ["firmware", "wiring", "the provider", "interference", "unknown"],
-    },
-    "urgency": {"type": "score", "instructions": "How urgent is it?", "criteria": ["low", "medium", "high"]},
-}
+# The questions' tails differ in length, so the engine's batch of tails is right-padded; one question alone runs
+# unpadded.
+EVIDENCE, QUESTIONS = DOC, SMALL
 
 
 def inputs(rows: int, length: int, key_heads: int = 2, heads: int = 4, dim: int = 16, seed: int = 0):
@@ -76,7 +66,7 @@ def test_the_engine_answers_as_transformers_own_layers_do(tiny_qwen_dir):
     theirs = blink.TorchEngine(tiny_qwen_dir, settings=replace(DEFAULTS, gated_delta="transformers"))
     assert ours.gated_delta_layers == 2 and theirs.gated_delta_layers == 0  # the tiny model's two linear layers
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float32).eval()
-    for questions in (QUESTIONS, {"firmware": QUESTIONS["firmware"]}):
+    for questions in (QUESTIONS, {"late": QUESTIONS["late"]}):
         request = blink.parse_request(EVIDENCE, questions, settings=DEFAULTS)
         prompts = ours.render(request)
         if len(questions) > 1:
