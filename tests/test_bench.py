@@ -547,6 +547,8 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "serve.json": "serve",
         "serve-default.json": "serve",
         "shape4b.json": "shape4b",
+        "shape4b-8l.json": "shape4b",
+        "shape4b-load.json": "shape4b",
         "vllm-cpu.json": "vllm_check",
     }
 
@@ -719,6 +721,7 @@ def test_the_bench_readme_tables_are_what_report_prints():
         "serve-default.json": ("serve", None),
         "krite.json": ("krite", None),
         "shape4b.json": ("shape4b", None),
+        "shape4b-8l.json": ("shape4b", None),
         "quantfloor.json": ("drift", None),
         "route_sim.json": ("route_sim", None),
         "full.json": ("run", "Time per request"),
