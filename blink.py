@@ -3562,8 +3562,10 @@ def pack_head(model, matmul: str):
 
 
 @functools.cache
+@functools.cache
 def _libc(name: str) -> Callable | None:
-    """A function of the C library (glibc's malloc_trim, mallopt), or None where it has none (musl, macOS, Windows)."""
+    """A function of the C library (glibc's malloc_trim, mallopt, madvise), or None where it has none (musl, macOS,
+    Windows); looked up once (finding the library runs ldconfig: ~2 ms, and loading calls madvise once a weight)."""
     import ctypes
     import ctypes.util
 

@@ -32,14 +32,13 @@ template header is kept as after any other request.
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
 from dataclasses import replace
 
 import blink
-from bench.lib import cold, harness, qwen_gguf, report, workloads
+from bench.lib import answers, cold, harness, qwen_gguf, report, workloads
 from bench.peers import llamacpp
 from bench.workers import isolated
 
@@ -84,13 +83,6 @@ def requests(tokenizer, doc_tokens: int) -> dict[str, tuple[str, dict]]:
     doc = workloads.document(tokenizer, doc_tokens, seed=7)
     asked = cold.questions(workloads.ticket_count(doc))
     return {"warm": cold.WARM, "short": SHORT, "document": (doc, asked), "again": (doc, workloads.reworded(asked))}
-
-
-def softmax(logits: list[float]) -> list[float]:
-    """Probabilities over the labels."""
-    top = max(logits)
-    weights = [math.exp(x - top) for x in logits]
-    return [w / sum(weights) for w in weights]
 
 
 class BlinkArm:
@@ -140,7 +132,7 @@ class BlinkArm:
         start = time.perf_counter()
         forward = self.engine.forward(request)
         wall = time.perf_counter() - start
-        labels = [softmax(forward.readouts[p.qkey].logits[0]) for p in self.engine.render(request)]
+        labels = [blink.softmax(forward.readouts[p.qkey].logits[0], 1.0) for p in self.engine.render(request)]
         return {"wall_s": wall, "computed_tokens": forward.prefill_tokens, "labels": labels}
 
     def memory(self) -> dict:
@@ -167,7 +159,11 @@ class LlamaCases:
         reads = [self.reader.call("read", ids, cand, cuts) for ids, cand, cuts in self.prompts[case]]
         wall = time.perf_counter() - start
         computed = self.reader.call("tokens_evaluated") - before
-        return {"wall_s": wall, "computed_tokens": computed, "labels": [softmax(logits) for logits, _ in reads]}
+        return {
+            "wall_s": wall,
+            "computed_tokens": computed,
+            "labels": [blink.softmax(logits, 1.0) for logits, _ in reads],
+        }
 
 
 def run_cases(arm, reps: int) -> dict:
@@ -239,15 +235,9 @@ def compare_labels(reference: list[list[float]], other: list[list[float]]) -> di
     moved = [
         i
         for i, (ref, got) in enumerate(zip(reference, other))
-        if ref.index(max(ref)) != got.index(max(got)) and margin(ref) > KEPT_MARGIN
+        if ref.index(max(ref)) != got.index(max(got)) and answers.margin(dict(enumerate(ref))) > KEPT_MARGIN
     ]
     return {"max_prob_diff": round(diff, 5), "picks_moved": moved}
-
-
-def margin(probs: list[float]) -> float:
-    """The gap between the two highest probabilities."""
-    top = sorted(probs, reverse=True)
-    return top[0] - top[1] if len(top) > 1 else 1.0
 
 
 def flags(parser) -> None:

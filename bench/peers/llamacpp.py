@@ -4,8 +4,9 @@ Q4_1 weights blink's stand-in is de-quantized from); on a Qwen3.5 checkpoint fol
 random-weight models of bench/lib/qwen_gguf.py, or the real one) it reads that folder converted by llama.cpp's own
 converter to BF16 (runs the qwen35 architecture, its fused CPU gated-delta-net op included). Two arms per weight type:
 every prompt evaluated from nothing ("llama.cpp"), and the longest common prefix with the previous prompt kept in its
-KV cache, as llama-server does ("llama.cpp_reuse"; a recurrent layer's state cannot be cut back, so on Qwen3.5 only a
-prompt that extends the one before reuses it: LlamaReader.kept); at Q4_1 (the stand-in's own file), at Q8_0
+KV cache, as llama-server does ("llama.cpp_reuse"; a recurrent layer's state cannot be cut back, so on Qwen3.5 the
+state is saved at blink's cut points and the longest one put back, as llama-server's context checkpoints are:
+LlamaReader.restored); at Q4_1 (the stand-in's own file), at Q8_0
 ("llama.cpp_q8_0", "llama.cpp_q8_0_reuse"), the precision of the INT8 peers, and at BF16 ("llama.cpp_bf16",
 "llama.cpp_bf16_reuse"): each other type made by llama.cpp's own quantizer (llama_model_quantize) from the source
 file (the stand-in's Q4_1, whose de-quantized weights are the very ones blink's stand-in loads; a checkpoint's BF16,
