@@ -34,9 +34,15 @@ where the error comes from and what a finer 8-bit scheme would reach:
   w8_group32         the weights int8 per 32 input values, the inputs exact (the finest weights at 8 bits here)
   w8a8_token         the weights per output channel and the inputs per token (dynamic int8, as torch._int_mm
                      or ONNX Runtime's per-call quantization would run it, at a finer scale than per tensor)
+  w8a8_smooth65_exact_down  per token as above, smoothed (SmoothQuant, alpha 0.65), down_proj kept exact
+  fbgemm_token       not simulated: fbgemm's int8 product itself (torch.ops.quantized.linear_dynamic), inputs per
+                     token (rows scaled to max 1) at the 7 bits fbgemm uses without VNNI (reduce_range: 8-bit inputs
+                     would saturate int16 sums on AVX2)
+  fbgemm_smooth65_exact_down  the same, smoothed and down_proj kept exact as above
   q8_0               weights and inputs int8 per 32 values (llama.cpp's Q8_0 blocks, both operands)
 Symmetric rounding, scale = the group's largest magnitude / 127. Every arm's kept prefixes are dropped before each
-request. Writes bench/results/quantfloor.json (quantfloor-quick.json with --quick; the committed one was written by
+request. Then one product at blink-4b's MLP shape is timed in float32, bfloat16 and on fbgemm's int8 path. Writes
+bench/results/quantfloor.json (quantfloor-quick.json with --quick; the committed one was written by
 `python -m bench quantfloor`, as this was called before it joined drift); the last line is a summary.
 """
 
@@ -45,6 +51,7 @@ from __future__ import annotations
 import os
 import tempfile
 import types
+import warnings
 from dataclasses import replace
 
 import blink
@@ -142,6 +149,9 @@ SIMULATED = {
     "w8a8_token": ("channel", "token", None, ()),
     "w8a8_smooth": ("channel", "token", 0.5, ()),
     "w8a8_smooth_exact_down": ("channel", "token", 0.5, ("down_proj",)),
+    "w8a8_smooth65_exact_down": ("channel", "token", 0.65, ("down_proj",)),
+    "fbgemm_token": ("channel", "fbgemm", None, ()),
+    "fbgemm_smooth65_exact_down": ("channel", "fbgemm", 0.65, ("down_proj",)),
     "q8_0": (32, 32, None, ()),
 }
 CALIBRATION_TOKENS = 1500  # the calibration log's length (seed 99: none of the measured logs)
@@ -161,6 +171,33 @@ def rounded(t, grouping):
     rows = t.unsqueeze(-2) if grouping in ("channel", "token") else t.reshape(*t.shape[:-1], -1, grouping)
     scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
     return (torch.round(rows / scale).clamp(-127, 127) * scale).reshape(t.shape)
+
+
+def fbgemm_forward(self, x):
+    """The layer on fbgemm's dynamic int8 product (torch.ops.quantized.linear_dynamic, reduce_range: 7-bit inputs, as
+    it runs where the CPU lacks VNNI), each row scaled to max |x| = 1 and a row of +1 and -1 appended, so every row
+    gets the same grid whatever rows share the call: per-token scales out of a per-tensor kernel."""
+    import torch
+
+    rows = (x.float() / self.smoothing).reshape(-1, x.shape[-1])
+    scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+    out = torch.ops.quantized.linear_dynamic(torch.cat([rows / scale, self.grid_row]), self.packed, True)[:-1] * scale
+    out = out.reshape(*x.shape[:-1], -1)
+    return out if self.bias is None else out + self.bias
+
+
+def fbgemm_pack(layer, weight) -> None:
+    """`weight` int8 per output channel (symmetric, max/127), packed for fbgemm on `layer`."""
+    import torch
+
+    torch.backends.quantized.engine = "fbgemm"
+    scale = weight.abs().amax(1).clamp(min=1e-12).double() / 127
+    with warnings.catch_warnings():  # torch's quantized tensors are deprecated in favour of torchao; still shipped
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_channel(weight, scale, torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
+        layer.packed = torch.ops.quantized.linear_prepack(q, None)
+    layer.grid_row = torch.zeros(1, weight.shape[1])
+    layer.grid_row[0, :2] = torch.tensor([1.0, -1.0])
 
 
 def simulate(model, exact: dict, scheme: tuple, input_max: dict) -> None:
@@ -186,10 +223,45 @@ def simulate(model, exact: dict, scheme: tuple, input_max: dict) -> None:
         layer.weight.data = exact[name] if exact_layer else rounded(exact[name] * smoothing, weights)
         layer.smoothing = smoothing
         layer.forward = types.MethodType(forward, layer)
+        if inputs == "fbgemm" and not exact_layer:
+            fbgemm_pack(layer, exact[name] * smoothing)
+            layer.forward = types.MethodType(fbgemm_forward, layer)
         if exact_layer:
             layer.forward = types.MethodType(
                 lambda self, x: torch.nn.functional.linear(x, self.weight, self.bias), layer
             )
+
+
+KERNEL_SHAPE = (512, 2560, 9216)  # rows x in x out: blink-4b's MLP up projection over a 512-token chunk
+
+
+def kernel_rates(reps: int = 3) -> dict:
+    """GFLOP/s of one product at KERNEL_SHAPE in float32, bfloat16 and on fbgemm's int8 path as fbgemm_forward runs
+    it (the row scaling included), the best of `reps` calls after one warm-up."""
+    import time
+
+    import torch
+
+    rows, width, out = KERNEL_SHAPE
+    x, weight = torch.randn(rows, width), torch.randn(out, width) * 0.02
+    layer = types.SimpleNamespace(smoothing=torch.ones(width), bias=None)
+    fbgemm_pack(layer, weight)
+    x16, w16 = x.bfloat16(), weight.bfloat16()
+    products = {
+        "float32": lambda: torch.nn.functional.linear(x, weight),
+        "bfloat16": lambda: torch.nn.functional.linear(x16, w16),
+        "fbgemm_int8": lambda: fbgemm_forward(layer, x),
+    }
+    rates = {}
+    for name, product in products.items():
+        product()
+        best = float("inf")
+        for _ in range(reps):
+            start = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - start)
+        rates[name] = round(2 * rows * width * out / best / 1e9, 1)
+    return rates
 
 
 def input_maxima(engine: blink.TorchEngine, settings: blink.Settings) -> dict:
@@ -267,10 +339,15 @@ def schemes(run: harness.Run) -> int:
         "rows": rows,
         "worst": worst,
     }
+    res["kernel_shape"], res["kernel_gflops"] = list(KERNEL_SHAPE), kernel_rates()
     path = run.write(res, stem="quantfloor")
     print(
         f"largest probability difference from float32 over {len(rows)} logs on {blink.hardware()} (bound {BOUND}): "
         + ", ".join(f"{arm} {v:.4f}" for arm, v in worst.items())
+        + "; products at "
+        + "x".join(map(str, KERNEL_SHAPE))
+        + ": "
+        + ", ".join(f"{k} {v} GFLOP/s" for k, v in res["kernel_gflops"].items())
         + f"; results {os.path.relpath(path)}"
     )
     return 0
@@ -368,7 +445,12 @@ def schemes_table(res: dict) -> list[str]:
         + [f"{res['worst'][arm]:.4f} {'within' if res['worst'][arm] <= res['bound'] else 'over'}"]
         for arm in arms
     ]
-    return report.table(head, rows) + ["", "Each cell: the largest probability difference (the picks that differ)."]
+    lines = report.table(head, rows) + ["", "Each cell: the largest probability difference (the picks that differ)."]
+    if "kernel_gflops" in res:
+        shape = "x".join(map(str, res["kernel_shape"]))
+        rates = ", ".join(f"{k} {v}" for k, v in res["kernel_gflops"].items())
+        lines.append(f"One product at {shape} (rows x in x out), GFLOP/s: {rates}.")
+    return lines
 
 
 def drift_report(res: dict) -> list[str]:

@@ -86,6 +86,24 @@ def test_prefill_flops_count_every_key_of_every_computed_token(tiny_qwen):
     assert cost.flops(spans) == cost.token_flops * 8 + 4 * layers * width * keys
 
 
+def test_the_fbgemm_arm_gives_each_row_its_own_grid_whatever_rows_share_the_call():
+    # drift --schemes' fbgemm arms: a per-tensor int8 kernel made per-token (rows scaled to max 1, a row of +1 and -1
+    # appended), so a row's product does not depend on the rows beside it, and stays on the 7-bit grid's error
+    from bench import drift
+
+    torch.manual_seed(0)
+    weight = torch.randn(48, 64) * 0.05
+    layer = SimpleNamespace(smoothing=torch.ones(64), bias=None)
+    drift.fbgemm_pack(layer, weight)
+    rows = torch.randn(6, 64) * torch.tensor([0.01, 0.1, 1.0, 10.0, 100.0, 3.0])[:, None]  # scales far apart
+    together = drift.fbgemm_forward(layer, rows)
+    for i in range(len(rows)):
+        alone = drift.fbgemm_forward(layer, rows[i : i + 1])[0]
+        exact = rows[i] @ weight.T
+        assert torch.allclose(alone, together[i], rtol=1e-5, atol=1e-6 * exact.abs().max())
+        assert (alone - exact).abs().max() <= 0.1 * exact.abs().max()  # 7-bit inputs, int8 weights
+
+
 def test_subsample_and_percentile_rules():
     assert run.ladder(64, 2100, 24000) == 8 and run.ladder(64, 330, 24000) == 64 and run.ladder(8, 9000, 1) == 1
     assert harness.percentile([1, 2, 3, 4], 50) == 2.5 and harness.percentile([7], 99) == 7
