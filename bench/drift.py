@@ -36,14 +36,15 @@ where the error comes from and what a finer 8-bit scheme would reach:
                      or ONNX Runtime's per-call quantization would run it, at a finer scale than per tensor)
   w8a8_smooth65_exact_down  per token as above, smoothed (SmoothQuant, alpha 0.65), down_proj kept exact
   fbgemm_token       not simulated: fbgemm's int8 product itself (torch.ops.quantized.linear_dynamic), inputs per
-                     token (rows scaled to max 1) at the 7 bits fbgemm uses without VNNI (reduce_range: 8-bit inputs
-                     would saturate int16 sums on AVX2)
+                     token (rows scaled to max 1) at the 7 bits of its reduce_range (8-bit inputs can saturate the
+                     int16 sums of AVX2's u8 x s8 instruction, vpmaddubsw)
   fbgemm_smooth65_exact_down  the same, smoothed and down_proj kept exact as above
   q8_0               weights and inputs int8 per 32 values (llama.cpp's Q8_0 blocks, both operands)
 Symmetric rounding, scale = the group's largest magnitude / 127. Every arm's kept prefixes are dropped before each
-request. Then one product at blink-4b's MLP shape is timed in float32, bfloat16 and on fbgemm's int8 path. Writes
-bench/results/quantfloor.json (quantfloor-quick.json with --quick; the committed one was written by
-`python -m bench quantfloor`, as this was called before it joined drift); the last line is a summary.
+request. The logs are drift's four on the stand-in (two with --quick; `--logs 100,1000` asks logs of those lengths).
+Then one product at blink-4b's MLP shape is timed in float32, bfloat16 and on fbgemm's int8 path. Writes
+bench/results/quantfloor.json (`--name` names another; NAME-quick.json with --quick; the committed quantfloor.json
+was written by `python -m bench quantfloor`, as this was called before it joined drift); the last line is a summary.
 """
 
 from __future__ import annotations
@@ -174,8 +175,8 @@ def rounded(t, grouping):
 
 
 def fbgemm_forward(self, x):
-    """The layer on fbgemm's dynamic int8 product (torch.ops.quantized.linear_dynamic, reduce_range: 7-bit inputs, as
-    it runs where the CPU lacks VNNI), each row scaled to max |x| = 1 and a row of +1 and -1 appended, so every row
+    """The layer on fbgemm's dynamic int8 product (torch.ops.quantized.linear_dynamic, reduce_range: 7-bit inputs, so
+    AVX2's int16 sums cannot saturate), each row scaled to max |x| = 1 and a row of +1 and -1 appended, so every row
     gets the same grid whatever rows share the call: per-token scales out of a per-tensor kernel."""
     import torch
 
@@ -300,7 +301,7 @@ def answered(engine: blink.TorchEngine, request: blink.Request) -> dict:
 
 def schemes(run: harness.Run) -> int:
     """--schemes: every scheme against float32 on each log; write quantfloor.json, print one summary line last."""
-    targets = SCHEME_LOGS["quick" if run.quick else "full"]
+    targets = run.args.logs or SCHEME_LOGS["quick" if run.quick else "full"]
     base = blink.Settings(prefix_min_tokens=256)
     reference = blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, dtype="float32", cpu_matmul="torch"))
     shipped = {
@@ -340,7 +341,7 @@ def schemes(run: harness.Run) -> int:
         "worst": worst,
     }
     res["kernel_shape"], res["kernel_gflops"] = list(KERNEL_SHAPE), kernel_rates()
-    path = run.write(res, stem="quantfloor")
+    path = run.write(res, stem=run.args.name)
     print(
         f"largest probability difference from float32 over {len(rows)} logs on {blink.hardware()} (bound {BOUND}): "
         + ", ".join(f"{arm} {v:.4f}" for arm, v in worst.items())
@@ -357,6 +358,10 @@ def flags(parser) -> None:
     """drift's own flags."""
     parser.add_argument("--reps", type=int, help="default 3, quick 1")
     parser.add_argument("--schemes", action="store_true", help="8-bit schemes against float32 (quantfloor.json)")
+    parser.add_argument(
+        "--logs", type=lambda s: [int(n) for n in s.split(",")], help="--schemes: the logs' lengths (tokens, a,b,...)"
+    )
+    parser.add_argument("--name", default="quantfloor", help="--schemes: the results file's name (default quantfloor)")
 
 
 def main(argv: list[str] | None = None) -> int:
