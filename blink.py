@@ -2929,9 +2929,9 @@ def _unit_lower_inverse(lower):
     import torch
 
     size = lower.shape[-1]
-    blocks = size // GATED_DELTA_BLOCK
+    whole = size // GATED_DELTA_BLOCK
     # merged pairwise, the blocks must be a power of two of them; another length (a last chunk's) is substituted whole
-    block = GATED_DELTA_BLOCK if size % GATED_DELTA_BLOCK == 0 and blocks & (blocks - 1) == 0 else size
+    block = GATED_DELTA_BLOCK if size % GATED_DELTA_BLOCK == 0 and whole & (whole - 1) == 0 else size
     blocks = size // block
     diag = torch.stack(
         [lower[..., j * block : (j + 1) * block, j * block : (j + 1) * block] for j in range(blocks)], -3
@@ -3561,7 +3561,6 @@ def pack_head(model, matmul: str):
     return torch.ops.mkldnn._reorder_linear_weight(head.detach(), 1)
 
 
-@functools.cache
 @functools.cache
 def _libc(name: str) -> Callable | None:
     """A function of the C library (glibc's malloc_trim, mallopt, madvise), or None where it has none (musl, macOS,

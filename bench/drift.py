@@ -221,16 +221,16 @@ def simulate(model, exact: dict, scheme: tuple, input_max: dict) -> None:
         if alpha is not None and not exact_layer:
             column_max = exact[name].abs().amax(0).clamp(min=1e-5)
             smoothing = input_max[name].clamp(min=1e-5) ** alpha / column_max ** (1 - alpha)
-        layer.weight.data = exact[name] if exact_layer else rounded(exact[name] * smoothing, weights)
         layer.smoothing = smoothing
-        layer.forward = types.MethodType(forward, layer)
-        if inputs == "fbgemm" and not exact_layer:
+        if exact_layer:
+            layer.weight.data = exact[name]
+            layer.forward = types.MethodType(plain, layer)
+        elif inputs == "fbgemm":
             fbgemm_pack(layer, exact[name] * smoothing)
             layer.forward = types.MethodType(fbgemm_forward, layer)
-        if exact_layer:
-            layer.forward = types.MethodType(
-                lambda self, x: torch.nn.functional.linear(x, self.weight, self.bias), layer
-            )
+        else:
+            layer.weight.data = rounded(exact[name] * smoothing, weights)
+            layer.forward = types.MethodType(forward, layer)
 
 
 KERNEL_SHAPE = (512, 2560, 9216)  # rows x in x out: blink-4b's MLP up projection over a 512-token chunk
@@ -238,9 +238,8 @@ KERNEL_SHAPE = (512, 2560, 9216)  # rows x in x out: blink-4b's MLP up projectio
 
 def kernel_rates(reps: int = 3) -> dict:
     """GFLOP/s of one product at KERNEL_SHAPE in float32, bfloat16 and on fbgemm's int8 path as fbgemm_forward runs
-    it (the row scaling included), the best of `reps` calls after one warm-up."""
-    import time
-
+    it (the row scaling included): the best of `reps` rounds, the products taking turns after a warm-up call each
+    (blink.interleaved_seconds, as blink measures its kernels)."""
     import torch
 
     rows, width, out = KERNEL_SHAPE
@@ -253,16 +252,8 @@ def kernel_rates(reps: int = 3) -> dict:
         "bfloat16": lambda: torch.nn.functional.linear(x16, w16),
         "fbgemm_int8": lambda: fbgemm_forward(layer, x),
     }
-    rates = {}
-    for name, product in products.items():
-        product()
-        best = float("inf")
-        for _ in range(reps):
-            start = time.perf_counter()
-            product()
-            best = min(best, time.perf_counter() - start)
-        rates[name] = round(2 * rows * width * out / best / 1e9, 1)
-    return rates
+    rounds = blink.interleaved_seconds(products, reps, calls=1)
+    return {name: round(2 * rows * width * out / min(seconds) / 1e9, 1) for name, seconds in rounds.items()}
 
 
 def input_maxima(engine: blink.TorchEngine, settings: blink.Settings) -> dict:
