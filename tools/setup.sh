@@ -34,11 +34,20 @@ pip_install() { "$@" -q --disable-pip-version-check; }
 # torch makes a folder for its compiler's cache in the temp folder whenever transformers loads a model (prepare and
 # the vLLM check below): this run's goes to a scratch folder removed when setup ends
 scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
+# a setup that stops early ends the jobs it started (below) and what they run, then removes their logs
+end_jobs() {
+  local job
+  for job in $(jobs -p); do
+    pkill -P "$job" 2>/dev/null || true
+    kill "$job" 2>/dev/null || true
+  done
+}
+trap 'status=$?; end_jobs; rm -rf "$scratch"; exit $status' EXIT
 export TORCHINDUCTOR_CACHE_DIR="$scratch/torchinductor"
 # The environments beside .venv (the harnesses', ONNX's, vLLM's) and chromium need nothing from .venv: each is built
-# by a job of its own, side by side with .venv and the llama.cpp build (most of a pip install waits on the disk, so
-# on 2 cores the jobs overlap). Each job's output goes to a log printed only when it fails.
+# by a job of its own, side by side with .venv and the llama.cpp build. Each job's output goes to a log printed only
+# when it fails; what a job says to the person running setup goes to file descriptor 3, setup's own output.
+exec 3>&1
 jobs_started=()
 start_job() {
   local name=$1
@@ -54,17 +63,13 @@ wait_jobs() {
       tail -n 40 "$scratch/${entry%%:*}.log" >&2
       failed=1
     fi
-    [[ ${entry%%:*} == vllm ]] && cat "$scratch/vllm.log"
   done
   return $failed
 }
-harness_env() {
+pinned_env() {
+  # .venv-NAME with tools/requirements-NAME.txt
   python3 -m venv ".venv-$1"
   pip_install ".venv-$1/bin/pip" install -r "tools/requirements-$1.txt"
-}
-onnx_env() {
-  python3 -m venv .venv-onnx
-  pip_install .venv-onnx/bin/pip install -r tools/requirements-onnx.txt
 }
 vllm_env() {
   python3 -m venv .venv-vllm
@@ -80,7 +85,7 @@ vllm_env() {
   fi
   local version
   version=$(.venv-vllm/bin/python -c "import blink, vllm; print(vllm.__version__)" | tail -1)
-  echo "vLLM $version environment: $PWD/.venv-vllm (BLINK_BACKEND=vllm .venv-vllm/bin/python app.py)"
+  echo "vLLM $version environment: $PWD/.venv-vllm (BLINK_BACKEND=vllm .venv-vllm/bin/python app.py)" >&3
 }
 chromium_install() {
   if [[ $(id -u) == 0 ]]; then
@@ -91,10 +96,10 @@ chromium_install() {
 }
 if $harnesses; then
   for harness in krite jevbench schemathesis; do
-    start_job "$harness" harness_env "$harness"
+    start_job "$harness" pinned_env "$harness"
   done
 fi
-$onnx && start_job onnx onnx_env
+$onnx && start_job onnx pinned_env onnx
 $vllm && start_job vllm vllm_env
 if $tests && ! command -v chromium >/dev/null; then
   start_job chromium chromium_install
