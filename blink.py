@@ -2486,6 +2486,7 @@ class TorchEngine(PromptEngine):
                 self.model, self.settings.cpu_matmul, self.settings.cache_dir, self.backbone()
             )
         self.packed_head = pack_head(self.model, self.matmul)
+        use_real_tokens(self.backbone())
         own_mapped_weights(self.model)
         if self.settings.release_memory:  # what loading, packing and quantizing freed
             release_freed_memory()
@@ -3606,6 +3607,57 @@ def _padded(seqs: list[list[int]], rows: list[int], pad_id: int):
     return ids
 
 
+# A batch's rows are right-padded to its longest; the per-token work (the linear layers and the MLPs, nearly all of
+# a layer's products) runs on its real tokens alone, gathered into one matrix and scattered back, padding left zero.
+# Every layer is causal, so what the padding holds never reaches a real position.
+_REAL_TOKENS: contextvars.ContextVar = contextvars.ContextVar("blink_real_tokens", default=None)
+
+
+def real_tokens(lengths: list[int], width: int, device):
+    """(flat indices of the real tokens of right-padded rows (row x width + position), rows, width); None where no
+    row is padded."""
+    import torch
+
+    if all(n == width for n in lengths):
+        return None
+    positions = torch.arange(width, device=device)
+    return torch.cat([r * width + positions[:n] for r, n in enumerate(lengths)]), len(lengths), width
+
+
+def _gather_real(module, args):
+    """Forward pre-hook: a padded batch's input [rows, width, ...] as the matrix of its real tokens (_REAL_TOKENS)."""
+    batch, x = _REAL_TOKENS.get(), args[0]
+    if batch is None or tuple(x.shape[:2]) != batch[1:]:
+        return None
+    return (x.flatten(0, 1).index_select(0, batch[0]), *args[1:])
+
+
+def _scatter_real(module, args, y):
+    """Forward hook: the output of a gathered input (_gather_real) put back in its rows, zeros at the padding."""
+    batch = _REAL_TOKENS.get()
+    if batch is None or args[0].dim() != 2 or args[0].shape[0] != len(batch[0]):
+        return None
+    real, rows, width = batch
+    return y.new_zeros(rows * width, y.shape[-1]).index_copy_(0, real, y).view(rows, width, -1)
+
+
+def use_real_tokens(backbone) -> int:
+    """Run each decoder layer's MLP and its other linear layers on the real tokens of a padded batch alone (hooks
+    around whatever forward each has: torch's, packed, oneDNN's or int8). Returns how many modules it took."""
+    import torch
+
+    taken = 0
+    for layer in backbone.layers:
+        mlp = getattr(layer, "mlp", None)
+        inside = set(mlp.modules()) if mlp is not None else set()
+        mixers = [m for m in layer.modules() if type(m) is torch.nn.Linear and m not in inside]
+        for module in [mlp, *mixers] if mlp is not None else mixers:
+            module.register_forward_pre_hook(_gather_real)
+            module.register_forward_hook(_scatter_real)
+            taken += 1
+    return taken
+
+
 def _run_batches(
     engine: TorchEngine,
     seqs: list[list[int]],
@@ -3621,10 +3673,15 @@ def _run_batches(
     read = _READERS[engine.settings.readout]
     for b in _batches([len(s) for s in seqs], engine.settings.token_budget, max_rows):
         ids = _padded(seqs, b, engine.pad_id).to(device)
-        if cache is None:
-            h = backbone(input_ids=ids, use_cache=False).last_hidden_state
-        else:
-            h = backbone(input_ids=ids, cache=_copy_cache(cache, len(b), keep=False), use_cache=True).last_hidden_state
+        padding = _REAL_TOKENS.set(real_tokens([len(seqs[i]) for i in b], ids.shape[1], device))
+        try:
+            if cache is None:
+                h = backbone(input_ids=ids, use_cache=False).last_hidden_state
+            else:
+                past = _copy_cache(cache, len(b), keep=False)
+                h = backbone(input_ids=ids, cache=past, use_cache=True).last_hidden_state
+        finally:
+            _REAL_TOKENS.reset(padding)
         hs = _last_hidden(h, [len(seqs[i]) for i in b])
         rows = read(head, hs, [cands[i] for i in b])
         for i, row, lse in zip(b, rows, _vocab_lse(head, hs, engine.packed_head)):

@@ -39,6 +39,10 @@ where the error comes from and what a finer 8-bit scheme would reach:
                      token (rows scaled to max 1) at the 7 bits of its reduce_range (8-bit inputs can saturate the
                      int16 sums of AVX2's u8 x s8 instruction, vpmaddubsw)
   fbgemm_smooth65_exact_down  the same, smoothed and down_proj kept exact as above
+  w7a8_smooth65_exact_down, w8a7_smooth65_exact_down  the smoothed scheme above with the weights, or the inputs, at 7
+                     bits (63 levels a side): the bit AVX2's 16-bit sums cost one operand or the other
+  fbgemm8_token, fbgemm8_smooth65_exact_down  fbgemm's product with 8-bit inputs beside 7-bit weights (its sums cannot
+                     saturate that way either)
   q8_0               weights and inputs int8 per 32 values (llama.cpp's Q8_0 blocks, both operands)
 Symmetric rounding, scale = the group's largest magnitude / 127. Every arm's kept prefixes are dropped before each
 request. The logs are drift's four on the stand-in (two with --quick; `--logs 100,1000` asks logs of those lengths).
@@ -139,8 +143,9 @@ def worst(rows: list[dict], arm: str, model: str | None = None) -> dict:
 
 
 # Simulated schemes: (weight grouping, input grouping, smoothing, layers kept exact); a grouping is "channel" (the
-# weight's output rows), "token" (the input's rows), a group size along the reduced dimension, "bfloat16", or None
-# (exact). Smoothing alpha (SmoothQuant, Xiao et al. 2023): each input channel j divided by s_j = max|x_j|^alpha /
+# weight's output rows), "token" (the input's rows), either at 7 bits ("channel7", "token7"), a group size along the
+# reduced dimension, "bfloat16", "fbgemm"/"fbgemm8" (inputs to fbgemm's product at 7 or 8 bits), or None (exact).
+# Smoothing alpha (SmoothQuant, Xiao et al. 2023): each input channel j divided by s_j = max|x_j|^alpha /
 # max|W_j|^(1 - alpha) and the weight's column j multiplied by it, max|x_j| read on a calibration log that is not
 # one of the logs measured; None: no smoothing. Layers kept exact: those whose name holds one of the strings.
 SIMULATED = {
@@ -153,6 +158,10 @@ SIMULATED = {
     "w8a8_smooth65_exact_down": ("channel", "token", 0.65, ("down_proj",)),
     "fbgemm_token": ("channel", "fbgemm", None, ()),
     "fbgemm_smooth65_exact_down": ("channel", "fbgemm", 0.65, ("down_proj",)),
+    "w7a8_smooth65_exact_down": ("channel7", "token", 0.65, ("down_proj",)),
+    "w8a7_smooth65_exact_down": ("channel", "token7", 0.65, ("down_proj",)),
+    "fbgemm8_token": ("channel7", "fbgemm8", None, ()),
+    "fbgemm8_smooth65_exact_down": ("channel7", "fbgemm8", 0.65, ("down_proj",)),
     "q8_0": (32, 32, None, ()),
 }
 CALIBRATION_TOKENS = 1500  # the calibration log's length (seed 99: none of the measured logs)
@@ -169,30 +178,39 @@ def rounded(t, grouping):
         return t
     if grouping == "bfloat16":
         return t.to(torch.bfloat16).float()
-    rows = t.unsqueeze(-2) if grouping in ("channel", "token") else t.reshape(*t.shape[:-1], -1, grouping)
-    scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    return (torch.round(rows / scale).clamp(-127, 127) * scale).reshape(t.shape)
+    levels = 63 if grouping in ("channel7", "token7") else 127
+    rows = (
+        t.unsqueeze(-2)
+        if grouping in ("channel", "channel7", "token", "token7")
+        else t.reshape(*t.shape[:-1], -1, grouping)
+    )
+    scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12) / levels
+    return (torch.round(rows / scale).clamp(-levels, levels) * scale).reshape(t.shape)
 
 
 def fbgemm_forward(self, x):
-    """The layer on fbgemm's dynamic int8 product (torch.ops.quantized.linear_dynamic, reduce_range: 7-bit inputs, so
-    AVX2's int16 sums cannot saturate), each row scaled to max |x| = 1 and a row of +1 and -1 appended, so every row
-    gets the same grid whatever rows share the call: per-token scales out of a per-tensor kernel."""
+    """The layer on fbgemm's dynamic int8 product (torch.ops.quantized.linear_dynamic), each row scaled to max |x| = 1
+    and a row of +1 and -1 appended, so every row gets the same grid whatever rows share the call: per-token scales
+    out of a per-tensor kernel. AVX2's u8 x s8 instruction sums pairs in 16 bits: 7-bit inputs beside 8-bit weights
+    (fbgemm's reduce_range) or 8-bit inputs beside 7-bit weights cannot saturate them (`self.reduce_range`)."""
     import torch
 
     rows = (x.float() / self.smoothing).reshape(-1, x.shape[-1])
     scale = rows.abs().amax(-1, keepdim=True).clamp(min=1e-12)
-    out = torch.ops.quantized.linear_dynamic(torch.cat([rows / scale, self.grid_row]), self.packed, True)[:-1] * scale
+    grid = torch.cat([rows / scale, self.grid_row])
+    out = torch.ops.quantized.linear_dynamic(grid, self.packed, self.reduce_range)[:-1] * scale
     out = out.reshape(*x.shape[:-1], -1)
     return out if self.bias is None else out + self.bias
 
 
-def fbgemm_pack(layer, weight) -> None:
-    """`weight` int8 per output channel (symmetric, max/127), packed for fbgemm on `layer`."""
+def fbgemm_pack(layer, weight, input_bits: int = 7) -> None:
+    """`weight` int8 per output channel (symmetric, max/127; max/63 beside 8-bit inputs), packed for fbgemm on
+    `layer`."""
     import torch
 
     torch.backends.quantized.engine = "fbgemm"
-    scale = weight.abs().amax(1).clamp(min=1e-12).double() / 127
+    layer.reduce_range = input_bits == 7
+    scale = weight.abs().amax(1).clamp(min=1e-12).double() / (127 if layer.reduce_range else 63)
     with warnings.catch_warnings():  # torch's quantized tensors are deprecated in favour of torchao; still shipped
         warnings.simplefilter("ignore")
         q = torch.quantize_per_channel(weight, scale, torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
@@ -225,8 +243,8 @@ def simulate(model, exact: dict, scheme: tuple, input_max: dict) -> None:
         if exact_layer:
             layer.weight.data = exact[name]
             layer.forward = types.MethodType(plain, layer)
-        elif inputs == "fbgemm":
-            fbgemm_pack(layer, exact[name] * smoothing)
+        elif inputs in ("fbgemm", "fbgemm8"):
+            fbgemm_pack(layer, exact[name] * smoothing, 8 if inputs == "fbgemm8" else 7)
             layer.forward = types.MethodType(fbgemm_forward, layer)
         else:
             layer.weight.data = rounded(exact[name] * smoothing, weights)

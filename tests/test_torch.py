@@ -95,6 +95,32 @@ def test_tiny_qwen35_fp32_packed_equals_alone(tiny_qwen):
     assert max_gap(tiny_qwen, DOC, SMALL) < 1e-4
 
 
+@pytest.mark.parametrize("model", ["standin", "tiny_qwen"])
+def test_a_padded_batch_runs_its_linear_layers_on_its_real_tokens_alone(model, request):
+    # The questions' tails differ in length, so their batch is right-padded; each decoder layer's MLP and its other
+    # linear layers get the real tokens alone (blink.use_real_tokens): over the call, as many rows as the tokens the
+    # engine says it computed, where the padded batch holds more. The answers equal each prompt run alone.
+    eng = request.getfixturevalue(model)
+    eng.prefixes.clear()
+    prompts = eng.render(req(DOC, SMALL))
+    assert len({len(p.ids) for p in prompts}) == len(prompts)
+    layer = eng.backbone().layers[-1]
+    projection = next(m for m in layer.modules() if type(m) is torch.nn.Linear and m not in set(layer.mlp.modules()))
+    rows = {"mlp": [], "projection": []}
+    hooks = [
+        module.register_forward_pre_hook(lambda _, args, seen=seen: seen.append(args[0].shape[:-1].numel()))
+        for module, seen in ((layer.mlp, rows["mlp"]), (projection, rows["projection"]))
+    ]
+    try:
+        forward = eng.forward(req(DOC, SMALL))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # after the header, one call runs every prompt's rest, of different lengths: padded, it would count more rows
+    assert len(rows["mlp"]) == 2 and sum(rows["mlp"]) == sum(rows["projection"]) == forward.prefill_tokens
+    assert max_gap(eng, DOC, SMALL) < 1e-4
+
+
 def test_models_load_without_the_hubs_kernels(tiny_qwen):
     # transformers (5.25) swaps in kernels fetched from the Hub by default: on a GPU that is remote code, and offline
     # the load fails (an H200 run of tests/test_gpu.py stopped at kernels-community/fla). blink loads none.
