@@ -1,16 +1,18 @@
 """What an engine change did: blink.py at a git revision against the working tree's, call by call.
 
-Each serves the stand-in at the dtype blink answers in, in one process; --profile shows where a short question's time
-goes.
+Each serves the stand-in (or, with --shape, a random-weight Qwen3.5 of bench/lib/qwen_gguf.py's shapes) at the dtype
+blink answers in, in one process; --profile shows where a short question's time goes.
 
     python -m bench engine_ab --base 1f50df1            # the three decision cases, one thread (engine_ab-1f50df1.json)
     python -m bench engine_ab --base 1f50df1 --profile  # and the short question's time by operator, both sides
     python -m bench engine_ab --base 1f50df1 --dtype float32  # both in float32 (engine_ab-1f50df1-float32.json)
+    python -m bench engine_ab --base 7947525 --shape 4b-8l --threads 2   # the 4b's first 8 layers (-4b-8l.json)
 
 Each case alternates the two engines request by request (the order flipped every pair) and times each call in this
 process's CPU seconds, so load from other processes inflates both sides of a pair alike; it records each side's
 median and the median (and quartiles) of the per-pair ratios. Answers: the largest probability gap and pick changes
-of both sides against the working tree's float32 path (the exact one). The answer cache is off on both sides: every
+of both sides against the working tree's float32 path (the exact one: with --shape, the working tree's own side where
+it runs in float32, so that two copies of the model are held, not three). The answer cache is off on both sides: every
 request runs the model.
 """
 
@@ -28,7 +30,7 @@ import time
 from dataclasses import fields, replace
 
 import blink
-from bench.lib import answers, harness, report, workloads
+from bench.lib import answers, harness, qwen_gguf, report, workloads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
@@ -49,12 +51,13 @@ def blink_at(revision: str, folder: str):
     return module
 
 
-def deployment(module, dtype: str):
-    """A deployment of `module` serving the stand-in at `dtype`, its answer cache off where it has one."""
+def deployment(module, dtype: str, model: str | None = None):
+    """A deployment of `module` serving `model` (default: the stand-in) at `dtype`, its answer cache off where it has
+    one."""
     settings = module.Settings(dtype=dtype)
     if "answer_cache_mb" in {f.name for f in fields(settings)}:
         settings = replace(settings, answer_cache_mb=0)
-    dep = module.Deployment.serving(module.TorchEngine(module.STANDIN_MODEL, settings=settings))
+    dep = module.Deployment.serving(module.TorchEngine(model or module.STANDIN_MODEL, settings=settings))
     dep.decide("warm-up", {"w": {"type": "noul"}})
     return dep
 
@@ -117,6 +120,7 @@ def flags(parser) -> None:
     parser.add_argument("--pairs", type=int, default=4, help="requests per case for each side (short: 5x)")
     parser.add_argument("--cases", default="short,document,again")
     parser.add_argument("--dtype", choices=blink.DTYPES, help="both sides' dtype (default: the one blink answers in)")
+    parser.add_argument("--shape", choices=sorted(qwen_gguf.SHAPES), help="a random-weight Qwen3.5 of this shape")
     parser.add_argument(
         "--profile", action="store_true", help="print the short question's time by operator, both sides"
     )
@@ -128,8 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     args = run.args
     pairs = 2 if run.quick else args.pairs
     dtype = args.dtype or blink.Settings.from_env({}).compute_dtype
-    deps = {args.base: deployment(blink_at(args.base, run.files()), dtype), "working tree": deployment(blink, dtype)}
-    exact = deployment(blink, "float32")
+    model = qwen_gguf.qwen_folder(args.shape, blink.Settings.from_env({}).cache_dir) if args.shape else None
+    deps = {
+        args.base: deployment(blink_at(args.base, run.files()), dtype, model),
+        "working tree": deployment(blink, dtype, model),
+    }
+    exact = deps["working tree"] if model and dtype == "float32" else deployment(blink, "float32", model)
     run.probe()
     requests = cases(deps["working tree"].engine().tok, pairs)
     rows = {}
@@ -139,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:  # where the short question's time goes, before the change and after
         for side, dep in deps.items():
             print(f"short question, {side}:\n{profile_short(dep, requests['short'][:10])}", flush=True)
-    stem = f"engine_ab-{args.base}" + ("" if args.dtype is None else f"-{args.dtype}")  # one file per base revision
-    run.write({"base": args.base, "dtype": dtype, "model": blink.STANDIN_MODEL, "rows": rows}, stem)
+    stem = f"engine_ab-{args.base}" + "".join(f"-{v}" for v in (args.dtype, args.shape) if v)  # one per base revision
+    run.write({"base": args.base, "dtype": dtype, "model": args.shape or blink.STANDIN_MODEL, "rows": rows}, stem)
     return 0
 
 
