@@ -3648,10 +3648,9 @@ def use_real_tokens(backbone) -> int:
 
     taken = 0
     for layer in backbone.layers:
-        mlp = getattr(layer, "mlp", None)
-        inside = set(mlp.modules()) if mlp is not None else set()
-        mixers = [m for m in layer.modules() if type(m) is torch.nn.Linear and m not in inside]
-        for module in [mlp, *mixers] if mlp is not None else mixers:
+        mlps = [layer.mlp] if getattr(layer, "mlp", None) is not None else []
+        inside = {m for mlp in mlps for m in mlp.modules()}
+        for module in mlps + [m for m in layer.modules() if type(m) is torch.nn.Linear and m not in inside]:
             module.register_forward_pre_hook(_gather_real)
             module.register_forward_hook(_scatter_real)
             taken += 1
@@ -3672,8 +3671,8 @@ def _run_batches(
     device = head.device
     read = _READERS[engine.settings.readout]
     for b in _batches([len(s) for s in seqs], engine.settings.token_budget, max_rows):
-        ids = _padded(seqs, b, engine.pad_id).to(device)
-        padding = _REAL_TOKENS.set(real_tokens([len(seqs[i]) for i in b], ids.shape[1], device))
+        ids, lengths = _padded(seqs, b, engine.pad_id).to(device), [len(seqs[i]) for i in b]
+        padding = _REAL_TOKENS.set(real_tokens(lengths, ids.shape[1], device))
         try:
             if cache is None:
                 h = backbone(input_ids=ids, use_cache=False).last_hidden_state
@@ -3682,7 +3681,7 @@ def _run_batches(
                 h = backbone(input_ids=ids, cache=past, use_cache=True).last_hidden_state
         finally:
             _REAL_TOKENS.reset(padding)
-        hs = _last_hidden(h, [len(seqs[i]) for i in b])
+        hs = _last_hidden(h, lengths)
         rows = read(head, hs, [cands[i] for i in b])
         for i, row, lse in zip(b, rows, _vocab_lse(head, hs, engine.packed_head)):
             out[i] = (row, lse)

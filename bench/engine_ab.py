@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     run = harness.Run("engine_ab", argv, __doc__, flags)
     args = run.args
     pairs = 2 if run.quick else args.pairs
-    dtype = args.dtype or blink.Settings.from_env({}).compute_dtype
-    model = qwen_gguf.qwen_folder(args.shape, blink.Settings.from_env({}).cache_dir) if args.shape else None
+    defaults = blink.Settings.from_env({})
+    dtype = args.dtype or defaults.compute_dtype
+    model = qwen_gguf.qwen_folder(args.shape, defaults.cache_dir) if args.shape else None
     deps = {
         args.base: deployment(blink_at(args.base, run.files()), dtype, model),
         "working tree": deployment(blink, dtype, model),
