@@ -3027,6 +3027,29 @@ def gated_delta_rule(q, k, v, g, beta, state=None):
     return out.view(rows, length, heads, dv), held.view(rows, heads, dk, dv)
 
 
+def causal_conv(conv, x, cache, layer: int, activation: str):
+    """A linear-attention layer's causal depthwise convolution over x [B, C, T], then its activation, continuing and
+    updating the layer's conv state in `cache` as transformers' causal_conv1d_forward does: the kernel's taps summed
+    as shifted products in float32 (returned in x's dtype): a few passes over memory, where oneDNN's depthwise
+    convolution, which transformers calls on a CPU, ran at a fraction of that rate on the 4B's shape."""
+    from transformers.activations import ACT2FN
+
+    size, length = conv.kernel_size[0], x.shape[-1]
+    if cache is not None:
+        x = cache.update_conv_state(x, layer, conv_kernel_size=size)  # the tokens before x joined to it
+    weight = conv.weight.squeeze(1).float()
+    start = x.shape[-1] - length  # tokens of context before x's first
+    out = x[..., start:] * weight[:, -1:]
+    for tap in range(size - 1):
+        shift = start - (size - 1) + tap  # this tap reads token t + shift for output t
+        first = max(0, -shift)
+        if first < length:
+            out[..., first:].addcmul_(x[..., first + shift : length + shift], weight[:, tap : tap + 1])
+    if conv.bias is not None:
+        out += conv.bias.float()[:, None]
+    return ACT2FN[activation](out).to(x.dtype)
+
+
 def _gated_delta_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
     """A Qwen3.5 linear-attention layer's forward with gated_delta_rule for the recurrence; the projections, the
     causal convolution and its state, and the gated norm are the layer's own. A cache asked to keep per-token states
@@ -3041,7 +3064,7 @@ def _gated_delta_forward(self, hidden_states, cache=None, attention_mask=None, *
     rows, length, _ = hidden_states.shape
     state = cache.get_recurrent_state(layer, state_idx=0) if cache is not None else None
     mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)
-    mixed = qwen.causal_conv1d_forward(self.conv1d, mixed, cache, layer, activation=self.activation).transpose(1, 2)
+    mixed = causal_conv(self.conv1d, mixed, cache, layer, self.activation).transpose(1, 2)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     beta = self.in_proj_b(hidden_states).sigmoid()
     g = -self.A_log.float().exp() * torch.nn.functional.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
@@ -3533,8 +3556,10 @@ def _vocab_lse(head, hs, packed=None) -> list[float]:
         if head.device.type != "cpu"  # by rows
         else max(1, LSE_CHUNK_CPU_BYTES // (4 * head.shape[1]))
     )  # on a CPU by bytes; an FP32 head: one product
-    parts = [torch.logsumexp(hs @ head[i : i + step].float().T, dim=-1) for i in range(0, head.shape[0], step)]
-    return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1).tolist()
+    # lm_head on the left (vocabulary x rows): a CPU's BLAS then streams it once for all the rows, where hs @
+    # lm_head.T, for a few rows, ran at a fraction of the rate its bytes allow (docs/engines.md)
+    parts = [torch.logsumexp(head[i : i + step].float() @ hs.T, dim=0) for i in range(0, head.shape[0], step)]
+    return torch.logsumexp(torch.stack(parts), dim=0).tolist()
 
 
 def _packed_lse(head, packed, hs) -> list[float]:

@@ -3,6 +3,7 @@ alone, and the tiny Qwen3.5 answering through the real engine, tails padded and 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -83,3 +84,31 @@ def test_the_engine_keeps_transformers_layers_off_a_cpu_or_when_told():
     model.get_output_embeddings = lambda: torch.nn.Linear(2, 2)
     assert blink.use_gated_delta(model, "transformers") == 0 and "forward" not in vars(layer)
     assert blink.use_gated_delta(model, "blink") == 1 and vars(layer)["forward"].__func__ is blink._gated_delta_forward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_layer_continues_its_cache_as_transformers_own_does(tiny_qwen_dir, dtype):
+    # One linear-attention layer, blink's forward against the layer's own in float64: a first prompt (shorter than
+    # the convolution's kernel, or longer than a chunk), then tokens continuing its cache (conv state and recurrent
+    # state). Outputs and the recurrent states they leave agree within float32's rounding, or in bfloat16 within a
+    # tenth of the largest value (transformers' own layer, run in bfloat16, was off by up to 4% of it here).
+    from transformers import DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float64).eval()
+    truth = next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")
+    layer = copy.deepcopy(truth).to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    tolerance = 1e-4 if dtype == torch.float32 else 0.1
+    for first, then in ((2, 1), (70, 3), (5, 66)):
+        caches = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        for length in (first, then):
+            x = torch.randn(2, length, model.config.hidden_size, generator=gen, dtype=torch.float64)
+            with torch.no_grad():
+                want = type(truth).forward(truth, x, cache=caches[0])
+                got = blink._gated_delta_forward(layer, x.to(dtype), cache=caches[1])
+            scale = 1.0 if dtype == torch.float32 else want.abs().max()
+            assert got.dtype == dtype and (got.double() - want).abs().max() < tolerance * scale
+            i = layer.layer_idx
+            theirs, ours = (c.get_recurrent_state(i, state_idx=0).double() for c in caches)
+            scale = 1.0 if dtype == torch.float32 else theirs.abs().max()
+            assert (ours - theirs).abs().max() < tolerance * scale
