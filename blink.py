@@ -3556,8 +3556,8 @@ def _vocab_lse(head, hs, packed=None) -> list[float]:
         if head.device.type != "cpu"  # by rows
         else max(1, LSE_CHUNK_CPU_BYTES // (4 * head.shape[1]))
     )  # on a CPU by bytes; an FP32 head: one product
-    # lm_head on the left (vocabulary x rows): a CPU's BLAS then streams it once for all the rows, where hs @
-    # lm_head.T, for a few rows, ran at a fraction of the rate its bytes allow (docs/engines.md)
+    # lm_head on the left (vocabulary x rows): a CPU's BLAS streams it once for all the rows, where hs @ lm_head.T
+    # took longer the more rows it had (docs/engines.md)
     parts = [torch.logsumexp(head[i : i + step].float() @ hs.T, dim=0) for i in range(0, head.shape[0], step)]
     return torch.logsumexp(torch.stack(parts), dim=0).tolist()
 
