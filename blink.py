@@ -2487,6 +2487,7 @@ class TorchEngine(PromptEngine):
             )
         self.packed_head = pack_head(self.model, self.matmul)
         use_real_tokens(self.backbone())
+        use_inplace_mlp(self.backbone())
         own_mapped_weights(self.model)
         if self.settings.release_memory:  # what loading, packing and quantizing freed
             release_freed_memory()
@@ -3027,12 +3028,12 @@ def gated_delta_rule(q, k, v, g, beta, state=None):
     return out.view(rows, length, heads, dv), held.view(rows, heads, dk, dv)
 
 
-def causal_conv(conv, x, cache, layer: int, activation: str):
-    """A linear-attention layer's causal depthwise convolution over x [B, C, T], then its activation, continuing and
+def causal_conv(conv, x, cache, layer: int):
+    """A linear-attention layer's causal depthwise convolution over x [B, C, T], then its SiLU, continuing and
     updating the layer's conv state in `cache` as transformers' causal_conv1d_forward does: the kernel's taps summed
     as shifted products in float32 (returned in x's dtype): a few passes over memory, where oneDNN's depthwise
     convolution, which transformers calls on a CPU, ran at a fraction of that rate on the 4B's shape."""
-    from transformers.activations import ACT2FN
+    import torch
 
     size, length = conv.kernel_size[0], x.shape[-1]
     if cache is not None:
@@ -3047,7 +3048,7 @@ def causal_conv(conv, x, cache, layer: int, activation: str):
             out[..., first:].addcmul_(x[..., first + shift : length + shift], weight[:, tap : tap + 1])
     if conv.bias is not None:
         out += conv.bias.float()[:, None]
-    return ACT2FN[activation](out).to(x.dtype)
+    return torch.nn.functional.silu(out, inplace=True).to(x.dtype)
 
 
 def _gated_delta_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
@@ -3064,7 +3065,7 @@ def _gated_delta_forward(self, hidden_states, cache=None, attention_mask=None, *
     rows, length, _ = hidden_states.shape
     state = cache.get_recurrent_state(layer, state_idx=0) if cache is not None else None
     mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)
-    mixed = causal_conv(self.conv1d, mixed, cache, layer, self.activation).transpose(1, 2)
+    mixed = causal_conv(self.conv1d, mixed, cache, layer).transpose(1, 2)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     beta = self.in_proj_b(hidden_states).sigmoid()
     g = -self.A_log.float().exp() * torch.nn.functional.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
@@ -3085,10 +3086,11 @@ def _gated_delta_forward(self, hidden_states, cache=None, attention_mask=None, *
 
 def use_gated_delta(model, choice: str) -> int:
     """Run every Qwen3.5 linear-attention layer of a model on a CPU by _gated_delta_forward (BLINK_GATED_DELTA=blink);
-    elsewhere, or with "transformers", the layers keep their own. Returns how many layers it took."""
+    elsewhere, with "transformers", or where a layer's convolution is followed by another activation than Qwen3.5's
+    SiLU, the layers keep their own. Returns how many layers it took."""
     if choice != "blink" or model.get_output_embeddings().weight.device.type != "cpu":
         return 0
-    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet"]
+    layers = [m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet" and m.activation == "silu"]
     for m in layers:
         m.forward = types.MethodType(_gated_delta_forward, m)
     return len(layers)
@@ -3680,6 +3682,27 @@ def use_real_tokens(backbone) -> int:
             module.register_forward_hook(_scatter_real)
             taken += 1
     return taken
+
+
+def _gated_mlp_forward(self, x):
+    """A SiLU-gated MLP's down(silu(gate(x)) * up(x)), the activation and the product computed in place: two tensors
+    of the MLP's width fewer a layer, each a fresh allocation whose pages the OS zero-fills when first written."""
+    import torch
+
+    gate = torch.nn.functional.silu(self.gate_proj(x), inplace=True)
+    return self.down_proj(gate.mul_(self.up_proj(x)))
+
+
+def use_inplace_mlp(backbone) -> int:
+    """Give each decoder layer's SiLU-gated MLP (Llama's, Qwen3.5's) _gated_mlp_forward. Returns how many it took."""
+    import torch
+    from transformers.activations import SiLUActivation
+
+    mlps = [getattr(layer, "mlp", None) for layer in backbone.layers]
+    gated = [m for m in mlps if isinstance(getattr(m, "act_fn", None), (SiLUActivation, torch.nn.SiLU))]
+    for mlp in gated:
+        mlp.forward = types.MethodType(_gated_mlp_forward, mlp)
+    return len(gated)
 
 
 def _run_batches(

@@ -79,11 +79,12 @@ def test_the_engine_answers_as_transformers_own_layers_do(tiny_qwen_dir):
 
 
 def test_the_engine_keeps_transformers_layers_off_a_cpu_or_when_told():
-    layer = type("Qwen3_5GatedDeltaNet", (torch.nn.Module,), {})()
-    model = torch.nn.Sequential(layer)
+    layer, other = (type("Qwen3_5GatedDeltaNet", (torch.nn.Module,), {"activation": a})() for a in ("silu", "gelu"))
+    model = torch.nn.Sequential(layer, other)
     model.get_output_embeddings = lambda: torch.nn.Linear(2, 2)
     assert blink.use_gated_delta(model, "transformers") == 0 and "forward" not in vars(layer)
     assert blink.use_gated_delta(model, "blink") == 1 and vars(layer)["forward"].__func__ is blink._gated_delta_forward
+    assert "forward" not in vars(other)  # its convolution's activation is not the SiLU blink's path applies
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
