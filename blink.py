@@ -2915,11 +2915,13 @@ class HybridEngine(Engine):
 # ==================================================================================================================
 # transformers runs these layers on a CPU with its reference code (flash-linear-attention is Triton, GPU only): it
 # copies the 16 query/key heads out to the 32 value heads, pads the sequence to a multiple of 64, and solves each
-# chunk's triangular system with LAPACK, one small matrix at a time. This path is the same chunked gated delta rule
-# (Yang et al., 2024; SGLang's CPU kernel and llama.cpp's fused op compute the same recurrence) in torch products:
-# each key head's products are taken once and broadcast to its value heads, the last chunk is as long as the
-# sequence leaves it, and the triangular systems are inverted in blocks by batched products. Its output equals
-# transformers' within float32 rounding (tests/test_gated_delta.py); BLINK_GATED_DELTA=transformers runs theirs.
+# chunk's triangular system with LAPACK, one small matrix at a time; its causal convolution before the rule is oneDNN's
+# depthwise convolution, which sums four taps at a fraction of memory's rate. This path is the same chunked gated delta
+# rule (Yang et al., 2024; SGLang's CPU kernel and llama.cpp's fused op compute the same recurrence) in torch products:
+# each key head's products are taken once and broadcast to its value heads, the last chunk is as long as the sequence
+# leaves it, and the triangular systems are inverted in blocks by batched products; the convolution's taps are summed as
+# shifted multiply-adds (causal_conv). Its output equals transformers' within float32 rounding
+# (tests/test_gated_delta.py); BLINK_GATED_DELTA=transformers runs theirs.
 GATED_DELTA_CHUNK = 64  # tokens a chunk: the recurrence is a product per chunk, the state carried between chunks
 GATED_DELTA_GROUP = 8  # chunks whose intra-chunk terms are computed together: their tensors stay in the CPU's cache
 GATED_DELTA_BLOCK = 16  # rows a triangular block is inverted by substitution before the blocks are merged
@@ -3052,9 +3054,9 @@ def causal_conv(conv, x, cache, layer: int):
 
 
 def _gated_delta_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-    """A Qwen3.5 linear-attention layer's forward with gated_delta_rule for the recurrence; the projections, the
-    causal convolution and its state, and the gated norm are the layer's own. A cache asked to keep per-token states
-    runs the layer's own forward."""
+    """A Qwen3.5 linear-attention layer's forward with causal_conv for its convolution and gated_delta_rule for the
+    recurrence; the projections, the cache's states and the gated norm are the layer's own. A cache asked to keep
+    per-token states runs the layer's own forward."""
     import torch
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
@@ -3699,7 +3701,8 @@ def use_inplace_mlp(backbone) -> int:
     from transformers.activations import SiLUActivation
 
     mlps = [getattr(layer, "mlp", None) for layer in backbone.layers]
-    gated = [m for m in mlps if isinstance(getattr(m, "act_fn", None), (SiLUActivation, torch.nn.SiLU))]
+    silu = (SiLUActivation, torch.nn.SiLU)
+    gated = [m for m in mlps if isinstance(getattr(m, "act_fn", None), silu) and hasattr(m, "up_proj")]
     for mlp in gated:
         mlp.forward = types.MethodType(_gated_mlp_forward, mlp)
     return len(gated)

@@ -121,6 +121,16 @@ def test_a_padded_batch_runs_its_linear_layers_on_its_real_tokens_alone(model, r
     assert max_gap(eng, DOC, SMALL) < 1e-4
 
 
+@pytest.mark.parametrize("model", ["standin", "tiny_qwen"])
+def test_each_mlp_computes_its_activation_in_place_to_the_bits_of_its_own_forward(model, request):
+    eng = request.getfixturevalue(model)
+    mlps = [layer.mlp for layer in eng.backbone().layers]
+    assert all(vars(m)["forward"].__func__ is blink._gated_mlp_forward for m in mlps)
+    x = torch.randn(1, 5, mlps[0].gate_proj.in_features, dtype=eng.model.dtype)
+    with torch.inference_mode():
+        assert torch.equal(mlps[0](x), type(mlps[0]).forward(mlps[0], x))
+
+
 def test_models_load_without_the_hubs_kernels(tiny_qwen):
     # transformers (5.25) swaps in kernels fetched from the Hub by default: on a GPU that is remote code, and offline
     # the load fails (an H200 run of tests/test_gpu.py stopped at kernels-community/fla). blink loads none.
