@@ -91,8 +91,8 @@ def test_the_engine_keeps_transformers_layers_off_a_cpu_or_when_told():
 def test_a_layer_continues_its_cache_as_transformers_own_does(tiny_qwen_dir, dtype):
     # One linear-attention layer, blink's forward against the layer's own in float64: a first prompt (shorter than
     # the convolution's kernel, or longer than a chunk), then tokens continuing its cache (conv state and recurrent
-    # state). Outputs and the recurrent states they leave agree within float32's rounding, or in bfloat16 within a
-    # tenth of the largest value (transformers' own layer, run in bfloat16, was off by up to 4% of it here).
+    # state). Outputs and the states they leave agree within float32's rounding, or in bfloat16 within a tenth of the
+    # largest value (transformers' own layer, run in bfloat16, was off by up to 4% of it here).
     from transformers import DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float64).eval()
@@ -110,6 +110,7 @@ def test_a_layer_continues_its_cache_as_transformers_own_does(tiny_qwen_dir, dty
             scale = 1.0 if dtype == torch.float32 else want.abs().max()
             assert got.dtype == dtype and (got.double() - want).abs().max() < tolerance * scale
             i = layer.layer_idx
-            theirs, ours = (c.get_recurrent_state(i, state_idx=0).double() for c in caches)
-            scale = 1.0 if dtype == torch.float32 else theirs.abs().max()
-            assert (ours - theirs).abs().max() < tolerance * scale
+            for state in ("get_recurrent_state", "get_conv_state"):
+                theirs, ours = (getattr(c, state)(i, state_idx=0).double() for c in caches)
+                scale = 1.0 if dtype == torch.float32 else theirs.abs().max()
+                assert ours.shape == theirs.shape and (ours - theirs).abs().max() < tolerance * scale, state
