@@ -3687,8 +3687,8 @@ def use_real_tokens(backbone) -> int:
 
 
 def _gated_mlp_forward(self, x):
-    """A SiLU-gated MLP's down(silu(gate(x)) * up(x)), the activation and the product computed in place: two tensors
-    of the MLP's width fewer a layer, each a fresh allocation whose pages the OS zero-fills when first written."""
+    """A SiLU-gated MLP's down(silu(gate(x)) * up(x)), the activation and the product computed in place: two fresh
+    tensors of the MLP's width fewer a layer (docs/engines.md, "Activations computed in place")."""
     import torch
 
     gate = torch.nn.functional.silu(self.gate_proj(x), inplace=True)
