@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -120,7 +121,9 @@ READOUTS = ("rows", "batched")
 CPU_MATMULS = ("auto", "onednn", "torch")  # what runs a float32 model's linear layers on a CPU
 IMAGE_LAYOUTS = ("inline", "first")
 DTYPES = ("bfloat16", "float16", "float32")
-QUANTIZE = ("none", "int8")  # the decoder's linear layers' weights on a CPU: as loaded, or int8 (quantize_int8)
+# the decoder's linear layers on a CPU: as loaded, int8 weights (quantize_int8), or 8-bit products for the prefixes
+# (header, evidence) with the questions' tails in the compute dtype (quantize_prefixes)
+QUANTIZE = ("none", "int8", "w8a8-prefix")
 GATED_DELTAS = ("blink", "transformers")  # what runs Qwen3.5's linear-attention layers on a CPU (gated_delta_rule)
 # Where shared prefixes are on by default. float32: the prefix path equals the plain one within float rounding.
 # bfloat16: neither path is exact, and `python bench/drift.py` measured the prefix path as close to the float32
@@ -391,7 +394,10 @@ class Settings:
     @property
     def compute_dtype(self) -> str:
         """The weights' dtype on every backend (under BLINK_QUANTIZE=int8, the dtype the int8 weights widen to):
-        BLINK_DTYPE if set, else default_dtype for this hardware."""
+        BLINK_DTYPE if set, else default_dtype for this hardware; float32 under BLINK_QUANTIZE=w8a8-prefix, whose
+        answers moved past the drift bound with bfloat16 tails (`python -m bench drift --schemes`)."""
+        if self.dtype is None and self.quantize == "w8a8-prefix":
+            return "float32"
         return self.dtype or default_dtype(self.gpu, self.cpu_bf16)
 
     def derived_defaults(self) -> dict:
@@ -2220,6 +2226,138 @@ def quantize_int8(model) -> str:
     return "int8"
 
 
+# BLINK_QUANTIZE=w8a8-prefix: the evidence's encode (most of a long document's tokens) takes each linear layer's
+# product in 8 bits on fbgemm, weights and activations; the template header and every forward that reads labels (the
+# questions' tails, a prompt run whole) keep the compute dtype, float32 (Settings.compute_dtype). On the stand-in
+# (`python -m bench drift --schemes`), 8-bit activations in every forward moved its answers past the 0.03 bound
+# (0.057 at best: bench/results/quantfloor-fbgemm.json); in the evidence alone by 0.015, and by 0.039 with bfloat16
+# tails (quantfloor-prefix.json). Activations are scaled per token and smoothed per input channel (SmoothQuant, Xiao
+# et al. 2023) by maxima read on a calibration prompt at load. Anchors: SmoothQuant; fbgemm's dynamic int8 product,
+# as torch's own dynamic quantization runs it.
+PREFIX8_ALPHA = 0.65  # SmoothQuant's migration strength, as drift --schemes' fbgemm arms ran (0.5 not tried here)
+PREFIX8_CALIBRATION = (  # a calibration prompt's evidence: tickets, mail, logs, JSON, a table, code, notes
+    "Ticket #4471 (opened 2026-03-02 09:14, priority high): the customer reports that the invoice for order "
+    "A-20931 was charged twice, $129.00 each time, and asks for a refund of the duplicate. Agent note: the "
+    'payment log shows two captures 41 s apart. {"customer": {"id": 88213, "plan": "team", "seats": 12, '
+    '"since": "2021-07"}, "orders": [{"id": "A-20931", "total": 129.0, "status": "paid"}, {"id": "A-20874", '
+    '"total": 64.5, "status": "refunded"}], "flags": ["vip", "duplicate_charge"]}\nTicket #4472: Login fails '
+    "with error 0x80070005 after the 5.2 update; reinstalling did not help. The user is calm but needs access "
+    "before Friday's audit.\nTicket #4473: Where is my parcel?? Tracking has said 'in transit' for 9 days. This"
+    " is the third time I write. If it is not here by Monday I will cancel everything.\nFrom: Dana Okafor "
+    "<dana.okafor@example.org>\nSubject: Re: renewal quote Q-7781\n\nHi Marc, thanks for the revised quote. "
+    "Legal signed off on clause 4.2, but procurement still wants net-60 terms instead of net-30 and a cap of 3%"
+    " on next year's price increase. If you can confirm both by Thursday we will countersign; otherwise we will"
+    " have to run the tender again in Q3. Best, Dana\n2026-03-02T09:15:07Z WARN payments.capture retry=1 "
+    "order=A-20931 latency_ms=812\n2026-03-02T09:15:48Z ERROR payments.capture duplicate "
+    "idempotency_key=7f3c-91aa order=A-20931\n2026-03-02T09:16:02Z INFO refunds.queue created refund=R-5520 "
+    "amount=129.00 currency=USD\nReview (2 of 5 stars): The blender is powerful, but the lid cracked after "
+    "three weeks and support took ten days to answer. Would not buy again unless they fix the "
+    'lid.\n{"patient_id": "P-00412", "age": 67, "vitals": {"bp": "152/94", "hr": 88, "spo2": 0.95}, "notes": '
+    '"reports dizziness on standing; on lisinopril 10 mg since January", "allergies": []}\n| region | Q1 '
+    "revenue | Q2 revenue | churn |\n| EMEA | 4.21M | 4.65M | 2.1% |\n| APAC | 1.98M | 1.71M | 4.8% |\ndef "
+    "refund(order, amount):\n    if amount > order.total:\n        raise ValueError('refund exceeds the "
+    "total')\n    return Refund(order.id, round(amount, 2))\nMeeting notes, 12 March: the vendor missed two "
+    "delivery dates in February. Sam proposed a penalty clause; Priya objected that it would delay the contract"
+    " by a month. Decision deferred to the steering committee on 19 March."
+)
+# Inside a prefix's encode: how many of its first tokens (the template header's) keep the compute dtype; the header
+# in 8 bits had moved the stand-in's answers by 0.02 on its own, and it is encoded once and kept. None elsewhere.
+_PREFIX8: contextvars.ContextVar = contextvars.ContextVar("blink_prefix8", default=None)
+
+
+def input_maxima(layers: list, run: Callable[[], object]) -> list:
+    """Each layer's largest input magnitude per input channel (float32) while run() runs."""
+    import torch
+
+    maxima: list = [None] * len(layers)
+
+    def record(i: int) -> Callable:
+        def hook(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0).float()
+            maxima[i] = x if maxima[i] is None else torch.maximum(maxima[i], x)
+
+        return hook
+
+    hooks = [layer.register_forward_pre_hook(record(i)) for i, layer in enumerate(layers)]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return maxima
+
+
+def _eight_bit_product(layer, x):
+    """x [rows, in] times the layer's 8-bit weight (quantize_prefixes), in float32: each row divided by the smoothing
+    and scaled to largest magnitude 1, a row of +1 and -1 appended so that fbgemm's per-call activation scale is the
+    same grid for every row (per-token scales from a per-tensor kernel), the product taken by fbgemm (8-bit
+    activations beside 7-bit weights: AVX2's u8 x s8 pair sums cannot overflow 16 bits), and each row scaled back."""
+    import torch
+
+    rows = x.float() / layer.smoothing  # a new tensor: x is other layers' input too
+    scale = rows.abs().amax(-1, keepdim=True).clamp_(min=1e-12)
+    grid = torch.cat([rows.div_(scale), layer.grid_row])
+    out = torch.ops.quantized.linear_dynamic(grid, layer.packed8, False)[:-1].mul_(scale)
+    return out if layer.bias is None else out.add_(layer.bias)
+
+
+def _prefix8_forward(self, x):
+    """nn.Linear.forward inside a prefix's encode (_PREFIX8): its first tokens (the header's) by the layer's float
+    forward, the rest by _eight_bit_product; elsewhere the float forward alone."""
+    import torch
+
+    kept = _PREFIX8.get()
+    rows = x.reshape(-1, x.shape[-1])
+    if kept is None or kept >= rows.shape[0]:
+        return self.float_forward(x)
+    out = _eight_bit_product(self, rows[kept:]).to(x.dtype)
+    if kept:
+        out = torch.cat([self.float_forward(rows[:kept]), out])
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def quantize_prefixes(model, calibrate: Callable[[], object]) -> list:
+    """Every linear layer of the decoder but lm_head given an 8-bit copy of its weight for the prefixes' encodes
+    (BLINK_QUANTIZE=w8a8-prefix): smoothed by the input maxima calibrate() shows it (PREFIX8_ALPHA), then int8 per
+    output channel at 63 levels a side, packed for fbgemm. The float weight stays for the tails (about a quarter more
+    memory in bfloat16). Call route_prefixes once the float forwards are set. CPU only (x86: fbgemm)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    if head.weight.device.type != "cpu":
+        raise BlinkError("BLINK_QUANTIZE=w8a8-prefix runs on a CPU only (measured there alone)")
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise BlinkError("BLINK_QUANTIZE=w8a8-prefix needs torch's fbgemm kernels (an x86 CPU)")
+    torch.backends.quantized.engine = "fbgemm"
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
+    with torch.inference_mode():
+        maxima = input_maxima(layers, calibrate)
+    for layer, seen in zip(layers, maxima):
+        weight = layer.weight.detach().float()
+        if seen is None:  # a layer the calibration prompt never reached keeps its float product
+            seen = weight.abs().amax(0)
+        smoothing = seen.clamp(min=1e-5) ** PREFIX8_ALPHA / weight.abs().amax(0).clamp(min=1e-5) ** (1 - PREFIX8_ALPHA)
+        weight = weight * smoothing  # a new tensor: in float32 `weight` is the layer's own
+        scale = weight.abs().amax(1).clamp(min=1e-12).double() / 63
+        with warnings.catch_warnings():  # torch's quantized tensors are deprecated in favour of torchao; still shipped
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(weight, scale, torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
+            layer.packed8 = torch.ops.quantized.linear_prepack(q, None)
+        layer.smoothing = smoothing
+        layer.grid_row = torch.zeros(1, weight.shape[1])
+        layer.grid_row[0, :2] = torch.tensor([1.0, -1.0])
+    return layers
+
+
+def route_prefixes(layers: list) -> int:
+    """Each layer quantize_prefixes prepared runs _prefix8_forward around the float forward it has now (torch's,
+    oneDNN's or packed). Returns how many."""
+    for layer in layers:
+        layer.float_forward = layer.forward
+        layer.forward = types.MethodType(_prefix8_forward, layer)
+    return len(layers)
+
+
 def verify_labels(tokenizer, user="x", renderer=None) -> tuple[list[str], list[int]]:
     """Labels that are one token right after the assistant boundary and decode back to themselves. `renderer`
     (default: the tokenizer) renders the probe conversation; `user` is its user content."""
@@ -2479,12 +2617,14 @@ class TorchEngine(PromptEngine):
         self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
         use_prefix_attention(self.backbone())
         self.gated_delta_layers = use_gated_delta(self.model, self.settings.gated_delta)
+        prefix8 = quantize_prefixes(self.model, self._calibrate) if self.settings.quantize == "w8a8-prefix" else []
         if self.settings.quantize == "int8":
             self.matmul, self.matmul_verdict = quantize_int8(self.model), None
         else:
             self.matmul, self.matmul_verdict = cpu_matmul(
                 self.model, self.settings.cpu_matmul, self.settings.cache_dir, self.backbone()
             )
+        route_prefixes(prefix8)
         self.packed_head = pack_head(self.model, self.matmul)
         use_real_tokens(self.backbone())
         use_inplace_mlp(self.backbone())
@@ -2497,6 +2637,16 @@ class TorchEngine(PromptEngine):
         self.prefill_cost = PrefillCost.of(self.backbone())
         self.key = id(self)
         _LIVE[self.key] = self
+
+    def _calibrate(self) -> None:
+        """One forward of the calibration prompt (PREFIX8_CALIBRATION asked a yes/no question), read by nothing."""
+        import torch
+
+        request = parse_request(
+            PREFIX8_CALIBRATION, {"refund": {"type": "noul", "instructions": "Did a customer ask for a refund?"}}
+        )
+        ids = torch.tensor([self.render(request)[0].ids], device=self.model.lm_head.weight.device)
+        self.backbone()(input_ids=ids, use_cache=False)
 
     def _load_vision(self, tower: str | None, model_name: str, layout: str | None, limits: ImageLimits) -> None:
         """Load a vision-language model: the model itself (native) or its base with this text checkpoint grafted
@@ -3240,12 +3390,15 @@ class PrefixStore(BoundedStore):
         if self.keeps:
             self.hold(ids, cache, cache_bytes(cache))
 
-    def prefix(self, engine: TorchEngine, ids: list[int], points: list[int]) -> tuple[object, int, int]:
+    def prefix(
+        self, engine: TorchEngine, ids: list[int], points: list[int], header: int = 0
+    ) -> tuple[object, int, int]:
         """A cache holding exactly `ids`: kept, or encoded from the longest kept one of the shorter cut points
-        `points` (each cut point on the way kept too), or from nothing where that costs less (encode_plan). Returns
-        it with the tokens read from kept snapshots and the tokens encoded (together, len(ids))."""
+        `points` (each cut point on the way kept too), or from nothing where that costs less (encode_plan); its first
+        `header` tokens are the template header's (_encode). Returns it with the tokens read from kept snapshots and
+        the tokens encoded (together, len(ids))."""
         if not self.keeps:  # nothing is kept: encode the prefix for this call alone
-            return _encode(engine, ids), 0, len(ids)
+            return _encode(engine, ids, header=header), 0, len(ids)
         found = self.get(tuple(ids))
         if found is not None:
             return found, len(ids), 0
@@ -3258,7 +3411,7 @@ class PrefixStore(BoundedStore):
         plan = encode_plan(engine.prefill_cost, start, [p for p in points if p > start] + [len(ids)])
         read = start if all(a for a, _ in plan) else 0  # 0 where the kept part was cheaper to encode again
         for a, b in plan:
-            cache = _encode(engine, ids[a:b], cache if a else None)
+            cache = _encode(engine, ids[a:b], cache if a else None, header=max(0, min(b, header) - a))
             self.put(tuple(ids[:b]), cache)
         return cache, read, sum(b - a for a, b in plan)
 
@@ -3738,13 +3891,18 @@ def _run_batches(
             out[i] = (row, lse)
 
 
-def _encode(engine: TorchEngine, ids: list[int], cache=None):
-    """The cache after `ids`, continuing a copy of `cache` (the positions follow on from it) or from nothing."""
+def _encode(engine: TorchEngine, ids: list[int], cache=None, header: int = 0):
+    """The cache after `ids`, continuing a copy of `cache` (the positions follow on from it) or from nothing; its
+    first `header` tokens (the template header's) keep the compute dtype under BLINK_QUANTIZE=w8a8-prefix."""
     import torch
 
     ids_t = torch.tensor([ids], dtype=torch.long, device=engine.model.lm_head.weight.device)
     past = _copy_cache(cache) if cache is not None else None
-    return engine.backbone()(input_ids=ids_t, cache=past, use_cache=True).cache
+    prefix8 = _PREFIX8.set(header)  # no label is read here: BLINK_QUANTIZE=w8a8-prefix's layers run in 8 bits
+    try:
+        return engine.backbone()(input_ids=ids_t, cache=past, use_cache=True).cache
+    finally:
+        _PREFIX8.reset(prefix8)
 
 
 def tail_rows(engine: TorchEngine, shared: int, longest: int) -> int | None:
@@ -3809,7 +3967,8 @@ def _forward(
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
             if shared:
                 points = [c for c in cuts[rows[0]] if c < shared] if store.keeps else []
-                cache, _, encoded = store.prefix(engine, group[0][:shared], points)
+                header = cuts[rows[0]][0] if cuts[rows[0]] else 0
+                cache, _, encoded = store.prefix(engine, group[0][:shared], points, header)
                 tails = [s[shared:] for s in group]
                 cap = tail_rows(engine, shared, max(map(len, tails)))
                 _run_batches(engine, tails, group_cands, part, cache=cache, max_rows=cap)

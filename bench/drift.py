@@ -23,9 +23,12 @@ bench/results/drift.json (drift-quick.json with --quick); the last line is a sum
 
 --schemes: how far 8-bit schemes move the stand-in's answers from float32's. Each arm answers the same 8 questions
 over the stand-in's logs and is compared with float32 on torch's own kernels as above: the largest probability
-difference and the picks that differ. Two arms are blink's own engines, loaded by its loading code:
+difference and the picks that differ. Four arms are blink's own engines, loaded by its loading code:
   bfloat16           blink's CPU default (BLINK_DTYPE=bfloat16)
   int8               BLINK_QUANTIZE=int8 in bfloat16 (weights int8 per output channel, activations bfloat16)
+  w8a8_prefix        BLINK_QUANTIZE=w8a8-prefix (float32): the evidence's encode in 8-bit products on fbgemm, the
+                     template header and the questions' tails in float32
+  w8a8_prefix_bfloat16  the same with BLINK_DTYPE=bfloat16: the header and the tails in bfloat16
 The others are simulated: the float32 engine with every linear layer's input and weight rounded ("fake
 quantization": each value replaced by its nearest representable one, the product then taken in float32), to say
 where the error comes from and what a finer 8-bit scheme would reach:
@@ -46,9 +49,10 @@ where the error comes from and what a finer 8-bit scheme would reach:
   q8_0               weights and inputs int8 per 32 values (llama.cpp's Q8_0 blocks, both operands)
 Symmetric rounding, scale = the group's largest magnitude / 127. Every arm's kept prefixes are dropped before each
 request. The logs are drift's four on the stand-in (two with --quick; `--logs 100,1000` asks logs of those lengths).
-Then one product at blink-4b's MLP shape is timed in float32, bfloat16 and on fbgemm's int8 path. Writes
-bench/results/quantfloor.json (`--name` names another; NAME-quick.json with --quick; the committed quantfloor.json
-was written by `python -m bench quantfloor`, as this was called before it joined drift); the last line is a summary.
+`--only a,b` runs those arms alone. Then one product at blink-4b's MLP shape is timed in float32, bfloat16 and on
+fbgemm's int8 path. Writes bench/results/quantfloor.json (`--name` names another; NAME-quick.json with --quick; the
+committed quantfloor.json was written by `python -m bench quantfloor`, as this was called before it joined drift);
+the last line is a summary.
 """
 
 from __future__ import annotations
@@ -148,6 +152,12 @@ def worst(rows: list[dict], arm: str, model: str | None = None) -> dict:
 # Smoothing alpha (SmoothQuant, Xiao et al. 2023): each input channel j divided by s_j = max|x_j|^alpha /
 # max|W_j|^(1 - alpha) and the weight's column j multiplied by it, max|x_j| read on a calibration log that is not
 # one of the logs measured; None: no smoothing. Layers kept exact: those whose name holds one of the strings.
+SHIPPED = {  # blink's own engines, by their settings
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"quantize": "int8", "dtype": "bfloat16"},
+    "w8a8_prefix": {"quantize": "w8a8-prefix"},
+    "w8a8_prefix_bfloat16": {"quantize": "w8a8-prefix", "dtype": "bfloat16"},
+}
 SIMULATED = {
     "act_bfloat16": (None, "bfloat16", None, ()),
     "w8_channel": ("channel", None, None, ()),
@@ -313,10 +323,13 @@ def schemes(run: harness.Run) -> int:
     targets = run.args.logs or SCHEME_LOGS["quick" if run.quick else "full"]
     base = blink.Settings(prefix_min_tokens=256)
     reference = blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, dtype="float32", cpu_matmul="torch"))
+    only = run.args.only or [*SHIPPED, *SIMULATED]
     shipped = {
-        "bfloat16": blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, dtype="bfloat16")),
-        "int8": blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, quantize="int8", dtype="bfloat16")),
+        arm: blink.TorchEngine(blink.STANDIN_MODEL, settings=replace(base, **SHIPPED[arm]))
+        for arm in SHIPPED
+        if arm in only
     }
+    simulated = {arm: scheme for arm, scheme in SIMULATED.items() if arm in only}
     sim = blink.TorchEngine(blink.STANDIN_MODEL, settings=reference.settings)
     exact = {name: layer.weight.detach().clone() for name, layer in linear_layers(sim.model)}
     input_max = input_maxima(sim, base)
@@ -328,7 +341,7 @@ def schemes(run: harness.Run) -> int:
         row = {"doc_tokens": cold.evidence_tokens(reference.render(request)[0]), "arms": {}}
         for arm, engine in shipped.items():
             row["arms"][arm] = answers.compare(ref, answered(engine, request))
-        for arm, scheme in SIMULATED.items():
+        for arm, scheme in simulated.items():
             simulate(sim.model, exact, scheme, input_max)
             row["arms"][arm] = answers.compare(ref, answered(sim, request))
         rows.append(row)
@@ -344,7 +357,7 @@ def schemes(run: harness.Run) -> int:
         "bound": BOUND,
         "simulated": {
             arm: {"weights": w, "inputs": i, "smoothing_alpha": a, "kept_exact": list(k)}
-            for arm, (w, i, a, k) in SIMULATED.items()
+            for arm, (w, i, a, k) in simulated.items()
         },
         "rows": rows,
         "worst": worst,
@@ -369,6 +382,9 @@ def flags(parser) -> None:
     parser.add_argument("--schemes", action="store_true", help="8-bit schemes against float32 (quantfloor.json)")
     parser.add_argument(
         "--logs", type=lambda s: [int(n) for n in s.split(",")], help="--schemes: the logs' lengths (tokens, a,b,...)"
+    )
+    parser.add_argument(
+        "--only", type=lambda s: s.split(","), help="--schemes: these arms alone (names, a,b,...; default all)"
     )
     parser.add_argument("--name", default="quantfloor", help="--schemes: the results file's name (default quantfloor)")
 

@@ -16,7 +16,8 @@ stand-in's and the tiny Qwen3.5's (`python -m bench drift`).
 The arms, each in a child process of its own, one after another (so each one's resident memory is its own), on the
 same threads: blink at its defaults for this CPU (the dtype rule's pick), blink in bfloat16 (only where the CPU
 computes bfloat16 natively: elsewhere its products fall back to a slow path no user would pick), blink with
-BLINK_QUANTIZE=int8, blink with transformers' own Gated DeltaNet code (BLINK_GATED_DELTA=transformers: what blink's
+BLINK_QUANTIZE=int8, blink with BLINK_QUANTIZE=w8a8-prefix (the evidence's encode in 8-bit products), blink with
+transformers' own Gated DeltaNet code (BLINK_GATED_DELTA=transformers: what blink's
 CPU path for those layers changes), and llama.cpp at BF16 and at Q8_0 (llama-cpp-python, reading blink's exact
 prompt ids and the label logits at each prompt's last position; the state saved at blink's cut points and put back,
 as llama-server's context checkpoints do, since llama.cpp cannot cut a Gated DeltaNet state back).
@@ -47,6 +48,7 @@ BLINK_ARMS = {
     "blink": {},
     "blink_bfloat16": {"dtype": "bfloat16"},
     "blink_int8": {"quantize": "int8"},
+    "blink_w8a8_prefix": {"quantize": "w8a8-prefix"},
     "blink_transformers_gdn": {"gated_delta": "transformers"},
 }
 LLAMA_ARMS = {"llama.cpp_bf16": "bf16", "llama.cpp_q8_0": "q8_0"}

@@ -567,6 +567,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "krite.json": "krite",
         "quantfloor.json": "drift",  # written by `python -m bench quantfloor`, now `drift --schemes`
         "quantfloor-fbgemm.json": "drift",
+        "quantfloor-prefix.json": "drift",
         "route_sim.json": "route_sim",
         "serve.json": "serve",
         "serve-default.json": "serve",
@@ -748,6 +749,7 @@ def test_the_bench_readme_tables_are_what_report_prints():
         "shape4b-8l.json": ("shape4b", None),
         "quantfloor.json": ("drift", None),
         "quantfloor-fbgemm.json": ("drift", None),
+        "quantfloor-prefix.json": ("drift", None),
         "route_sim.json": ("route_sim", None),
         "full.json": ("run", "Time per request"),
     }  # full: the grid's tables
