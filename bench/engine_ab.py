@@ -7,13 +7,15 @@ blink answers in, in one process; --profile shows where a short question's time 
     python -m bench engine_ab --base 1f50df1 --profile  # and the short question's time by operator, both sides
     python -m bench engine_ab --base 1f50df1 --dtype float32  # both in float32 (engine_ab-1f50df1-float32.json)
     python -m bench engine_ab --base 7947525 --shape 4b-8l --threads 2   # the 4b's first 8 layers (-4b-8l.json)
+    python -m bench engine_ab --base HEAD --quantize w8a8-prefix --dtype float32 --shape 4b-8l --threads 2
+                                            # what a setting does: the working tree's side with BLINK_QUANTIZE set
 
 Each case alternates the two engines request by request (the order flipped every pair) and times each call in this
 process's CPU seconds, so load from other processes inflates both sides of a pair alike; it records each side's
 median and the median (and quartiles) of the per-pair ratios. Answers: the largest probability gap and pick changes
 of both sides against the working tree's float32 path (the exact one: with --shape, the working tree's own side where
-it runs in float32, so that two copies of the model are held, not three). The answer cache is off on both sides: every
-request runs the model.
+it runs in float32, so that two copies of the model are held, not three; with --quantize, the base side's, which then
+runs in float32). The answer cache is off on both sides: every request runs the model.
 """
 
 from __future__ import annotations
@@ -51,10 +53,10 @@ def blink_at(revision: str, folder: str):
     return module
 
 
-def deployment(module, dtype: str, model: str | None = None):
-    """A deployment of `module` serving `model` (default: the stand-in) at `dtype`, its answer cache off where it has
-    one."""
-    settings = module.Settings(dtype=dtype)
+def deployment(module, dtype: str, model: str | None = None, quantize: str | None = None):
+    """A deployment of `module` serving `model` (default: the stand-in) at `dtype` (and BLINK_QUANTIZE `quantize`),
+    its answer cache off where it has one."""
+    settings = module.Settings(dtype=dtype, **({"quantize": quantize} if quantize else {}))
     if "answer_cache_mb" in {f.name for f in fields(settings)}:
         settings = replace(settings, answer_cache_mb=0)
     dep = module.Deployment.serving(module.TorchEngine(model or module.STANDIN_MODEL, settings=settings))
@@ -121,6 +123,7 @@ def flags(parser) -> None:
     parser.add_argument("--cases", default="short,document,again")
     parser.add_argument("--dtype", choices=blink.DTYPES, help="both sides' dtype (default: the one blink answers in)")
     parser.add_argument("--shape", choices=sorted(qwen_gguf.SHAPES), help="a random-weight Qwen3.5 of this shape")
+    parser.add_argument("--quantize", choices=blink.QUANTIZE, help="the working tree's side with BLINK_QUANTIZE set")
     parser.add_argument(
         "--profile", action="store_true", help="print the short question's time by operator, both sides"
     )
@@ -136,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     model = qwen_gguf.qwen_folder(args.shape, defaults.cache_dir) if args.shape else None
     deps = {
         args.base: deployment(blink_at(args.base, run.files()), dtype, model),
-        "working tree": deployment(blink, dtype, model),
+        "working tree": deployment(blink, dtype, model, args.quantize),
     }
-    exact = deps["working tree"] if model and dtype == "float32" else deployment(blink, "float32", model)
+    plain = deps[args.base] if args.quantize else deps["working tree"]  # the side without the setting
+    exact = plain if model and dtype == "float32" else deployment(blink, "float32", model)
     run.probe()
     requests = cases(deps["working tree"].engine().tok, pairs)
     rows = {}
@@ -148,8 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:  # where the short question's time goes, before the change and after
         for side, dep in deps.items():
             print(f"short question, {side}:\n{profile_short(dep, requests['short'][:10])}", flush=True)
-    stem = f"engine_ab-{args.base}" + "".join(f"-{v}" for v in (args.dtype, args.shape) if v)  # one per base revision
-    run.write({"base": args.base, "dtype": dtype, "model": args.shape or blink.STANDIN_MODEL, "rows": rows}, stem)
+    base = subprocess.run(["git", "rev-parse", "--short=7", args.base], cwd=ROOT, capture_output=True, text=True)
+    name = base.stdout.strip() or args.base  # HEAD named by its commit
+    stem = f"engine_ab-{name}" + "".join(f"-{v}" for v in (args.dtype, args.shape, args.quantize) if v)
+    run.write(
+        {
+            "base": args.base,
+            "dtype": dtype,
+            "model": args.shape or blink.STANDIN_MODEL,
+            "quantize": args.quantize,
+            "rows": rows,
+        },
+        stem,
+    )
     return 0
 
 

@@ -114,8 +114,8 @@ def spy(monkeypatch) -> dict:
     seen = {"prefix": [], "rows": []}
     prefix = blink.PrefixStore.prefix
 
-    def recording(store, engine, ids, points):
-        cache, read, encoded = prefix(store, engine, ids, points)
+    def recording(store, engine, ids, points, header=0):
+        cache, read, encoded = prefix(store, engine, ids, points, header)
         seen["prefix"].append((len(ids), read, encoded))
         return cache, read, encoded
 
