@@ -2319,8 +2319,9 @@ def _prefix8_forward(self, x):
 def quantize_prefixes(model, calibrate: Callable[[], object]) -> list:
     """Every linear layer of the decoder but lm_head given an 8-bit copy of its weight for the prefixes' encodes
     (BLINK_QUANTIZE=w8a8-prefix): smoothed by the input maxima calibrate() shows it (PREFIX8_ALPHA), then int8 per
-    output channel at 63 levels a side, packed for fbgemm. The float weight stays for the tails (about a quarter more
-    memory in bfloat16). Call route_prefixes once the float forwards are set. CPU only (x86: fbgemm)."""
+    output channel at 63 levels a side, packed for fbgemm. The float weight stays for the tails (one byte a weight
+    more: a quarter of a float32 weight, half of a bfloat16 one). Call route_prefixes once the float forwards are
+    set. CPU only (x86: fbgemm)."""
     import torch
 
     head = model.get_output_embeddings()
@@ -2334,7 +2335,7 @@ def quantize_prefixes(model, calibrate: Callable[[], object]) -> list:
         maxima = input_maxima(layers, calibrate)
     for layer, seen in zip(layers, maxima):
         weight = layer.weight.detach().float()
-        if seen is None:  # a layer the calibration prompt never reached keeps its float product
+        if seen is None:  # a layer the calibration prompt never reached: smoothed by its weight's maxima alone
             seen = weight.abs().amax(0)
         smoothing = seen.clamp(min=1e-5) ** PREFIX8_ALPHA / weight.abs().amax(0).clamp(min=1e-5) ** (1 - PREFIX8_ALPHA)
         weight = weight * smoothing  # a new tensor: in float32 `weight` is the layer's own
