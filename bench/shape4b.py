@@ -5,6 +5,7 @@ computed, resident memory, and how far each arm's label distributions lie from b
     python -m bench shape4b --quick          # the small shape, a shorter log (shape4b-quick.json)
     python -m bench shape4b --shape 4b-8l --name shape4b-8l   # the 4b's first 8 layers (float32 fits in 8 GB)
     python -m bench shape4b --load-only --name shape4b-load    # the 4b loaded, bfloat16 and int8: memory only
+    python -m bench shape4b --shape 4b-8l --interleave --reps 3 --arms ARMS --name shape4b-8l-interleaved
 
 The model: a random-weight Qwen3.5 text model (bench/lib/qwen_gguf.py: Qwen3.5-4B's hybrid of Gated DeltaNet and full
 attention layers, every fourth one full, its 248,320-row vocabulary; "small" keeps the proportions at 103 M
@@ -13,14 +14,15 @@ converted to GGUF by llama.cpp's own converter (BF16) and quantizer (Q8_0). Rand
 distributions compared show that the arms ran the same model on the same prompts; answer quality stays the
 stand-in's and the tiny Qwen3.5's (`python -m bench drift`).
 
-The arms, each in a child process of its own, one after another (so each one's resident memory is its own), on the
-same threads: blink at its defaults for this CPU (the dtype rule's pick), blink in bfloat16 (only where the CPU
-computes bfloat16 natively: elsewhere its products fall back to a slow path no user would pick), blink with
-BLINK_QUANTIZE=int8, blink with BLINK_QUANTIZE=w8a8-prefix (the evidence's encode in 8-bit products), blink with
-transformers' own Gated DeltaNet code (BLINK_GATED_DELTA=transformers: what blink's
-CPU path for those layers changes), and llama.cpp at BF16 and at Q8_0 (llama-cpp-python, reading blink's exact
-prompt ids and the label logits at each prompt's last position; the state saved at blink's cut points and put back,
-as llama-server's context checkpoints do, since llama.cpp cannot cut a Gated DeltaNet state back).
+The arms, each in a child process of its own (so each one's resident memory is its own), one after another, or with
+--interleave all loaded at once and each case asked of every arm in turn, so that every arm sees the same stretch of
+the machine (memory for all the arms at once), on the same threads: blink at its defaults for this CPU (the dtype
+rule's pick), blink in bfloat16 (only where the CPU computes bfloat16 natively: elsewhere its products fall back to a
+slow path no user would pick), blink with BLINK_QUANTIZE=int8, blink with BLINK_QUANTIZE=w8a8-prefix (the evidence's
+encode in 8-bit products), blink with transformers' own Gated DeltaNet code (BLINK_GATED_DELTA=transformers: what
+blink's CPU path for those layers changes), and llama.cpp at BF16 and at Q8_0 (llama-cpp-python, reading blink's exact
+prompt ids and the label logits at each prompt's last position; the state saved at blink's cut points and put back, as
+llama-server's context checkpoints do, since llama.cpp cannot cut a Gated DeltaNet state back).
 
 --load-only loads each blink arm in bfloat16 (blink_int8: int8 weights over bfloat16) and each llama.cpp arm, reads
 their resident memory after loading and its peak, and asks nothing: what a CPU Space's memory must hold.
@@ -137,10 +139,6 @@ class BlinkArm:
         labels = [blink.softmax(forward.readouts[p.qkey].logits[0], 1.0) for p in self.engine.render(request)]
         return {"wall_s": wall, "computed_tokens": forward.prefill_tokens, "labels": labels}
 
-    def memory(self) -> dict:
-        """Resident memory now and at the peak, loading included."""
-        return memory_mb()
-
 
 class LlamaCases:
     """A llama.cpp arm over blink's rendered prompts (in this process; its LlamaReader computes in a child)."""
@@ -168,33 +166,31 @@ class LlamaCases:
         }
 
 
-def run_cases(arm, reps: int) -> dict:
-    """Every case `reps` times (a new document each time: the kept prefixes dropped before "document")."""
-    out: dict = {}
+def run_rounds(arms: dict, reps: int) -> dict:
+    """Every case `reps` times, each case asked of every arm in turn before the next case (a new document each time:
+    the kept prefixes dropped before "document"): each arm's cases by name."""
+    out: dict = {name: {} for name in arms}
     for _ in range(reps):
         for case in CASES:
-            if case != "again":
-                arm.start()
-            got = arm.ask(case)
-            row = out.setdefault(case, {"wall_s": [], "computed_tokens": got["computed_tokens"]})
-            row["wall_s"].append(round(got["wall_s"], 3))
-            row["labels"] = got["labels"]
-            print(f"  {case}: {got['wall_s']:.2f} s, {got['computed_tokens']} tokens computed", flush=True)
+            for name, arm in arms.items():
+                if case != "again":
+                    arm.start()
+                got = arm.ask(case)
+                row = out[name].setdefault(case, {"wall_s": [], "computed_tokens": got["computed_tokens"]})
+                row["wall_s"].append(round(got["wall_s"], 3))
+                row["labels"] = got["labels"]
+                print(f"  {name} {case}: {got['wall_s']:.2f} s, {got['computed_tokens']} tokens computed", flush=True)
     return out
 
 
-def blink_arm(folder: str, settings: dict, threads: int, doc_tokens: int, reps: int) -> tuple[dict, dict]:
-    """One blink arm in its own child process: what it loaded, its cases (none where reps is 0), its memory; and the
-    prompts it rendered."""
+def open_blink(folder: str, settings: dict, threads: int, doc_tokens: int) -> tuple[dict, isolated.Child]:
+    """One blink arm loaded in a child process of its own: what it loaded, and the child."""
     child = isolated.Child("blink", BlinkArm, folder, settings, threads, doc_tokens)
     try:
-        row = child.call("describe")
-        if reps:
-            row["cases"] = run_cases(_Remote(child), reps)
-        row["after"] = child.call("memory")
-        return row, child.call("prompts")
-    finally:
+        return child.call("describe"), child
+    except BaseException:
         child.close()
+        raise
 
 
 class _Remote:
@@ -210,9 +206,9 @@ class _Remote:
         return self.child.call("ask", case)
 
 
-def llama_arm(folder: str, kind: str, threads: int, prompts: dict, reps: int, cache_dir: str) -> dict:
-    """One llama.cpp arm: the folder's GGUF file at `kind` read in a child process of its own, over blink's prompts
-    (none where reps is 0)."""
+def open_llama(folder: str, kind: str, threads: int, prompts: dict, cache_dir: str) -> tuple[dict, isolated.Child]:
+    """One llama.cpp arm: the folder's GGUF file at `kind` loaded in a child process of its own, sized for blink's
+    prompts: what it loaded, and the child."""
     watch = harness.Stopwatch()
     gguf = qwen_gguf.gguf_file(folder, kind, cache_dir)
     made_s, watch = round(watch.seconds(), 2), harness.Stopwatch()
@@ -222,12 +218,30 @@ def llama_arm(folder: str, kind: str, threads: int, prompts: dict, reps: int, ca
         row = {"gguf": os.path.basename(gguf), "gguf_mb": os.path.getsize(gguf) // 2**20, "made_s": made_s}
         row.update(load_s=round(watch.seconds(), 2), loaded=memory_mb(reader.process.pid))
         row["system_info"] = reader.call("system_info")
-        if reps:
-            row["cases"] = run_cases(LlamaCases(reader, prompts), reps)
-        row["after"] = memory_mb(reader.process.pid)
-        return row
-    finally:
+        return row, reader
+    except BaseException:
         reader.close()
+        raise
+
+
+def finish(opened: dict, prompts: dict, reps: int) -> dict:
+    """The opened arms ({name: (row, child)}) asked the cases in rounds (none where reps is 0), their memory read
+    after, then closed: each arm's row."""
+    asked = {
+        name: LlamaCases(child, prompts) if name in LLAMA_ARMS else _Remote(child)
+        for name, (_, child) in opened.items()
+    }
+    cases = run_rounds(asked, reps) if reps else {}
+    rows = {}
+    for name, (row, child) in opened.items():
+        rows[name] = {**row, **({"cases": cases[name]} if reps else {}), "after": memory_mb(child.process.pid)}
+    return rows
+
+
+def close(opened: dict) -> None:
+    """The opened arms' child processes ended, and the arms forgotten."""
+    while opened:
+        opened.popitem()[1][1].close()
 
 
 def compare_labels(reference: list[list[float]], other: list[list[float]]) -> dict:
@@ -250,6 +264,11 @@ def flags(parser) -> None:
     parser.add_argument("--reps", type=int, help="every case this many times (default 1)")
     parser.add_argument("--load-only", action="store_true", help="load each arm in bfloat16 and read its memory")
     parser.add_argument("--name", default="shape4b", help="the results file's name (default shape4b)")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="every arm loaded at once, each case asked of every arm in turn (memory for all arms at once)",
+    )
 
 
 def skipped_reason(name: str) -> str | None:
@@ -274,27 +293,35 @@ def main(argv: list[str] | None = None) -> int:
     folder = qwen_gguf.qwen_folder(shape, cache_dir)
     run.probe_dtypes = ["bfloat16"]
     run.probe()
-    rows, skipped, prompts = {}, {}, {"warm": []}
+    rows, skipped, prompts, opened = {}, {}, {"warm": []}, {}
     first = [] if load_only else ["blink"]  # the reference first: its prompts are what llama.cpp reads
-    for name in [*first, *(n for n in names if n not in first)]:
-        reason = None if load_only else skipped_reason(name)
-        if reason:
-            skipped[name] = reason
-            print(f"{name}: skipped ({reason})", flush=True)
-            continue
-        print(f"{name}: loading in a child process", flush=True)
-        if name in LLAMA_ARMS:
-            rows[name] = llama_arm(folder, LLAMA_ARMS[name], run.threads, prompts, reps, cache_dir)
-        else:
-            settings = {**BLINK_ARMS[name], **({"dtype": "bfloat16"} if load_only else {})}
-            rows[name], rendered = blink_arm(folder, settings, run.threads, doc_tokens, reps)
-            prompts = rendered if name == "blink" else prompts
+    try:
+        for name in [*first, *(n for n in names if n not in first)]:
+            reason = None if load_only else skipped_reason(name)
+            if reason:
+                skipped[name] = reason
+                print(f"{name}: skipped ({reason})", flush=True)
+                continue
+            print(f"{name}: loading in a child process", flush=True)
+            if name in LLAMA_ARMS:
+                opened[name] = open_llama(folder, LLAMA_ARMS[name], run.threads, prompts, cache_dir)
+            else:
+                settings = {**BLINK_ARMS[name], **({"dtype": "bfloat16"} if load_only else {})}
+                opened[name] = open_blink(folder, settings, run.threads, doc_tokens)
+                prompts = opened[name][1].call("prompts") if name == "blink" else prompts
+            if not run.args.interleave:  # one arm at a time: asked, read and closed before the next loads
+                rows.update(finish(opened, prompts, reps))
+                close(opened)
+        rows.update(finish(opened, prompts, reps))
+    finally:
+        close(opened)
     run.probe()
     res = {
         "model": {"kind": "random-weight Qwen3.5 text model", "shape": shape, **qwen_gguf.SHAPES[shape]},
         "load_only": load_only,
         "doc_tokens": doc_tokens,
         "reps": reps,
+        "interleaved": run.args.interleave,
         "arms": rows,
         "skipped": skipped,
     }

@@ -420,6 +420,43 @@ def test_llama_arms_on_real_llama_cpp_answer_as_blink_does(standin):
             assert arm.elsewhere_cpu() > 0  # it computed in a child process of its own
 
 
+def test_shape4b_interleaved_asks_each_case_of_every_arm_in_turn(tiny_qwen_dir):
+    """shape4b --interleave's rounds over two real blink arms on the tiny Qwen3.5: every case asked of both before
+    the next, a new document each round (the kept prefixes dropped before "short" and "document", kept for
+    "again"), and both arms computing the same tokens."""
+    from bench import shape4b
+
+    calls = []
+
+    class Logged:
+        def __init__(self, name: str, arm):
+            self.name, self.arm = name, arm
+
+        def start(self) -> None:
+            calls.append((self.name, "start"))
+            self.arm.start()
+
+        def ask(self, case: str) -> dict:
+            calls.append((self.name, case))
+            return self.arm.ask(case)
+
+    threads = torch.get_num_threads()
+    arms = {
+        name: Logged(name, shape4b.BlinkArm(tiny_qwen_dir, shape4b.BLINK_ARMS[name], threads, 300))
+        for name in ("blink", "blink_w8a8_prefix")
+    }
+    got = shape4b.run_rounds(arms, 2)
+    one_round = []
+    for case in shape4b.CASES:
+        for name in arms:
+            one_round += [(name, "start")] * (case != "again") + [(name, case)]
+    assert calls == one_round * 2
+    for case in shape4b.CASES:
+        assert [len(got[name][case]["wall_s"]) for name in arms] == [2, 2]
+        assert got["blink"][case]["computed_tokens"] == got["blink_w8a8_prefix"][case]["computed_tokens"] > 0
+    assert got["blink"]["again"]["computed_tokens"] < got["blink"]["document"]["computed_tokens"]  # the log kept
+
+
 def test_a_native_peer_that_crashes_is_an_error_naming_it_and_the_signal():
     # A segfault in the child (here: reading address 0 while it builds its object) ends the child, not this run.
     with pytest.raises(isolated.Crashed, match=r"^native lib died in its child process: SIGSEGV \(signal 11\)$"):
