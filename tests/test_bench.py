@@ -611,6 +611,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "serve-default.json": "serve",
         "shape4b.json": "shape4b",
         "shape4b-8l.json": "shape4b",
+        "shape4b-8l-interleaved.json": "shape4b",
         "shape4b-load.json": "shape4b",
         "vllm-cpu.json": "vllm_check",
     }
@@ -785,6 +786,7 @@ def test_the_bench_readme_tables_are_what_report_prints():
         "krite.json": ("krite", None),
         "shape4b.json": ("shape4b", None),
         "shape4b-8l.json": ("shape4b", None),
+        "shape4b-8l-interleaved.json": ("shape4b", None),
         "quantfloor.json": ("drift", None),
         "quantfloor-fbgemm.json": ("drift", None),
         "quantfloor-prefix.json": ("drift", None),
