@@ -225,8 +225,8 @@ def open_llama(folder: str, kind: str, threads: int, prompts: dict, cache_dir: s
 
 
 def finish(opened: dict, prompts: dict, reps: int) -> dict:
-    """The opened arms ({name: (row, child)}) asked the cases in rounds (none where reps is 0), their memory read
-    after, then closed: each arm's row."""
+    """The opened arms ({name: (row, child)}) asked the cases in rounds (none where reps is 0), then their memory
+    read: each arm's row (the caller closes them: close())."""
     asked = {
         name: LlamaCases(child, prompts) if name in LLAMA_ARMS else _Remote(child)
         for name, (_, child) in opened.items()
