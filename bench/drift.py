@@ -286,22 +286,12 @@ def kernel_rates(reps: int = 3) -> dict:
 
 def input_maxima(engine: blink.TorchEngine, settings: blink.Settings) -> dict:
     """Each linear layer's largest input magnitude per channel over a calibration log (CALIBRATION_TOKENS, seed 99)
-    asked the eight questions, on the engine's model as it is."""
-    seen: dict = {}
-
-    def record(name):
-        def hook(module, args):
-            x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()
-            seen[name] = x if name not in seen else seen[name].maximum(x)
-
-        return hook
-
-    hooks = [layer.register_forward_pre_hook(record(name)) for name, layer in linear_layers(engine.model)]
+    asked the eight questions, on the engine's model as it is (blink.input_maxima, by layer name)."""
+    names, layers = zip(*linear_layers(engine.model))
     doc = workloads.document(engine.tok, CALIBRATION_TOKENS, seed=99)
-    answered(engine, blink.parse_request(doc, cold.questions(workloads.ticket_count(doc)), settings=settings))
-    for hook in hooks:
-        hook.remove()
-    return seen
+    request = blink.parse_request(doc, cold.questions(workloads.ticket_count(doc)), settings=settings)
+    maxima = blink.input_maxima(list(layers), lambda: answered(engine, request))
+    return {name: seen for name, seen in zip(names, maxima) if seen is not None}
 
 
 def linear_layers(model) -> list:
