@@ -3080,13 +3080,19 @@ GATED_DELTA_BLOCK = 16  # rows a triangular block is inverted by substitution be
 
 def _unit_lower_inverse(lower):
     """(I + L)^-1 for strictly lower triangular L [..., C, C]: forward substitution inside blocks of
-    GATED_DELTA_BLOCK rows, then the blocks merged pairwise ([A 0; X D]^-1 = [A^-1 0; -D^-1 X A^-1, D^-1])."""
+    GATED_DELTA_BLOCK rows, then the blocks merged pairwise ([A 0; X D]^-1 = [A^-1 0; -D^-1 X A^-1, D^-1]); a system
+    of at most one block is substituted whole."""
     import torch
 
     size = lower.shape[-1]
-    whole = size // GATED_DELTA_BLOCK
-    # merged pairwise, the blocks must be a power of two of them; another length (a last chunk's) is substituted whole
-    block = GATED_DELTA_BLOCK if size % GATED_DELTA_BLOCK == 0 and whole & (whole - 1) == 0 else size
+    if size > GATED_DELTA_BLOCK:
+        # merged pairwise, the blocks must be a power of two of them: another length (a last chunk's) is padded with
+        # zeros to one, which leaves a block-diagonal system whose first block's inverse is the one asked for
+        whole = 1 << (-(-size // GATED_DELTA_BLOCK) - 1).bit_length()
+        if whole * GATED_DELTA_BLOCK != size:
+            grown = torch.nn.functional.pad(lower, (0, whole * GATED_DELTA_BLOCK - size) * 2)
+            return _unit_lower_inverse(grown)[..., :size, :size]
+    block = min(size, GATED_DELTA_BLOCK)
     blocks = size // block
     diag = torch.stack(
         [lower[..., j * block : (j + 1) * block, j * block : (j + 1) * block] for j in range(blocks)], -3
@@ -3181,6 +3187,22 @@ def gated_delta_rule(q, k, v, g, beta, state=None):
     return out.view(rows, length, heads, dv), held.view(rows, heads, dk, dv)
 
 
+def gated_delta_rows(q, k, v, g, beta, state=None, lengths: tuple[int, ...] | None = None):
+    """gated_delta_rule over right-padded rows, each row's first `lengths[r]` tokens alone where lengths are given:
+    the padding is never computed (its output is zero) and each row's state is the one after its last real token."""
+    import torch
+
+    if lengths is None:
+        return gated_delta_rule(q, k, v, g, beta, state)
+    out, states = v.new_zeros(v.shape), []
+    for r, n in enumerate(lengths):
+        real = (x[r : r + 1, :n] for x in (q, k, v, g, beta))
+        part, held = gated_delta_rule(*real, None if state is None else state[r : r + 1])
+        out[r, :n] = part[0]
+        states.append(held)
+    return out, torch.cat(states)
+
+
 def causal_conv(conv, x, cache, layer: int):
     """A linear-attention layer's causal depthwise convolution over x [B, C, T], then its SiLU, continuing and
     updating the layer's conv state in `cache` as transformers' causal_conv1d_forward does: the kernel's taps summed
@@ -3222,13 +3244,14 @@ def _gated_delta_forward(self, hidden_states, cache=None, attention_mask=None, *
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     beta = self.in_proj_b(hidden_states).sigmoid()
     g = -self.A_log.float().exp() * torch.nn.functional.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)
-    out, state = gated_delta_rule(
+    out, state = gated_delta_rows(
         q.reshape(rows, length, -1, self.head_k_dim),
         k.reshape(rows, length, -1, self.head_k_dim),
         v.reshape(rows, length, -1, self.head_v_dim),
         g,
         beta,
         state,
+        real_lengths(rows, length),
     )
     if cache is not None:
         cache.update_recurrent_state(state, layer)
@@ -3561,7 +3584,7 @@ def prefix_attention(module, query, key, value, attention_mask, dropout: float =
     (prefix_k, new_k), (prefix_v, new_v) = key, value
     rows, heads, length, _ = query.shape
     if reads_in_place(query.device):
-        out = _tail_attention(query, prefix_k[:1], prefix_v[:1], new_k, new_v, scaling)
+        out = _tail_attention(query, prefix_k[:1], prefix_v[:1], new_k, new_v, scaling, real_lengths(rows, length))
     else:
         past = prefix_k.shape[-2]
         k = torch.cat([prefix_k.expand(rows, -1, -1, -1), new_k], dim=-2)
@@ -3573,9 +3596,11 @@ def prefix_attention(module, query, key, value, attention_mask, dropout: float =
     return out.transpose(1, 2).contiguous(), None
 
 
-def _tail_attention(query, prefix_k, prefix_v, new_k, new_v, scale):
+def _tail_attention(query, prefix_k, prefix_v, new_k, new_v, scale, lengths: tuple[int, ...] | None = None):
     """Attention of `query` [rows, heads, length, dim] over one batch-1 prefix and each row's new keys (causal), in
-    FP32 products, the same numbers for a row whatever rows run beside it and whatever length they pad it to. The
+    FP32 products, the same numbers for a row whatever rows run beside it and whatever length they pad it to. Queries
+    past a row's real length (`lengths`) are left zero, not computed, except in a block of rows folded together (a
+    short prefix), which runs to its longest row. The
     queries of a block of rows that share a key head are folded into one sequence that reads the prefix once (no copy
     of it per row); each row's new tokens are read on their own. Every sum over keys is a product with a fixed number
     of keys: the softmax is left unnormalised and its denominator is a column of ones beside the values, and the new
@@ -3586,7 +3611,7 @@ def _tail_attention(query, prefix_k, prefix_v, new_k, new_v, scale):
 
     rows, heads, length, dim = query.shape
     groups, past = prefix_k.shape[1], prefix_k.shape[-2]
-    per = heads // groups
+    per, lengths = heads // groups, lengths or (length,) * rows
     scale = scale if scale is not None else dim**-0.5
     keys = -(-length // TAIL_KEY_BLOCK) * TAIL_KEY_BLOCK
     with_ones = functools.partial(torch.nn.functional.pad, pad=(0, 1), value=1.0)  # the denominator's column
@@ -3598,11 +3623,12 @@ def _tail_attention(query, prefix_k, prefix_v, new_k, new_v, scale):
     per_query = heads * (past + keys)
     span = max(1, min(length, TAIL_ATTENTION_SCORES // per_query))  # queries of a row per block
     block = max(1, TAIL_ATTENTION_SCORES // (per_query * length)) if span == length else 1  # rows per block
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
     for r in range(0, rows, block):
         n = min(block, rows - r)
-        for t in range(0, length, span):
-            m = min(span, length - t)
+        longest = max(lengths[r : r + n])
+        for t in range(0, longest, span):
+            m = min(span, longest - t)
             q = (query[r : r + n, :, t : t + m].float() * scale).reshape(n, groups, per * m, dim)
             folded = q.transpose(0, 1).reshape(groups, n * per * m, dim)
             on_prefix = torch.matmul(folded, kp.transpose(-1, -2))  # [groups, n * per * m, past]
@@ -3793,35 +3819,58 @@ def _padded(seqs: list[list[int]], rows: list[int], pad_id: int):
 # A batch's rows are right-padded to its longest; the per-token work (the linear layers and the MLPs, nearly all of
 # a layer's products) runs on its real tokens alone, gathered into one matrix and scattered back, padding left zero.
 # Every layer is causal, so what the padding holds never reaches a real position.
+# The sequence mixers (Gated DeltaNet's recurrence, the tails' attention) read the rows' lengths from it and run each
+# row's real tokens alone.
 _REAL_TOKENS: contextvars.ContextVar = contextvars.ContextVar("blink_real_tokens", default=None)
 
 
-def real_tokens(lengths: list[int], width: int, device):
-    """(flat indices of the real tokens of right-padded rows (row x width + position), rows, width); None where no
-    row is padded."""
+@dataclass(frozen=True)
+class RealTokens:
+    """Where a right-padded batch's real tokens are: flat indices (row x width + position), its shape, row lengths."""
+
+    index: object  # a torch.LongTensor
+    rows: int
+    width: int
+    lengths: tuple[int, ...]
+
+
+def real_tokens(lengths: list[int], width: int, device) -> RealTokens | None:
+    """The real tokens of right-padded rows of these lengths; None where no row is padded."""
     import torch
 
     if all(n == width for n in lengths):
         return None
     positions = torch.arange(width, device=device)
-    return torch.cat([r * width + positions[:n] for r, n in enumerate(lengths)]), len(lengths), width
+    index = torch.cat([r * width + positions[:n] for r, n in enumerate(lengths)])
+    return RealTokens(index, len(lengths), width, tuple(lengths))
+
+
+def real_lengths(rows: int, width: int) -> tuple[int, ...] | None:
+    """The rows' real lengths where `rows` x `width` is the padded batch being run (_REAL_TOKENS), else None."""
+    batch = _REAL_TOKENS.get()
+    if batch is None or (rows, width) != (batch.rows, batch.width):
+        return None
+    return batch.lengths
 
 
 def _gather_real(module, args):
     """Forward pre-hook: a padded batch's input [rows, width, ...] as the matrix of its real tokens (_REAL_TOKENS)."""
-    batch, x = _REAL_TOKENS.get(), args[0]
-    if batch is None or tuple(x.shape[:2]) != batch[1:]:
+    x = args[0]
+    if x.dim() < 2 or real_lengths(*x.shape[:2]) is None:
         return None
-    return (x.flatten(0, 1).index_select(0, batch[0]), *args[1:])
+    return (x.flatten(0, 1).index_select(0, _REAL_TOKENS.get().index), *args[1:])
 
 
 def _scatter_real(module, args, y):
     """Forward hook: the output of a gathered input (_gather_real) put back in its rows, zeros at the padding."""
     batch = _REAL_TOKENS.get()
-    if batch is None or args[0].dim() != 2 or args[0].shape[0] != len(batch[0]):
+    if batch is None or args[0].dim() != 2 or args[0].shape[0] != len(batch.index):
         return None
-    real, rows, width = batch
-    return y.new_zeros(rows * width, y.shape[-1]).index_copy_(0, real, y).view(rows, width, -1)
+    return (
+        y.new_zeros(batch.rows * batch.width, y.shape[-1])
+        .index_copy_(0, batch.index, y)
+        .view(batch.rows, batch.width, -1)
+    )
 
 
 def use_real_tokens(backbone) -> int:

@@ -55,6 +55,43 @@ def test_the_rule_leaves_the_state_it_continues_as_it_was():
     assert torch.equal(state, kept)
 
 
+def test_padded_rows_run_their_real_tokens_alone():
+    # Right-padded rows with NaN in their padding: each row's output and state are those of its real tokens run alone
+    # (the same bits), and the padding's output is zero. Computing any padded position would put NaN there.
+    lengths = (70, 5, 64, 33)
+    q, k, v, g, beta, state = (x.float() for x in inputs(len(lengths), max(lengths)))
+    for r, n in enumerate(lengths):
+        for x in (q, k, v, g, beta):
+            x[r, n:] = float("nan")
+    out, held = blink.gated_delta_rows(q, k, v, g, beta, state, lengths)
+    for r, n in enumerate(lengths):
+        alone, alone_state = blink.gated_delta_rule(*(x[r : r + 1, :n] for x in (q, k, v, g, beta)), state[r : r + 1])
+        assert torch.equal(out[r : r + 1, :n], alone) and torch.equal(held[r : r + 1], alone_state)
+        assert not out[r, n:].any()
+
+
+def test_a_padded_batch_of_tails_runs_the_recurrence_on_real_tokens(tiny_qwen_dir, monkeypatch):
+    # The engine's batch of tails (right-padded: the tails differ) hands each linear-attention layer's recurrence
+    # the real tokens of each row alone: what it ran adds up to the tails' tokens, layer by layer.
+    engine = blink.TorchEngine(tiny_qwen_dir, settings=DEFAULTS)
+    request = blink.parse_request(EVIDENCE, QUESTIONS, settings=DEFAULTS)
+    prompts = engine.render(request)
+    ran, rule = [], blink.gated_delta_rule
+
+    def spy(q, *args):
+        ran.append((*q.shape[:2], blink._REAL_TOKENS.get() is not None))  # rows, tokens, in a padded batch
+        return rule(q, *args)
+
+    monkeypatch.setattr(blink, "gated_delta_rule", spy)
+    engine.forward(request)
+    lengths = sorted(n for rows, n, padded in ran if padded)
+    cut = max(len(p.ids) for p in prompts) - lengths[-1]  # the kept prefix the tails ran from
+    tails = [len(p.ids) - cut for p in prompts]
+    assert len(set(tails)) > 1  # the tails differ: their batch is padded
+    assert lengths == sorted(tails * engine.gated_delta_layers)  # each row its own length, not the batch's
+    assert all(rows == 1 for rows, n, padded in ran if padded)
+
+
 def own_logits(model, prompt: blink.Prompt) -> list[float]:
     """transformers' own model (its own linear-attention code) on one prompt alone: the label logits."""
     with torch.no_grad():

@@ -533,6 +533,28 @@ def test_a_tails_attention_is_its_own_whatever_runs_beside_it(dtype, monkeypatch
     assert torch.equal(blink._tail_attention(query, prefix_k, prefix_v, new_k, new_v, None), padded)
 
 
+@pytest.mark.parametrize("scores", [2**22, 9 * (90 + 128) * 8])  # rows folded in blocks; one row, 8 queries a block
+def test_a_tails_padding_is_not_attended(scores, monkeypatch):
+    # Queries past a row's real length are NaN here: each row's real queries answer as the row alone (within rounding:
+    # a one-token row alone takes another product kernel), and the padding is left zero. Computing a padded query
+    # would put NaN in its output.
+    monkeypatch.setattr(blink, "TAIL_ATTENTION_SCORES", scores)
+    torch.manual_seed(8)
+    lengths, heads, groups, past = (37, 12, 50, 1), 9, 3, 90
+    query = torch.randn(len(lengths), heads, max(lengths), 16)
+    prefix_k, prefix_v = (torch.randn(1, groups, past, 16) for _ in range(2))
+    new_k, new_v = (torch.randn(len(lengths), groups, max(lengths), 16) for _ in range(2))
+    for r, n in enumerate(lengths):
+        query[r, :, n:] = float("nan")
+    got = blink._tail_attention(query, prefix_k, prefix_v, new_k, new_v, None, lengths)
+    for r, n in enumerate(lengths):
+        alone = (query[r : r + 1, :, :n], prefix_k, prefix_v, new_k[r : r + 1, :, :n], new_v[r : r + 1, :, :n], None)
+        assert (got[r : r + 1, :, :n] - blink._tail_attention(*alone)).abs().max() < 1e-5
+        if scores < 2**22:  # one row a block: nothing past its length is computed
+            assert not got[r, :, n:].any()
+    assert got.isnan().any() == (scores == 2**22)  # folded blocks run to their longest row
+
+
 def test_long_prefixes_are_read_in_place_and_answer_as_when_joined(eng, monkeypatch):
     # On a CPU the tails of one request read its evidence in place, once for every row (_tail_attention); the same
     # forward with the prefix joined to every row (a GPU's path) and the plain path give the same numbers.
