@@ -3618,8 +3618,7 @@ def _tail_attention(query, prefix_k, prefix_v, new_k, new_v, scale, lengths: tup
     kp, vp = prefix_k[0].float(), with_ones(prefix_v[0].float())  # [groups, past, dim], [groups, past, dim + 1]
     kn = torch.nn.functional.pad(new_k.float(), (0, 0, 0, keys - length))  # [rows, groups, keys, dim]
     vn = torch.nn.functional.pad(with_ones(new_v.float()), (0, 0, 0, keys - length))
-    causal = _bottom_right_mask(length, 0, torch.float32, query.device)  # [length, keys]: the padding masked too
-    causal = torch.nn.functional.pad(causal, (0, keys - length), value=float("-inf"))
+    causal = _tail_mask(length, keys, query.device)
     per_query = heads * (past + keys)
     span = max(1, min(length, TAIL_ATTENTION_SCORES // per_query))  # queries of a row per block
     block = max(1, TAIL_ATTENTION_SCORES // (per_query * length)) if span == length else 1  # rows per block
@@ -3629,11 +3628,13 @@ def _tail_attention(query, prefix_k, prefix_v, new_k, new_v, scale, lengths: tup
         longest = max(lengths[r : r + n])
         for t in range(0, longest, span):
             m = min(span, longest - t)
+            # the new keys these queries may see, in whole blocks: the blocks after them would add only exact zeros
+            seen = -(-(t + m) // TAIL_KEY_BLOCK) * TAIL_KEY_BLOCK
             q = (query[r : r + n, :, t : t + m].float() * scale).reshape(n, groups, per * m, dim)
             folded = q.transpose(0, 1).reshape(groups, n * per * m, dim)
             on_prefix = torch.matmul(folded, kp.transpose(-1, -2))  # [groups, n * per * m, past]
-            on_new = torch.matmul(q, kn[r : r + n].transpose(-1, -2)).view(n, groups, per, m, keys)
-            on_new = on_new.add_(causal[t : t + m]).view(n, groups, per * m, keys)
+            on_new = torch.matmul(q, kn[r : r + n, :, :seen].transpose(-1, -2)).view(n, groups, per, m, seen)
+            on_new = on_new.add_(causal[t : t + m, :seen]).view(n, groups, per * m, seen)
             top = torch.maximum(on_prefix.amax(-1).view(groups, n, per * m).transpose(0, 1), on_new.amax(-1)).unsqueeze(
                 -1
             )  # [n, groups, per * m, 1]
@@ -3641,11 +3642,21 @@ def _tail_attention(query, prefix_k, prefix_v, new_k, new_v, scale, lengths: tup
             mixed = torch.matmul(on_prefix.view(groups, n * per * m, past), vp).view(groups, n, per * m, dim + 1)
             mixed = mixed.transpose(0, 1).contiguous()  # [n, groups, per * m, dim + 1]
             on_new = on_new.sub_(top).exp_()
-            for k in range(0, keys, TAIL_KEY_BLOCK):
+            for k in range(0, seen, TAIL_KEY_BLOCK):
                 mixed += torch.matmul(on_new[..., k : k + TAIL_KEY_BLOCK], vn[r : r + n, :, k : k + TAIL_KEY_BLOCK])
             result = mixed[..., :dim] / mixed[..., dim:]
             out[r : r + n, :, t : t + m] = result.view(n, groups, per, m, dim).reshape(n, heads, m, dim)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _tail_mask(length: int, keys: int, device):
+    """The additive causal mask [length, keys] of `length` tail tokens over their own keys zero-padded to `keys` (the
+    padding masked too), in float32, made once per shape and shared by every layer and forward (never written)."""
+    import torch
+
+    causal = _bottom_right_mask(length, 0, torch.float32, device)
+    return torch.nn.functional.pad(causal, (0, keys - length), value=float("-inf"))
 
 
 @functools.lru_cache(maxsize=64)

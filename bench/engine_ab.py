@@ -36,6 +36,7 @@ from bench.lib import answers, harness, qwen_gguf, report, workloads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}
+CASES = "short,document,again"  # asked by default
 
 
 def blink_at(revision: str, folder: str):
@@ -64,9 +65,16 @@ def deployment(module, dtype: str, model: str | None = None, quantize: str | Non
     return dep
 
 
+def routing(options: int, seed: int) -> dict:
+    """One choice among `options` queues: a long question over a short text, so its prompt runs past the kept header
+    as one long tail."""
+    queues = {f"Queue {i:03d}": f"Tickets about topic {(i * 7919 + seed) % 1000}" for i in range(options)}
+    return {"queue": {"type": "choice", "instructions": "Which queue should this ticket go to?", "criteria": queues}}
+
+
 def cases(tok, pairs: int) -> dict[str, list[tuple]]:
     """Each case's requests, one per pair: a new ~1,000-token log with 8 questions, the same log with 8 new
-    questions, one yes/no question over a new short text."""
+    questions, one yes/no question over a new short text, and (asked for by name) a choice among 128 queues."""
     docs = [workloads.document(tok, 1000, seed=1000 + i) for i in range(pairs)]
     first = workloads.questions(8, 4, workloads.ticket_count(docs[0]))
     again = workloads.reworded(first)
@@ -74,7 +82,15 @@ def cases(tok, pairs: int) -> dict[str, list[tuple]]:
         (f"Order {4100 + i}: I was charged twice for the same order and want my money back.", SHORT)
         for i in range(5 * pairs)
     ]
-    return {"document": [(d, first) for d in docs], "again": [(d, again) for d in docs], "short": short}
+    options = [
+        (f"Order {4200 + i}: I was charged twice and want my money back.", routing(128, i)) for i in range(pairs)
+    ]
+    return {
+        "document": [(d, first) for d in docs],
+        "again": [(d, again) for d in docs],
+        "short": short,
+        "options": options,
+    }
 
 
 def compare(deps: dict, exact, requests: list[tuple]) -> dict:
@@ -120,7 +136,7 @@ def flags(parser) -> None:
     """engine_ab's own flags."""
     parser.add_argument("--base", required=True, help="the git revision whose blink.py is the reference")
     parser.add_argument("--pairs", type=int, default=4, help="requests per case for each side (short: 5x)")
-    parser.add_argument("--cases", default="short,document,again")
+    parser.add_argument("--cases", default=CASES, help="of short, document, again, options")
     parser.add_argument("--dtype", choices=blink.DTYPES, help="both sides' dtype (default: the one blink answers in)")
     parser.add_argument("--shape", choices=sorted(qwen_gguf.SHAPES), help="a random-weight Qwen3.5 of this shape")
     parser.add_argument("--quantize", choices=blink.QUANTIZE, help="the working tree's side with BLINK_QUANTIZE set")
@@ -154,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"short question, {side}:\n{profile_short(dep, requests['short'][:10])}", flush=True)
     base = subprocess.run(["git", "rev-parse", "--short=7", args.base], cwd=ROOT, capture_output=True, text=True)
     name = base.stdout.strip() or args.base  # HEAD named by its commit
-    stem = f"engine_ab-{name}" + "".join(f"-{v}" for v in (args.dtype, args.shape, args.quantize) if v)
+    named = args.cases.replace(",", "-") if args.cases != CASES else None  # a run of other cases: its own file
+    stem = f"engine_ab-{name}" + "".join(f"-{v}" for v in (args.dtype, args.shape, args.quantize, named) if v)
     run.write(
         {
             "base": args.base,
