@@ -3070,9 +3070,10 @@ class HybridEngine(Engine):
 # depthwise convolution, which sums four taps at a fraction of memory's rate. This path is the same chunked gated delta
 # rule (Yang et al., 2024; SGLang's CPU kernel and llama.cpp's fused op compute the same recurrence) in torch products:
 # each key head's products are taken once and broadcast to its value heads, the last chunk is as long as the sequence
-# leaves it, and the triangular systems are inverted in blocks by batched products; the convolution's taps are summed as
-# shifted multiply-adds (causal_conv). Its output equals transformers' within float32 rounding
-# (tests/test_gated_delta.py); BLINK_GATED_DELTA=transformers runs theirs.
+# leaves it, each row of a padded batch runs its real tokens alone (gated_delta_rows), and the triangular systems are
+# inverted in blocks by batched products; the convolution's taps are summed as shifted multiply-adds (causal_conv). Its
+# output equals transformers' within float32 rounding (tests/test_gated_delta.py); BLINK_GATED_DELTA=transformers runs
+# theirs.
 GATED_DELTA_CHUNK = 64  # tokens a chunk: the recurrence is a product per chunk, the state carried between chunks
 GATED_DELTA_GROUP = 8  # chunks whose intra-chunk terms are computed together: their tensors stay in the CPU's cache
 GATED_DELTA_BLOCK = 16  # rows a triangular block is inverted by substitution before the blocks are merged

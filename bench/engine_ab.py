@@ -12,7 +12,8 @@ blink answers in, in one process; --profile shows where a short question's time 
 
 Each case alternates the two engines request by request (the order flipped every pair) and times each call in this
 process's CPU seconds, so load from other processes inflates both sides of a pair alike; it records each side's
-median and the median (and quartiles) of the per-pair ratios. Answers: the largest probability gap and pick changes
+median and the median (and quartiles) of the per-pair ratios, and the same in wall seconds (a change in how much of
+the time both cores are busy shows there alone). Answers: the largest probability gap and pick changes
 of both sides against the working tree's float32 path (the exact one: with --shape, the working tree's own side where
 it runs in float32, so that two copies of the model are held, not three; with --quantize, the base side's, which then
 runs in float32). The answer cache is off on both sides: every request runs the model.
@@ -97,22 +98,31 @@ def compare(deps: dict, exact, requests: list[tuple]) -> dict:
     """Per-call CPU seconds of each side, alternating, and both sides' answers against the exact path."""
     names = list(deps)
     seconds = {name: [] for name in names}
+    walls = {name: [] for name in names}
     got: dict = {name: [] for name in names}
     want = []
     for i, (state, questions) in enumerate(requests):
         for name in names if i % 2 == 0 else names[::-1]:
-            _, cpu, out = harness.timed(lambda d=deps[name], s=state, q=questions: d.decide(s, q))
+            wall, cpu, out = harness.timed(lambda d=deps[name], s=state, q=questions: d.decide(s, q))
             seconds[name].append(cpu)
+            walls[name].append(wall)
             if i < 3:
                 got[name].append(out["answers"])
         if i < 3:
             want.append(exact.decide(state, questions)["answers"])
     ratios = sorted(a / b for a, b in zip(*seconds.values()))
+    wall_ratios = sorted(a / b for a, b in zip(*walls.values()))  # what a change to how busy both cores are shows
     return {
         "cpu_ms": {name: round(statistics.median(v) * 1000, 1) for name, v in seconds.items()},
         "pairs": len(ratios),
         "ratio_median": round(statistics.median(ratios), 3),
         "ratio_quartiles": [round(ratios[len(ratios) // 4], 3), round(ratios[3 * len(ratios) // 4], 3)],
+        "wall_ms": {name: round(statistics.median(v) * 1000, 1) for name, v in walls.items()},
+        "wall_ratio_median": round(statistics.median(wall_ratios), 3),
+        "wall_ratio_quartiles": [
+            round(wall_ratios[len(wall_ratios) // 4], 3),
+            round(wall_ratios[3 * len(wall_ratios) // 4], 3),
+        ],
         "vs_float32": {name: answers.compare(answers.flat(want), answers.flat(g)) for name, g in got.items()},
     }
 

@@ -601,6 +601,10 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "engine_ab-7b2947f-float32-4b-8l.json": "engine_ab",
         "engine_ab-5fa73e8-float32.json": "engine_ab",
         "engine_ab-63107a3-float32-4b-8l-w8a8-prefix.json": "engine_ab",
+        "engine_ab-2e9ff95-float32-options.json": "engine_ab",
+        "engine_ab-2e9ff95-float32-4b-8l-document-again.json": "engine_ab",
+        "engine_ab-2e9ff95-float32-4b-8l-document.json": "engine_ab",
+        "engine_ab-777ede6-float32-4b-8l-document.json": "engine_ab",
         "jevbench.json": "jevbench",
         "krite.json": "krite",
         "quantfloor.json": "drift",  # written by `python -m bench quantfloor`, now `drift --schemes`
