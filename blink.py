@@ -3601,13 +3601,12 @@ def _tail_attention(query, prefix_k, prefix_v, new_k, new_v, scale, lengths: tup
     """Attention of `query` [rows, heads, length, dim] over one batch-1 prefix and each row's new keys (causal), in
     FP32 products, the same numbers for a row whatever rows run beside it and whatever length they pad it to. Queries
     past a row's real length (`lengths`) are left zero, not computed, except in a block of rows folded together (a
-    short prefix), which runs to its longest row. The
-    queries of a block of rows that share a key head are folded into one sequence that reads the prefix once (no copy
-    of it per row); each row's new tokens are read on their own. Every sum over keys is a product with a fixed number
-    of keys: the softmax is left unnormalised and its denominator is a column of ones beside the values, and the new
-    keys (zero-padded to a multiple of TAIL_KEY_BLOCK) are added a block at a time, so padding only adds exact zeros.
-    Blocks of rows, and of queries within a row, hold at most TAIL_ATTENTION_SCORES scores. Returns [rows, heads,
-    length, dim] in the query's dtype."""
+    short prefix), which runs to its longest row. The queries of a block of rows that share a key head are folded
+    into one sequence that reads the prefix once (no copy of it per row); each row's new tokens are read on their
+    own. Every sum over keys is a product with a fixed number of keys: the softmax is left unnormalised and its
+    denominator is a column of ones beside the values, and the new keys (zero-padded to a multiple of TAIL_KEY_BLOCK)
+    are added a block at a time, so padding only adds exact zeros. Blocks of rows, and of queries within a row, hold
+    at most TAIL_ATTENTION_SCORES scores. Returns [rows, heads, length, dim] in the query's dtype."""
     import torch
 
     rows, heads, length, dim = query.shape

@@ -94,6 +94,13 @@ def cases(tok, pairs: int) -> dict[str, list[tuple]]:
     }
 
 
+def pair_ratios(sides: dict[str, list[float]]) -> tuple[float, list[float]]:
+    """The median and quartiles of the first side's time over the second's, pair by pair."""
+    ratios = sorted(a / b for a, b in zip(*sides.values()))
+    quartiles = [round(ratios[len(ratios) // 4], 3), round(ratios[3 * len(ratios) // 4], 3)]
+    return round(statistics.median(ratios), 3), quartiles
+
+
 def compare(deps: dict, exact, requests: list[tuple]) -> dict:
     """Per-call CPU seconds of each side, alternating, and both sides' answers against the exact path."""
     names = list(deps)
@@ -110,19 +117,16 @@ def compare(deps: dict, exact, requests: list[tuple]) -> dict:
                 got[name].append(out["answers"])
         if i < 3:
             want.append(exact.decide(state, questions)["answers"])
-    ratios = sorted(a / b for a, b in zip(*seconds.values()))
-    wall_ratios = sorted(a / b for a, b in zip(*walls.values()))  # what a change to how busy both cores are shows
+    ratio_median, ratio_quartiles = pair_ratios(seconds)
+    wall_median, wall_quartiles = pair_ratios(walls)  # what a change to how busy both cores are shows
     return {
         "cpu_ms": {name: round(statistics.median(v) * 1000, 1) for name, v in seconds.items()},
-        "pairs": len(ratios),
-        "ratio_median": round(statistics.median(ratios), 3),
-        "ratio_quartiles": [round(ratios[len(ratios) // 4], 3), round(ratios[3 * len(ratios) // 4], 3)],
+        "pairs": len(requests),
+        "ratio_median": ratio_median,
+        "ratio_quartiles": ratio_quartiles,
         "wall_ms": {name: round(statistics.median(v) * 1000, 1) for name, v in walls.items()},
-        "wall_ratio_median": round(statistics.median(wall_ratios), 3),
-        "wall_ratio_quartiles": [
-            round(wall_ratios[len(wall_ratios) // 4], 3),
-            round(wall_ratios[3 * len(wall_ratios) // 4], 3),
-        ],
+        "wall_ratio_median": wall_median,
+        "wall_ratio_quartiles": wall_quartiles,
         "vs_float32": {name: answers.compare(answers.flat(want), answers.flat(g)) for name, g in got.items()},
     }
 
