@@ -9,7 +9,7 @@ import threading
 from dataclasses import replace
 
 import pytest
-import torch
+from conftest import invariance_bar as bar
 from conftest import wait_until
 from test_batching import held_batcher
 from test_prefix import DOC
@@ -50,11 +50,6 @@ def spread(answers: list[dict]) -> float:
     """The largest difference of one probability across several answers to the same question."""
     probs = [list(a["probabilities"].values()) for a in answers]
     return max(abs(p[k] - probs[0][k]) for p in probs for k in range(len(p)))
-
-
-def bar(engine: blink.TorchEngine) -> float:
-    """krite-bench's target for the engine's dtype: 1e-5 in float32, 1e-3 in bfloat16/float16."""
-    return 1e-5 if engine.model.dtype == torch.float32 else 1e-3
 
 
 _BFLOAT16: dict = {}
