@@ -2608,6 +2608,7 @@ class TorchEngine(PromptEngine):
         super().__init__(model_id, revision, settings or env_settings())
         if self.settings.release_memory:  # before the threads that will run forwards first allocate
             share_malloc_arenas()
+        flush_denormals()  # before loading starts torch's worker threads, which take this thread's modes
         self.reads_images = bool(vision or vision_tower)
         if self.reads_images:
             self._load_vision(vision_tower, model_name or model_id, image_layout, limits or self.image_limits)
@@ -3077,6 +3078,7 @@ class HybridEngine(Engine):
 GATED_DELTA_CHUNK = 64  # tokens a chunk: the recurrence is a product per chunk, the state carried between chunks
 GATED_DELTA_GROUP = 8  # chunks whose intra-chunk terms are computed together: their tensors stay in the CPU's cache
 GATED_DELTA_BLOCK = 16  # rows a triangular block is inverted by substitution before the blocks are merged
+DECAY_FLOOR = -87.0  # below log(2^-126), float32's smallest normal number, a decay is taken as zero (_decay)
 
 
 def _unit_lower_inverse(lower):
@@ -3127,16 +3129,22 @@ def _chunk_terms(q, k, v, g, beta):
     cum = g.cumsum(-1)
     gap = cum.unsqueeze(-1) - cum.unsqueeze(-2)  # [.., C, C]: log decay from key j to query i
     upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
-    causal = gap.masked_fill_(upper, float("-inf")).exp_()
+    causal = _decay(gap.masked_fill_(upper, float("-inf")))
     keys_t = k.transpose(-1, -2)
     system = (k @ keys_t) * beta.unsqueeze(-1) * causal  # once per key head, then per value head's beta and decay
     inverse = _unit_lower_inverse(system.tril_(-1))
-    grown = cum.exp()
+    grown = _decay(cum)
     u = inverse @ (v * beta.unsqueeze(-1))
     w = inverse @ (k * (beta * grown).unsqueeze(-1))
     readers = torch.cat([q * grown.unsqueeze(-1), w], dim=-2)
-    writers = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)
-    return u, readers, (q @ keys_t) * causal, writers, cum[..., -1].exp()[..., None, None]
+    writers = (k * _decay(cum[..., -1:] - cum).unsqueeze(-1)).transpose(-1, -2)
+    return u, readers, (q @ keys_t) * causal, writers, _decay(cum[..., -1])[..., None, None]
+
+
+def _decay(log_decay):
+    """exp(log_decay), where it falls below float32's smallest normal number exactly zero: a denormal number in a
+    product's input made it run 150x slower on an Intel Xeon (and a decay that small moves nothing a float32 holds)."""
+    return log_decay.masked_fill(log_decay < DECAY_FLOOR, float("-inf")).exp_()
 
 
 def _chunked(x, span: tuple[int, int, int], order: tuple[int, ...]):
@@ -3782,6 +3790,16 @@ def pack_head(model, matmul: str):
     return torch.ops.mkldnn._reorder_linear_weight(head.detach(), 1)
 
 
+def flush_denormals() -> bool:
+    """Denormal numbers (below float32's and bfloat16's smallest normal, 2^-126) read and written as zero on this
+    thread's CPU products, and on the threads it starts from now on: a thread starts with its creator's floating-point
+    modes, torch's worker threads among them. A denormal input made a product 150x slower on an Intel Xeon, and
+    Gated DeltaNet's decays make them. Whether the CPU can (torch.set_flush_denormal: x86 with SSE3)."""
+    import torch
+
+    return torch.set_flush_denormal(True)
+
+
 @functools.cache
 def _libc(name: str) -> Callable | None:
     """A function of the C library (glibc's malloc_trim, mallopt, madvise), or None where it has none (musl, macOS,
@@ -4022,6 +4040,7 @@ def _forward(
     out: list = [None] * len(seqs)
     computed = [0] * len(seqs)  # tokens computed on each prompt's account (Prefill)
     t0 = time.perf_counter()
+    flush_denormals()  # this thread's, before its first forward starts its torch workers
     with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
         for rows, shared in prefix_groups(seqs, cuts, engine.settings, store.keeps):
             part: list = [None] * len(rows)
@@ -4068,6 +4087,7 @@ def _forward_images(key: int, pixel_values, grids, work: list[Prompt]) -> tuple[
     out: list = []
     lm_ms = 0.0
     t0 = time.perf_counter()
+    flush_denormals()  # this thread's, before its first forward starts its torch workers
     with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
         grids = grids.to(device)
         start = _stamp(device, sync)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 from dataclasses import replace
 
 import pytest
@@ -177,6 +178,54 @@ def test_threads_share_malloc_arenas_where_freed_memory_is_released(tiny_qwen_di
     shared, own = arenas("1"), arenas("0")
     assert shared[1] == shared[0]  # 8 new threads, each allocating: no new arena
     assert own[1] >= own[0] + 4  # measured: 6 arenas, then 12
+
+
+# A thread that starts (the Batcher's) and a thread that loads: a product's elements that come out denormal on the
+# torch threads a new thread starts, before and after that thread runs a forward of an engine another thread loaded
+DENORMALS = """
+import json, sys, threading
+import torch
+import blink
+
+torch.set_num_threads(2)
+
+
+def denormals() -> int:
+    y = torch.full((1 << 20,), 1e-20) * 1e-20  # 1e-40: a denormal float32, unless flushed to zero
+    return int((y != 0).sum())
+
+
+def on_a_new_thread(fn):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+engine = on_a_new_thread(lambda: blink.TorchEngine(sys.argv[1], settings=blink.Settings()))
+request = blink.parse_request("The parcel arrived late.", {"late": {"type": "noul", "instructions": "Late?"}})
+print(json.dumps({
+    "before": on_a_new_thread(denormals),
+    "after": on_a_new_thread(lambda: (engine.forward(request), denormals())[1]),
+}))
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's flush-to-zero modes")
+def test_a_forward_flushes_denormals_on_its_threads_and_theirs(tiny_qwen_dir):
+    # A denormal input made a CPU product 150x slower (blink.flush_denormals); the forward's thread and the torch
+    # threads it starts read and write them as zero, where a thread that never ran a forward keeps them.
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", DENORMALS, tiny_qwen_dir], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["before"] == 1 << 20 and counts["after"] == 0
 
 
 def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir):
