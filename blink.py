@@ -26,6 +26,7 @@ import argparse
 import bisect
 import collections
 import concurrent.futures
+import contextlib
 import contextvars
 import copy
 import functools
@@ -2608,37 +2609,37 @@ class TorchEngine(PromptEngine):
         super().__init__(model_id, revision, settings or env_settings())
         if self.settings.release_memory:  # before the threads that will run forwards first allocate
             share_malloc_arenas()
-        flush_denormals()  # before loading starts torch's worker threads, which take this thread's modes
-        self.reads_images = bool(vision or vision_tower)
-        if self.reads_images:
-            self._load_vision(vision_tower, model_name or model_id, image_layout, limits or self.image_limits)
-        else:
-            from transformers import AutoModelForCausalLM
+        with denormals_flushed():  # loading starts torch's worker threads: they take this thread's modes
+            self.reads_images = bool(vision or vision_tower)
+            if self.reads_images:
+                self._load_vision(vision_tower, model_name or model_id, image_layout, limits or self.image_limits)
+            else:
+                from transformers import AutoModelForCausalLM
 
-            self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
-        self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
-        use_prefix_attention(self.backbone())
-        self.gated_delta_layers = use_gated_delta(self.model, self.settings.gated_delta)
-        prefix8 = quantize_prefixes(self.model, self._calibrate) if self.settings.quantize == "w8a8-prefix" else []
-        if self.settings.quantize == "int8":
-            self.matmul, self.matmul_verdict = quantize_int8(self.model), None
-        else:
-            self.matmul, self.matmul_verdict = cpu_matmul(
-                self.model, self.settings.cpu_matmul, self.settings.cache_dir, self.backbone()
-            )
-        route_prefixes(prefix8)
-        self.packed_head = pack_head(self.model, self.matmul)
-        use_real_tokens(self.backbone())
-        use_inplace_mlp(self.backbone())
-        own_mapped_weights(self.model)
-        if self.settings.release_memory:  # what loading, packing and quantizing freed
-            release_freed_memory()
-        self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
-        self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)
-        self.prefill_cost = PrefillCost.of(self.backbone())
-        self.key = id(self)
-        _LIVE[self.key] = self
+                self.model = load_pretrained(AutoModelForCausalLM, self.source, revision, self.settings)
+            self.model.eval().requires_grad_(False)  # nothing here trains: oneDNN's products have no backward
+            use_prefix_attention(self.backbone())
+            self.gated_delta_layers = use_gated_delta(self.model, self.settings.gated_delta)
+            prefix8 = quantize_prefixes(self.model, self._calibrate) if self.settings.quantize == "w8a8-prefix" else []
+            if self.settings.quantize == "int8":
+                self.matmul, self.matmul_verdict = quantize_int8(self.model), None
+            else:
+                self.matmul, self.matmul_verdict = cpu_matmul(
+                    self.model, self.settings.cpu_matmul, self.settings.cache_dir, self.backbone()
+                )
+            route_prefixes(prefix8)
+            self.packed_head = pack_head(self.model, self.matmul)
+            use_real_tokens(self.backbone())
+            use_inplace_mlp(self.backbone())
+            own_mapped_weights(self.model)
+            if self.settings.release_memory:  # what loading, packing and quantizing freed
+                release_freed_memory()
+            self.max_input_tokens = min(self.max_input_tokens, context_length(self.model.config))
+            self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+            self.prefixes = PrefixStore(self.settings.prefix_cache_mb * 2**20)
+            self.prefill_cost = PrefillCost.of(self.backbone())
+            self.key = id(self)
+            _LIVE[self.key] = self
 
     def _calibrate(self) -> None:
         """One forward of the calibration prompt (PREFIX8_CALIBRATION asked a yes/no question), read by nothing."""
@@ -3790,14 +3791,20 @@ def pack_head(model, matmul: str):
     return torch.ops.mkldnn._reorder_linear_weight(head.detach(), 1)
 
 
-def flush_denormals() -> bool:
-    """Denormal numbers (below float32's and bfloat16's smallest normal, 2^-126) read and written as zero on this
-    thread's CPU products, and on the threads it starts from now on: a thread starts with its creator's floating-point
-    modes, torch's worker threads among them. A denormal input made a product 150x slower on an Intel Xeon, and
-    Gated DeltaNet's decays make them. Whether the CPU can (torch.set_flush_denormal: x86 with SSE3)."""
+@contextlib.contextmanager
+def denormals_flushed() -> Iterator[None]:
+    """Denormal numbers (below float32's and bfloat16's smallest normal, 2^-126) read and written as zero by this
+    thread's CPU arithmetic inside the block, then kept again (torch.set_flush_denormal: x86 with SSE3). A thread
+    starts with its creator's floating-point modes, so torch's worker threads started inside keep flushing. A
+    denormal input made a product 150x slower on an Intel Xeon, and Gated DeltaNet's decays make them; outside
+    blink's calls the caller's arithmetic keeps IEEE's denormals."""
     import torch
 
-    return torch.set_flush_denormal(True)
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 @functools.cache
@@ -4040,8 +4047,7 @@ def _forward(
     out: list = [None] * len(seqs)
     computed = [0] * len(seqs)  # tokens computed on each prompt's account (Prefill)
     t0 = time.perf_counter()
-    flush_denormals()  # this thread's, before its first forward starts its torch workers
-    with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
+    with denormals_flushed(), torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
         for rows, shared in prefix_groups(seqs, cuts, engine.settings, store.keeps):
             part: list = [None] * len(rows)
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
@@ -4087,8 +4093,7 @@ def _forward_images(key: int, pixel_values, grids, work: list[Prompt]) -> tuple[
     out: list = []
     lm_ms = 0.0
     t0 = time.perf_counter()
-    flush_denormals()  # this thread's, before its first forward starts its torch workers
-    with torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
+    with denormals_flushed(), torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
         grids = grids.to(device)
         start = _stamp(device, sync)
         features = vlm.get_image_features(pixel_values.to(device), grids, return_dict=True).pooler_output  # per image

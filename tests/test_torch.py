@@ -180,8 +180,9 @@ def test_threads_share_malloc_arenas_where_freed_memory_is_released(tiny_qwen_di
     assert own[1] >= own[0] + 4  # measured: 6 arenas, then 12
 
 
-# A thread that starts (the Batcher's) and a thread that loads: a product's elements that come out denormal on the
-# torch threads a new thread starts, before and after that thread runs a forward of an engine another thread loaded
+# A new thread (the Batcher's) runs a forward of an engine another thread loaded: a product's elements that come out
+# denormal on a thread that never ran blink, inside the forward (a hook on its first layer, on the torch threads it
+# starts), and whether that thread's own arithmetic keeps denormals once the forward is over
 DENORMALS = """
 import json, sys, threading
 import torch
@@ -205,17 +206,25 @@ def on_a_new_thread(fn):
 
 engine = on_a_new_thread(lambda: blink.TorchEngine(sys.argv[1], settings=blink.Settings()))
 request = blink.parse_request("The parcel arrived late.", {"late": {"type": "noul", "instructions": "Late?"}})
-print(json.dumps({
-    "before": on_a_new_thread(denormals),
-    "after": on_a_new_thread(lambda: (engine.forward(request), denormals())[1]),
-}))
+inside = []
+engine.backbone().layers[0].register_forward_hook(lambda *_: inside.append(denormals()))
+
+
+def serve() -> bool:
+    engine.forward(request)
+    return 1e-310 * 0.5 != 0  # Python's float arithmetic on this thread, after the forward
+
+
+after = on_a_new_thread(serve)
+print(json.dumps({"before": on_a_new_thread(denormals), "inside": inside, "after_keeps_denormals": after}))
 """
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's flush-to-zero modes")
-def test_a_forward_flushes_denormals_on_its_threads_and_theirs(tiny_qwen_dir):
-    # A denormal input made a CPU product 150x slower (blink.flush_denormals); the forward's thread and the torch
-    # threads it starts read and write them as zero, where a thread that never ran a forward keeps them.
+def test_a_forward_flushes_denormals_on_its_thread_and_its_torch_threads_alone(tiny_qwen_dir):
+    # A denormal input made a CPU product 150x slower (blink.denormals_flushed): inside a forward its thread and the
+    # torch threads it starts read and write them as zero, where a thread that never ran blink keeps them, and so
+    # does the forward's thread once the forward is over (hypothesis, for one, refuses to run where they are gone).
     import json
     import subprocess
     import sys
@@ -224,8 +233,9 @@ def test_a_forward_flushes_denormals_on_its_threads_and_theirs(tiny_qwen_dir):
         [sys.executable, "-c", DENORMALS, tiny_qwen_dir], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert done.returncode == 0, done.stderr
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert counts["before"] == 1 << 20 and counts["after"] == 0
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["before"] == 1 << 20 and seen["inside"] and set(seen["inside"]) == {0}
+    assert seen["after_keeps_denormals"] is True
 
 
 def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir):
