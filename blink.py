@@ -3225,12 +3225,13 @@ def causal_conv(conv, x, cache, layer: int):
         x = cache.update_conv_state(x, layer, conv_kernel_size=size)  # the tokens before x joined to it
     weight = conv.weight.squeeze(1).float()
     start = x.shape[-1] - length  # tokens of context before x's first
-    out = x[..., start:] * weight[:, -1:]
+    wide = x.float()  # once: each tap's product would widen its own copy of x
+    out = wide[..., start:] * weight[:, -1:]
     for tap in range(size - 1):
         shift = start - (size - 1) + tap  # this tap reads token t + shift for output t
         first = max(0, -shift)
         if first < length:
-            out[..., first:].addcmul_(x[..., first + shift : length + shift], weight[:, tap : tap + 1])
+            out[..., first:].addcmul_(wide[..., first + shift : length + shift], weight[:, tap : tap + 1])
     if conv.bias is not None:
         out += conv.bias.float()[:, None]
     return torch.nn.functional.silu(out, inplace=True).to(x.dtype)
