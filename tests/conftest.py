@@ -50,9 +50,9 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 def invariance_bar(engine: blink.TorchEngine) -> float:
     """The bar for one answer asked two ways (alone, packed, beside other questions): krite-bench's, 1e-5 in float32
     and 1e-3 in bfloat16/float16, where the engine's linear layers give a row the same bits at every batch size. Where
-    they do not (rows_alone: oneDNN's bfloat16 product on a CPU with AMX at 2 threads splits its sums by the number
-    of rows, and moved a stand-in answer by up to 0.0097), the bound bfloat16 is held to against float32, 0.03: a
-    question mixed with another request's moves by far more."""
+    they do not (rows_alone: oneDNN's bfloat16 product on an Intel Xeon with AMX at 2 threads gave a row other bits
+    at 60 to 513 rows than at 16 or 1,024, and a stand-in answer moved by up to 0.0097), the bound bfloat16 is held
+    to against float32, 0.03: a question mixed with another request's moves by far more."""
     import torch
 
     if engine.model.dtype == torch.float32:
