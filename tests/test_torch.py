@@ -180,6 +180,63 @@ def test_threads_share_malloc_arenas_where_freed_memory_is_released(tiny_qwen_di
     assert own[1] >= own[0] + 4  # measured: 6 arenas, then 12
 
 
+# How glibc serves a 64 MB tensor (mapped afresh: mallinfo2's hblks counts it) and whether a free hands pages back
+# (the heap's size, arena): inside a forward (a hook on its first layer), and on the same thread after it
+HEAP = """
+import ctypes, ctypes.util, json, sys
+import torch
+import blink
+
+
+class Info(ctypes.Structure):
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
+
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = Info
+
+
+def serve_one() -> dict:
+    before = libc.mallinfo2()
+    big = torch.empty(1 << 24)  # 64 MB
+    held = libc.mallinfo2()
+    del big
+    freed = libc.mallinfo2()
+    return {"mapped": held.hblks - before.hblks, "kept": freed.arena >= held.arena and held.arena > before.arena}
+
+
+settings = blink.Settings(release_memory=sys.argv[2] == "1")
+engine = blink.TorchEngine(sys.argv[1], settings=settings)
+inside = []
+engine.backbone().layers[0].register_forward_hook(lambda *_: inside.append(serve_one()))
+engine.forward(blink.parse_request("The parcel arrived late.", {"late": {"type": "noul", "instructions": "Late?"}}))
+print(json.dumps({"inside": inside[0], "after": serve_one()}))
+"""
+
+
+@pytest.mark.skipif(blink._libc("mallinfo2") is None, reason="glibc 2.33's malloc only")
+def test_a_forward_keeps_the_pages_it_frees_for_its_next_allocation_and_glibc_maps_again_after(tiny_qwen_dir):
+    # A forward's activations of tens of MB a layer were each mapped afresh and unmapped on free (a million page
+    # faults over a 4b-8l document); inside a forward glibc serves them from its heap and keeps what is freed there,
+    # and after it glibc's defaults are back (a 64 MB block mapped, so freeing it hands the pages back at once).
+    import json
+    import subprocess
+    import sys
+
+    def heap(release: str) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", HEAP, tiny_qwen_dir, release], capture_output=True, text=True, timeout=300, cwd=ROOT
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    kept, plain = heap("1"), heap("0")
+    assert kept["inside"] == {"mapped": 0, "kept": True}
+    assert kept["after"]["mapped"] == 1 and not kept["after"]["kept"]
+    assert plain["inside"]["mapped"] == 1  # BLINK_RELEASE_MEMORY=0 leaves glibc alone
+
+
 # A new thread (the Batcher's) runs a forward of an engine another thread loaded: a product's elements that come out
 # denormal on a thread that never ran blink, inside the forward (a hook on its first layer, on the torch threads it
 # starts), and whether that thread's own arithmetic keeps denormals once the forward is over
