@@ -3079,6 +3079,7 @@ class HybridEngine(Engine):
 GATED_DELTA_CHUNK = 64  # tokens a chunk: the recurrence is a product per chunk, the state carried between chunks
 GATED_DELTA_GROUP = 8  # chunks whose intra-chunk terms are computed together: their tensors stay in the CPU's cache
 GATED_DELTA_BLOCK = 16  # rows a triangular block is inverted by substitution before the blocks are merged
+CONV_BLOCK_BYTES = 1 << 20  # a convolution block's float32 copy: within a core's L2 cache (causal_conv)
 DECAY_FLOOR = -87.0  # below log(2^-126), float32's smallest normal number, a decay is taken as zero (_decay)
 
 
@@ -3214,27 +3215,48 @@ def gated_delta_rows(q, k, v, g, beta, state=None, lengths: tuple[int, ...] | No
 
 
 def causal_conv(conv, x, cache, layer: int):
-    """A linear-attention layer's causal depthwise convolution over x [B, C, T], then its SiLU, continuing and
-    updating the layer's conv state in `cache` as transformers' causal_conv1d_forward does: the kernel's taps summed
-    as shifted products in float32 (returned in x's dtype): a few passes over memory, where oneDNN's depthwise
-    convolution, which transformers calls on a CPU, ran at a fraction of that rate on the 4B's shape."""
+    """A linear-attention layer's causal depthwise convolution over x [B, T, C] (tokens before channels, as its
+    projection writes them), then its SiLU, continuing and updating the layer's conv state in `cache` as transformers'
+    causal_conv1d_forward does: the kernel's taps summed as shifted products in float32 (returned in x's dtype), a
+    block of tokens at a time so that a block's float32 copy stays in the CPU's cache while its taps read it. oneDNN's
+    depthwise convolution, which transformers calls on a CPU, ran at a fraction of that rate on the 4B's shape, and
+    the same sums over channels-first [B, C, T] (the layout transformers hands its convolution) took twice as long."""
     import torch
 
-    size, length = conv.kernel_size[0], x.shape[-1]
+    size = conv.kernel_size[0]
+    rows, length, channels = x.shape
+    held = cache.get_conv_state(layer) if cache is not None else None  # [B, C, size]: the tokens before x
+    if held is None:
+        before = x.new_zeros(rows, size - 1, channels, dtype=torch.float32)
+    else:  # read before the update below writes x's last tokens over it
+        before = held[..., 1:].transpose(1, 2).to(torch.float32, copy=True).expand(rows, -1, -1)
     if cache is not None:
-        x = cache.update_conv_state(x, layer, conv_kernel_size=size)  # the tokens before x joined to it
-    weight = conv.weight.squeeze(1).float()
-    start = x.shape[-1] - length  # tokens of context before x's first
-    wide = x.float()  # once: each tap's product would widen its own copy of x
-    out = wide[..., start:] * weight[:, -1:]
-    for tap in range(size - 1):
-        shift = start - (size - 1) + tap  # this tap reads token t + shift for output t
-        first = max(0, -shift)
-        if first < length:
-            out[..., first:].addcmul_(wide[..., first + shift : length + shift], weight[:, tap : tap + 1])
-    if conv.bias is not None:
-        out += conv.bias.float()[:, None]
-    return torch.nn.functional.silu(out, inplace=True).to(x.dtype)
+        _keep_conv_state(cache, x, layer, size)
+    weight = conv.weight.squeeze(1).t().float()  # [size, C]
+    bias = conv.bias.float() if conv.bias is not None else None
+    out = torch.empty_like(x)
+    block = max(1, CONV_BLOCK_BYTES // (4 * rows * channels))
+    for start in range(0, length, block):
+        end = min(length, start + block)
+        wide = torch.cat([before, x[:, start:end].float()], dim=1)  # the size - 1 tokens before the block, then it
+        part = wide[:, size - 1 :] * weight[-1]
+        for tap in range(size - 1):  # tap reads token t - (size - 1) + tap for output t
+            part.addcmul_(wide[:, tap : tap + end - start], weight[tap])
+        if bias is not None:
+            part += bias
+        out[:, start:end] = torch.nn.functional.silu(part, inplace=True)
+        before = wide[:, -(size - 1) :]
+    return out
+
+
+def _keep_conv_state(cache, x, layer: int, size: int) -> None:
+    """The cache's conv state for `layer` after x [B, T, C] as transformers' update_conv_state leaves it (the last
+    `size` tokens, its token count advanced by T), handing it only x's last `size` tokens: joined whole to the held
+    ones, x's transposed copy took ~100 ms a layer on a 2,000-token log. A cache that records its past gets all of x."""
+    part = x if cache.is_recording_past(layer) else x[:, -size:]
+    cache.update_conv_state(part.transpose(1, 2), layer, conv_kernel_size=size)
+    if part.shape[1] < x.shape[1]:
+        cache.layers[layer].cumulative_length_linear.add_(x.shape[1] - part.shape[1])
 
 
 def _gated_delta_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
@@ -3250,8 +3272,7 @@ def _gated_delta_forward(self, hidden_states, cache=None, attention_mask=None, *
     hidden_states = qwen.apply_mask_to_padding_states(hidden_states, attention_mask)
     rows, length, _ = hidden_states.shape
     state = cache.get_recurrent_state(layer, state_idx=0) if cache is not None else None
-    mixed = self.in_proj_qkv(hidden_states).transpose(1, 2)
-    mixed = causal_conv(self.conv1d, mixed, cache, layer).transpose(1, 2)
+    mixed = causal_conv(self.conv1d, self.in_proj_qkv(hidden_states), cache, layer)
     q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     beta = self.in_proj_b(hidden_states).sigmoid()
     g = -self.A_log.float().exp() * torch.nn.functional.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias)

@@ -607,6 +607,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "engine_ab-777ede6-float32-4b-8l-document.json": "engine_ab",
         "engine_ab-24456f4-4b-8l-document.json": "engine_ab",
         "engine_ab-15e917e-4b-8l-document-short-again.json": "engine_ab",
+        "engine_ab-1b9138a-4b-8l-document-again.json": "engine_ab",
         "jevbench.json": "jevbench",
         "krite.json": "krite",
         "quantfloor.json": "drift",  # written by `python -m bench quantfloor`, now `drift --schemes`

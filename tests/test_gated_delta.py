@@ -148,6 +148,7 @@ def test_a_layer_continues_its_cache_as_transformers_own_does(tiny_qwen_dir, dty
             scale = want.abs().max()
             assert got.dtype == dtype and (got.double() - want).abs().max() < tolerance * scale
             i = layer.layer_idx
+            assert caches[1].get_seq_length(i) == caches[0].get_seq_length(i)  # positions read the tokens it counts
             for state in ("get_recurrent_state", "get_conv_state"):
                 theirs, ours = (getattr(c, state)(i, state_idx=0).double() for c in caches)
                 scale = theirs.abs().max()
