@@ -624,6 +624,7 @@ def test_report_prints_every_results_file_whole_with_its_own_tables():
         "shape4b-8l-interleaved-amx-cbc9215.json": "shape4b",
         "shape4b-amx.json": "shape4b",
         "shape4b-amx-fed3846.json": "shape4b",
+        "shape4b-load-amx.json": "shape4b",
         "shape4b-load.json": "shape4b",
         "vllm-cpu.json": "vllm_check",
     }
