@@ -3819,14 +3819,24 @@ def denormals_flushed() -> Iterator[None]:
     thread's CPU arithmetic inside the block, then kept again (torch.set_flush_denormal: x86 with SSE3). A thread
     starts with its creator's floating-point modes, so torch's worker threads started inside keep flushing. A
     denormal input made a product 150x slower on an Intel Xeon, and Gated DeltaNet's decays make them; outside
-    blink's calls the caller's arithmetic keeps IEEE's denormals."""
+    blink's calls the caller's arithmetic keeps IEEE's denormals: the mode it had before the block is put back, so a
+    block inside another leaves the outer one flushing."""
     import torch
 
+    before = flushes_denormals()
     torch.set_flush_denormal(True)
     try:
         yield
     finally:
-        torch.set_flush_denormal(False)
+        torch.set_flush_denormal(before)
+
+
+def flushes_denormals() -> bool:
+    """Whether this thread's CPU arithmetic flushes denormal numbers to zero now (torch has no getter for the mode):
+    1e-20 squared, 1e-40, is a denormal float32 unless flushed."""
+    import torch
+
+    return (torch.tensor([1e-20]) * 1e-20).item() == 0
 
 
 @functools.cache

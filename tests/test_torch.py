@@ -295,6 +295,21 @@ def test_a_forward_flushes_denormals_on_its_thread_and_its_torch_threads_alone(t
     assert seen["after_keeps_denormals"] is True
 
 
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86's flush-to-zero modes")
+def test_a_block_inside_another_leaves_the_outer_one_flushing_denormals():
+    # A forward inside a caller's own denormals_flushed block (or one blink call inside another) must not switch the
+    # mode off under the outer block on its way out.
+    try:
+        assert not blink.flushes_denormals()
+        with blink.denormals_flushed():
+            with blink.denormals_flushed():
+                assert blink.flushes_denormals()
+            assert blink.flushes_denormals()
+        assert not blink.flushes_denormals()
+    finally:
+        torch.set_flush_denormal(False)  # this process's other tests keep IEEE's denormals whatever happened above
+
+
 def test_tiny_qwen35_bf16_keeps_the_argmax(tiny_qwen_dir):
     # bf16 keeps 8 mantissa bits (relative step 2**-8 = 0.4%); with logits of a few units and 4 layers of rounding,
     # batch-shape-dependent kernels move a logit by a few hundredths, so 5e-2 bounds noise, not a real difference.
