@@ -3245,7 +3245,7 @@ def causal_conv(conv, x, cache, layer: int):
         if bias is not None:
             part += bias
         out[:, start:end] = torch.nn.functional.silu(part, inplace=True)
-        before = wide[:, -(size - 1) :]
+        before = wide[:, wide.shape[1] - (size - 1) :]  # (with a kernel of one tap, none)
     return out
 
 

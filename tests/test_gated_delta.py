@@ -48,6 +48,18 @@ def test_the_rule_equals_transformers_in_float32(length, decay):
         assert (got_state.double() - want_state).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_the_convolution_equals_torchs_across_its_blocks(size, monkeypatch):
+    # causal_conv sums the taps a block of tokens at a time, each block reading the tokens before it from the last;
+    # blocks of 7 tokens over 50, a kernel of one tap (no tokens before) to Qwen3.5's four, against torch's own
+    # causal convolution and SiLU in float64 (causal_conv sums in float32).
+    monkeypatch.setattr(blink, "CONV_BLOCK_BYTES", 4 * 2 * 8 * 7)
+    conv = torch.nn.Conv1d(8, 8, size, groups=8, padding=size - 1).double().requires_grad_(False)
+    x = torch.randn(2, 50, 8, generator=torch.Generator().manual_seed(size), dtype=torch.float64)
+    want = torch.nn.functional.silu(conv(x.transpose(1, 2))[..., :50]).transpose(1, 2)
+    assert (blink.causal_conv(conv, x, None, 0) - want).abs().max() < 1e-5
+
+
 def test_the_rule_leaves_the_state_it_continues_as_it_was():
     q, k, v, g, beta, state = (x.float() for x in inputs(1, 70))
     kept = state.clone()
