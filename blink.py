@@ -3908,6 +3908,18 @@ def freed_pages_kept(keep: bool = True) -> Iterator[None]:
                 opt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
 
 
+@contextlib.contextmanager
+def forward_modes(engine) -> Iterator[None]:
+    """What every forward of a torch engine runs under: no autograd bookkeeping (a few percent of a short forward),
+    denormals flushed (denormals_flushed) and, on a CPU with BLINK_RELEASE_MEMORY, freed pages kept for the next
+    allocation (freed_pages_kept)."""
+    import torch
+
+    on_cpu = engine.model.get_output_embeddings().weight.device.type == "cpu"
+    with denormals_flushed(), freed_pages_kept(engine.settings.release_memory and on_cpu), torch.inference_mode():
+        yield
+
+
 def _padded(seqs: list[list[int]], rows: list[int], pad_id: int):
     """Right-padded id matrix of the given rows."""
     import torch
@@ -4107,17 +4119,12 @@ def _forward(
     Prompts that share a prefix (the header, a request's evidence) run only their tails against copies of that
     prefix's cache, taken from the engine's prefix store or encoded once here (see prefix_groups). lm_head is
     applied in FP32. Returns per sequence (label logits, full-vocabulary log-sum-exp), and what the call did."""
-    import torch
-
     engine = _LIVE[key]
     store = engine.prefixes
     out: list = [None] * len(seqs)
     computed = [0] * len(seqs)  # tokens computed on each prompt's account (Prefill)
     t0 = time.perf_counter()
-    kept = freed_pages_kept(
-        engine.settings.release_memory and engine.model.get_output_embeddings().weight.device.type == "cpu"
-    )
-    with denormals_flushed(), kept, torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
+    with forward_modes(engine):
         for rows, shared in prefix_groups(seqs, cuts, engine.settings, store.keeps):
             part: list = [None] * len(rows)
             group, group_cands = [seqs[i] for i in rows], [cands[i] for i in rows]
@@ -4163,8 +4170,7 @@ def _forward_images(key: int, pixel_values, grids, work: list[Prompt]) -> tuple[
     out: list = []
     lm_ms = 0.0
     t0 = time.perf_counter()
-    kept = freed_pages_kept(engine.settings.release_memory and device.type == "cpu")
-    with denormals_flushed(), kept, torch.inference_mode():  # no autograd bookkeeping: a few percent of a short forward
+    with forward_modes(engine):
         grids = grids.to(device)
         start = _stamp(device, sync)
         features = vlm.get_image_features(pixel_values.to(device), grids, return_dict=True).pooler_output  # per image

@@ -180,6 +180,18 @@ def test_threads_share_malloc_arenas_where_freed_memory_is_released(tiny_qwen_di
     assert own[1] >= own[0] + 4  # measured: 6 arenas, then 12
 
 
+def child_json(script: str, *args: str) -> dict:
+    """Run a script in a child Python (a process-wide mode it sets cannot reach this one) and read the JSON object it
+    prints last."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 # How glibc serves a 64 MB tensor (mapped afresh: mallinfo2's hblks counts it) and whether a free hands pages back
 # (the heap's size, arena): inside a forward (a hook on its first layer), and on the same thread after it
 HEAP = """
@@ -220,18 +232,7 @@ def test_a_forward_keeps_the_pages_it_frees_for_its_next_allocation_and_glibc_ma
     # A forward's activations of tens of MB a layer were each mapped afresh and unmapped on free (a million page
     # faults over a 4b-8l document); inside a forward glibc serves them from its heap and keeps what is freed there,
     # and after it glibc's defaults are back (a 64 MB block mapped, so freeing it hands the pages back at once).
-    import json
-    import subprocess
-    import sys
-
-    def heap(release: str) -> dict:
-        done = subprocess.run(
-            [sys.executable, "-c", HEAP, tiny_qwen_dir, release], capture_output=True, text=True, timeout=300, cwd=ROOT
-        )
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    kept, plain = heap("1"), heap("0")
+    kept, plain = child_json(HEAP, tiny_qwen_dir, "1"), child_json(HEAP, tiny_qwen_dir, "0")
     assert kept["inside"] == {"mapped": 0, "kept": True}
     assert kept["after"]["mapped"] == 1 and not kept["after"]["kept"]
     assert plain["inside"]["mapped"] == 1  # BLINK_RELEASE_MEMORY=0 leaves glibc alone
@@ -282,15 +283,7 @@ def test_a_forward_flushes_denormals_on_its_thread_and_its_torch_threads_alone(t
     # A denormal input made a CPU product 150x slower (blink.denormals_flushed): inside a forward its thread and the
     # torch threads it starts read and write them as zero, where a thread that never ran blink keeps them, and so
     # does the forward's thread once the forward is over (hypothesis, for one, refuses to run where they are gone).
-    import json
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-c", DENORMALS, tiny_qwen_dir], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert done.returncode == 0, done.stderr
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    seen = child_json(DENORMALS, tiny_qwen_dir)
     assert seen["before"] == 1 << 20 and seen["inside"] and set(seen["inside"]) == {0}
     assert seen["after_keeps_denormals"] is True
 
