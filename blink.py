@@ -3252,7 +3252,7 @@ def causal_conv(conv, x, cache, layer: int):
 def _keep_conv_state(cache, x, layer: int, size: int) -> None:
     """The cache's conv state for `layer` after x [B, T, C] as transformers' update_conv_state leaves it (the last
     `size` tokens, its token count advanced by T), handing it only x's last `size` tokens: joined whole to the held
-    ones, x's transposed copy took ~100 ms a layer on a 2,000-token log. A cache that records its past gets all of x."""
+    ones, x would be copied whole, transposed, once more a layer. A cache that records its past gets all of x."""
     part = x if cache.is_recording_past(layer) else x[:, -size:]
     cache.update_conv_state(part.transpose(1, 2), layer, conv_kernel_size=size)
     if part.shape[1] < x.shape[1]:
@@ -3885,9 +3885,9 @@ def freed_pages_kept(keep: bool = True) -> Iterator[None]:
     """Inside the block glibc serves every allocation from its heap and keeps the pages a free returns there (mallopt
     M_MMAP_MAX 0, M_TRIM_THRESHOLD at its maximum), until the last such block on any thread ends and glibc's
     defaults are back. A forward frees and allocates activations of tens of MB a layer; each one glibc mapped
-    afresh and unmapped on free, a million page faults over a 4b-8l document on an Intel Xeon, 8.0-8.6 s where the
-    same request with the pages kept took 7.0-7.2 s. release_freed_memory after the forward hands them back. Nothing
-    where keep is False or the C library is not glibc."""
+    afresh and unmapped on free, faulting its pages in again (the time kept pages saved on an Intel Xeon: engine_ab's
+    run at 15e917e in bench/results). release_freed_memory after the forward hands them back. Nothing where keep
+    is False or the C library is not glibc."""
     global _keepers
     opt = _libc("mallopt") if keep else None
     if opt is None:

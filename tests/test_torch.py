@@ -229,8 +229,8 @@ print(json.dumps({"inside": inside[0], "after": serve_one()}))
 
 @pytest.mark.skipif(blink._libc("mallinfo2") is None, reason="glibc 2.33's malloc only")
 def test_a_forward_keeps_the_pages_it_frees_for_its_next_allocation_and_glibc_maps_again_after(tiny_qwen_dir):
-    # A forward's activations of tens of MB a layer were each mapped afresh and unmapped on free (a million page
-    # faults over a 4b-8l document); inside a forward glibc serves them from its heap and keeps what is freed there,
+    # A forward's activations of tens of MB a layer were each mapped afresh and unmapped on free, faulting their pages
+    # in again; inside a forward glibc serves them from its heap and keeps what is freed there,
     # and after it glibc's defaults are back (a 64 MB block mapped, so freeing it hands the pages back at once).
     kept, plain = child_json(HEAP, tiny_qwen_dir, "1"), child_json(HEAP, tiny_qwen_dir, "0")
     assert kept["inside"] == {"mapped": 0, "kept": True}
